@@ -1,0 +1,291 @@
+"""GALI attention (paper Alg. 3) on tensors, chunk by chunk; nothing here knows about transformers.
+
+The paper interpolates two logit matrices, logit = (1 - c) q.K(ceil) + c q.K(floor), with c = ceil(p_k) - p_k.
+c depends only on the key and RoPE is linear in the key, so this equals q.K_mix with one mixed key
+K_mix = (1 - c) K(ceil) + c K(floor) = K * cos_mix + rotate_half(K) * sin_mix: one ordinary attention call, which
+torch's scaled_dot_product_attention runs without ever forming the (queries x keys) logits. Only the noise needs
+explicit logits, and those are built a tile of queries at a time.
+
+Shapes: B batch, H query heads, Hkv key/value heads (GQA when Hkv < H), q queries, T keys, D head dim.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from .noise import Noise, standard_normal
+from .positions import Interpolation, group_size, interpolate
+
+# Logits held at once by the noisy path (a tile of queries): 4M float32, 16 MiB, plus the noise's temporaries.
+_NOISY_TILE_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """cos/sin of the model's own rotary embedding at the integer positions 0..rows-1.
+
+    GALI only ever rotates by integer positions (ceil and floor of p), so every rotation is a lookup here.
+    `cos`/`sin` are in the model's dtype, bit-identical to what the model's rotary returns; `cos32`/`sin32` are the
+    same values in float32, used to mix the ceil and floor rotations without rounding c.
+    """
+
+    cos: torch.Tensor  # (rows, D)
+    sin: torch.Tensor
+    cos32: torch.Tensor
+    sin32: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkContext:
+    """Everything one chunk's attention derives from its positions: built once per forward, shared by all layers.
+
+    Queries are rotated at ceil(p), keys by the interpolated rotation (ceil and floor mixed by c). Inside one forward,
+    keys [0, reuse) keep the mixed rotation the previous chunk gave them (same group size, so same positions), and
+    the key tables only cover keys [reuse, keys): re-rotating all T keys for every chunk would cost O(T) per chunk.
+    """
+
+    queries: int  # the chunk's tokens: the last `queries` of its `keys`
+    keys: int  # T, every token up to the end of the chunk
+    group: int  # g of Alg. 2; 1 when nothing is interpolated
+    grouped: int  # keys [0, grouped) have positions k / g
+    reuse: int
+    query_cos: torch.Tensor  # (queries, D), model dtype
+    query_sin: torch.Tensor
+    key_cos: torch.Tensor  # (keys - reuse, D), model dtype
+    key_sin: torch.Tensor
+    causal_mask: torch.Tensor | None  # (queries, keys) bool, where a kernel needs lower-right causality spelled out
+
+    @property
+    def interpolated(self) -> bool:
+        return self.group > 1
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with per-row tables: x (B, heads, n, D), cos/sin (n, D). Same operations, in the same order, as
+    transformers' apply_rotary_pos_emb, so integer positions give bit-identical results."""
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def rotate_fused(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The rotation of `rotate` in two fused passes over x instead of six (the last bit may round differently).
+
+    Used for the many keys of GALI chunks: [x1, x2] -> [x1 c1 - x2 s1, x2 c2 + x1 s2], written into `out` if given.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x) if out is None else out
+    torch.mul(x1, cos[..., :half], out=out[..., :half]).addcmul_(x2, sin[..., :half], value=-1)
+    torch.mul(x2, cos[..., half:], out=out[..., half:]).addcmul_(x1, sin[..., half:])
+    return out
+
+
+def chunk_context(
+    table: RopeTable, keys: int, queries: int, train_len: int, local_window: int, reuse: int = 0
+) -> ChunkContext:
+    """The context of a chunk ending at token `keys` with `queries` tokens, its tables on the table's device.
+
+    `reuse` > 0 promises that the previous chunk of the same forward had the same group size and `reuse` grouped keys.
+    """
+    interp = interpolate(keys, train_len, local_window, table.cos.device, first=reuse)
+    query_rows = interp.ceil[-queries:]
+    if not interp.grouped:  # integer positions: plain RoPE, straight from the model's own table
+        key_cos, key_sin = table.cos[interp.ceil], table.sin[interp.ceil]
+    else:  # mix in float32, so that c survives; one rounding to the model's dtype at the end
+        c = interp.weight.to(table.cos32.dtype).unsqueeze(-1)  # (rows, 1)
+        key_cos = ((1 - c) * table.cos32[interp.ceil] + c * table.cos32[interp.floor]).to(table.cos.dtype)
+        key_sin = ((1 - c) * table.sin32[interp.ceil] + c * table.sin32[interp.floor]).to(table.sin.dtype)
+    needs_mask = 1 < queries < keys and table.cos.device.type != "cuda"  # see causal_attention
+    return ChunkContext(
+        queries=queries,
+        keys=keys,
+        group=interp.group,
+        grouped=interp.grouped,
+        reuse=reuse,
+        query_cos=table.cos[query_rows],
+        query_sin=table.sin[query_rows],
+        key_cos=key_cos,
+        key_sin=key_sin,
+        causal_mask=lower_right_mask(queries, keys, table.cos.device) if needs_mask else None,
+    )
+
+
+def chunk_contexts(
+    table: RopeTable, pieces: list[tuple[int, int]], train_len: int, local_window: int
+) -> list[ChunkContext]:
+    """Contexts of a forward's successive pieces (from `chunk_plan`). A piece with the same group size as the one
+    before it reuses that one's grouped keys: their positions k / g did not move."""
+    contexts: list[ChunkContext] = []
+    for first, last in pieces:
+        previous = contexts[-1] if contexts else None
+        same_group = previous and previous.interpolated and previous.group == group_size(last, train_len, local_window)
+        reuse = previous.grouped if same_group else 0
+        contexts.append(chunk_context(table, last, last - first, train_len, local_window, reuse))
+    return contexts
+
+
+def lower_right_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """(queries, keys) bool, True where the query (one of the last `queries` tokens) may see the key."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
+def gali_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    chunks: list[ChunkContext],
+    scale: float,
+    dropout: float = 0.0,
+    noise: Noise | None = None,
+) -> torch.Tensor:
+    """Causal GALI attention of the successive chunks of one forward.
+
+    Args:
+        query: (B, H, q, D) un-rotated queries of all the chunks, in order.
+        key, value: (B, Hkv, >= T, D) un-rotated keys and values of every token so far.
+        chunks: the chunks' contexts, from `chunk_context`; the first one must not reuse rows.
+        noise: the layer's noise settings, or None for noise-free GALI.
+
+    Returns:
+        (B, H, q, D) attention output.
+    """
+    if chunks[0].reuse:
+        raise ValueError("the first chunk of a forward has no previous chunk to reuse keys from")
+    # K_mix, the interpolation folded into the keys, kept across chunks: only rows that moved are rotated again.
+    mixed = key.new_empty(*key.shape[:2], chunks[-1].keys, key.shape[-1])
+    outputs, row = [], 0
+    for chunk in chunks:
+        moved = slice(chunk.reuse, chunk.keys)
+        rotate_fused(key[:, :, moved], chunk.key_cos, chunk.key_sin, out=mixed[:, :, moved])
+        chunk_query = rotate(query[:, :, row : row + chunk.queries], chunk.query_cos, chunk.query_sin)
+        chunk_key, chunk_value = mixed[:, :, : chunk.keys], value[:, :, : chunk.keys]
+        if noise is None or not chunk.interpolated:
+            outputs.append(causal_attention(chunk_query, chunk_key, chunk_value, scale, dropout, chunk.causal_mask))
+        else:
+            outputs.append(_noisy_attention(chunk_query, chunk_key, chunk_value, chunk, scale, dropout, noise))
+        row += chunk.queries
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    dropout: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """scaled_dot_product_attention where the q queries are the last q of the T keys (lower-right causal).
+
+    `mask` may bring a precomputed `lower_right_mask` for the CPU path, so that layers share it.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if q_len == 1 or q_len == kv_len:  # no mask needed: decoding, or a square causal block
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=q_len > 1, scale=scale, enable_gqa=gqa
+        )
+    if query.device.type == "cuda":
+        # The memory-efficient CUDA kernel does lower-right causality without a mask, but not GQA.
+        if gqa:
+            repeats = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(q_len, kv_len), dropout_p=dropout, scale=scale
+        )
+    if mask is None:
+        mask = lower_right_mask(q_len, kv_len, query.device)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
+    )
+
+
+def _noisy_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    chunk: ChunkContext,
+    scale: float,
+    dropout: float,
+    noise: Noise,
+) -> torch.Tensor:
+    """GALI with logit noise: explicit float32 logits, one tile of queries at a time."""
+    batch, heads, q_len, _ = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    # Group query heads by their key head: (B, Hkv, group, q, D) against (B, Hkv, 1, T, D), no repeated keys.
+    query = query.float().view(batch, kv_heads, group, q_len, -1)
+    key_t = key.float().unsqueeze(2).transpose(-1, -2)
+    value = value.float().unsqueeze(2)
+    output = torch.empty(batch, heads, q_len, value.shape[-1], dtype=key.dtype, device=key.device)
+    tile = max(1, _NOISY_TILE_ELEMENTS // (batch * heads * kv_len))
+    for start in range(0, q_len, tile):
+        rows = slice(start, min(start + tile, q_len))
+        logits = torch.matmul(query[:, :, :, rows], key_t) * scale  # (B, Hkv, group, tile, T)
+        logits = logits.view(batch, heads, -1, kv_len)
+        query_index = torch.arange(kv_len - q_len + rows.start, kv_len - q_len + rows.stop, device=key.device)
+        add_noise(logits, query_index, chunk.group, chunk.grouped, noise)
+        mask_future(logits, query_index)
+        probs = F.dropout(torch.softmax(logits, dim=-1), p=dropout)
+        probs = probs.view(batch, kv_heads, group, -1, kv_len)
+        output[:, :, rows] = torch.matmul(probs, value).view(batch, heads, -1, value.shape[-1]).to(key.dtype)
+    return output
+
+
+def add_noise(logits: torch.Tensor, query_index: torch.Tensor, group: int, grouped: int, noise: Noise) -> None:
+    """Add N(0, sigma^2) in place to scaled logits (B, H, n, T) wherever c != 0 (before the causal mask).
+
+    sigma = (i - j) / T * scale, i the query's and j the key's token index, T the number of keys (paper Alg. 3).
+    c != 0 exactly for the grouped keys j < grouped whose position j / group is not an integer.
+    """
+    batch, heads, _, kv_len = logits.shape
+    key_index = torch.arange(grouped, device=logits.device)
+    sigma = (query_index.unsqueeze(-1) - key_index).float() * (noise.scale / kv_len)  # (n, grouped)
+    sigma = sigma * (key_index % group != 0)
+    logits[..., :grouped] += standard_normal(noise, batch, heads, query_index, grouped) * sigma
+
+
+def mask_future(logits: torch.Tensor, query_index: torch.Tensor) -> None:
+    """Causal mask in place on logits (B, H, n, T): query i sees keys j <= i."""
+    future = torch.arange(logits.shape[-1], device=logits.device) > query_index.unsqueeze(-1)  # (n, T)
+    logits.masked_fill_(future, float("-inf"))
+
+
+def reference_gali_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    table: RopeTable,
+    interp: Interpolation,
+    scale: float,
+    noise: Noise | None = None,
+) -> torch.Tensor:
+    """Alg. 3 as written: two rotated copies of the keys, two logit matrices, interpolated. Float32, eager.
+
+    The oracle for `gali_attention` in tests and the "two-matmul" baseline in benchmarks; it holds a chunk's full
+    (B, H, q, T) logits twice, so keep chunks small.
+    """
+    batch, heads, q_len, _ = query.shape
+    group = heads // key.shape[1]
+    cos, sin = table.cos32, table.sin32
+    query_ceil = rotate(query.float(), cos[interp.ceil[-q_len:]], sin[interp.ceil[-q_len:]])
+    key_ceil = rotate(key.float(), cos[interp.ceil], sin[interp.ceil]).repeat_interleave(group, dim=1)
+    key_floor = rotate(key.float(), cos[interp.floor], sin[interp.floor]).repeat_interleave(group, dim=1)
+    logits_ceil_key = torch.matmul(query_ceil, key_ceil.transpose(-1, -2)) * scale  # interval floor(r)
+    logits_floor_key = torch.matmul(query_ceil, key_floor.transpose(-1, -2)) * scale  # interval ceil(r)
+    c = interp.weight.float()
+    logits = logits_ceil_key - (logits_ceil_key - logits_floor_key) * c
+    query_index = torch.arange(key.shape[2] - q_len, key.shape[2], device=key.device)
+    if noise is not None:
+        add_noise(logits, query_index, interp.group, interp.grouped, noise)
+    mask_future(logits, query_index)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.matmul(probs, value.float().repeat_interleave(group, dim=1)).to(value.dtype)

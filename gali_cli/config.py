@@ -1,0 +1,69 @@
+"""GALI's settings, validated once, with messages that name the CLI flag to change."""
+
+from dataclasses import dataclass, replace
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GaliConfig:
+    """Settings of Greedy Attention Logit Interpolation (paper §3).
+
+    Args:
+        train_len: L_tr, the window the model was trained on. Positions never leave [0, train_len).
+            None means the model's `max_position_embeddings`; a smaller value narrows the interval range,
+            which the paper finds can help.
+        chunk_size: s, tokens per chunk beyond train_len; each chunk gets its own interpolated positions.
+            None means train_len // 8.
+        local_window: L_w, the newest tokens of every chunk that keep exact, un-interpolated positions.
+            None means train_len // 64.
+        noise: add the paper's Gaussian logit noise where logits are interpolated.
+        noise_scale: multiplies the noise's standard deviation (i - j) / T.
+        seed: makes the noise reproducible.
+    """
+
+    train_len: int | None = None
+    chunk_size: int | None = None
+    local_window: int | None = None
+    noise: bool = True
+    noise_scale: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("--train-len", self.train_len, minimum=2)
+        _check_int("--chunk-size", self.chunk_size, minimum=1)
+        _check_int("--local-window", self.local_window, minimum=0)
+        _check_int("--seed", self.seed, minimum=0)
+        if isinstance(self.noise_scale, bool) or not isinstance(self.noise_scale, (int, float)):
+            raise ConfigError(f"--noise-scale must be a number, got {self.noise_scale!r}")
+        if not 0 <= self.noise_scale < float("inf"):
+            raise ConfigError(f"--noise-scale must be a finite number >= 0, got {self.noise_scale}")
+        if self.train_len is not None and self.local_window is not None and self.local_window >= self.train_len:
+            raise ConfigError(
+                f"--local-window ({self.local_window}) must be smaller than --train-len ({self.train_len}): "
+                "interpolated positions have to fit between them"
+            )
+
+    def resolved(self, model_train_len: int) -> "GaliConfig":
+        """This config with every None filled in, for a model trained on `model_train_len` tokens."""
+        train_len = self.train_len if self.train_len is not None else model_train_len
+        if train_len > model_train_len:
+            raise ConfigError(
+                f"--train-len ({train_len}) exceeds the model's training window ({model_train_len}); "
+                "GALI only reuses positions the model was trained on"
+            )
+        return replace(
+            self,
+            train_len=train_len,
+            chunk_size=self.chunk_size if self.chunk_size is not None else max(1, train_len // 8),
+            local_window=self.local_window if self.local_window is not None else train_len // 64,
+        )
+
+
+def _check_int(flag: str, value: object, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{flag} must be a whole number, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{flag} must be >= {minimum}, got {value}")

@@ -1,0 +1,13 @@
+"""The errors gali raises on purpose: each message says what to change."""
+
+
+class GaliError(Exception):
+    """Base class: a problem the user can act on (the CLI prints it as one line)."""
+
+
+class ConfigError(GaliError, ValueError):
+    """A setting that makes no sense, e.g. a local window wider than the training window."""
+
+
+class UnsupportedModelError(GaliError):
+    """A model GALI cannot be applied to; the message names what is unsupported."""

@@ -1,0 +1,64 @@
+"""GALI's Gaussian logit noise as a pure function of (seed, layer, batch, head, query index, key index).
+
+Counter-based instead of a stateful generator: the noise a logit gets does not depend on how the work was split
+(one forward or chunk by chunk, tile sizes, batch layout, device), and a fused kernel can compute the very same
+values from the same integers. Only 32-bit multiply, xor and shift are used, so the hash is easy to port.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31, so products of 32-bit values fit in int64 without overflow.
+_MULTIPLIER_A = 0x7FEB352D
+_MULTIPLIER_B = 0x5BD1E995
+_GOLDEN = 0x9E3779B9
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Where a layer's noise comes from, and how strong it is (sigma = (i - j) / T * scale)."""
+
+    seed: int
+    layer: int
+    scale: float
+
+
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
+
+
+def mix32(x: IntOrTensor) -> IntOrTensor:
+    """A bijective avalanche hash of 32-bit values, for Python ints or int64 tensors holding them."""
+    x = x ^ (x >> 16)
+    x = (x * _MULTIPLIER_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MULTIPLIER_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def stream_key(seed: int, layer: int) -> int:
+    """The 32-bit key of one layer's noise under a seed (seeds up to 64 bits all count)."""
+    key = mix32((seed & _MASK32) ^ _GOLDEN)
+    key = mix32(key ^ ((seed >> 32) & _MASK32))
+    return mix32(key ^ (layer & _MASK32))
+
+
+def standard_normal(
+    noise: Noise, batch_size: int, heads: int, query_index: torch.Tensor, key_count: int
+) -> torch.Tensor:
+    """N(0, 1) samples for every (batch, head, query, key < key_count), as float32 of shape (B, H, q, key_count).
+
+    `query_index` holds the queries' absolute token indices; keys are indexed from 0.
+    """
+    device = query_index.device
+    streams = mix32(stream_key(noise.seed, noise.layer) ^ torch.arange(batch_size * heads, device=device))
+    rows = mix32(streams.view(batch_size, heads, 1) ^ mix32(query_index.long() & _MASK32))  # (B, H, q)
+    columns = mix32(torch.arange(key_count, device=device) ^ _GOLDEN)  # (n,)
+    bits = mix32(rows.unsqueeze(-1) ^ columns)  # (B, H, q, n)
+    # Box-Muller on two independent 24-bit uniforms (exact in float32); +0.5 keeps the first one off 0.
+    u1 = ((bits >> 8).float() + 0.5) * 2.0**-24
+    u2 = (mix32(bits ^ _GOLDEN) >> 8).float() * (2.0 * math.pi * 2.0**-24)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(u2)

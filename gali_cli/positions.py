@@ -1,0 +1,84 @@
+"""GALI's position arithmetic (paper Appendix D, Algorithms 1 and 2) as plain functions.
+
+Everything here is integer or fp64 math: the interpolation weight c = ceil(p) - p must never be computed in the
+model's dtype (in bf16 it rounds to 0 once train_len >= 512 and GALI silently turns into plain RoPE).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+
+def chunk_plan(start: int, stop: int, train_len: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Cut a forward over tokens [start, stop) into GALI chunks.
+
+    Alg. 1 puts chunk boundaries at token indices train_len, train_len + s, train_len + 2s, ...; a forward is also cut
+    at its own end, so a one-token forward (decoding) is a one-token chunk. Feeding the pieces one forward each gives
+    the same result as one forward over all of them.
+
+    Returns:
+        The pieces as (first token, one past the last token), in order.
+    """
+    if not 0 <= start < stop:
+        raise ValueError(f"a forward needs 0 <= start < stop, got [{start}, {stop})")
+    if start < train_len:
+        boundary = train_len
+    else:
+        boundary = train_len + ((start - train_len) // chunk_size + 1) * chunk_size
+    pieces = []
+    while boundary < stop:
+        pieces.append((start, boundary))
+        start, boundary = boundary, boundary + chunk_size
+    pieces.append((start, stop))
+    return pieces
+
+
+def group_size(total_len: int, train_len: int, local_window: int) -> int:
+    """g of Eq. (3): how many tokens share each unit interval when `total_len` keys are attended (1: none do)."""
+    if total_len <= train_len:
+        return 1
+    return -(-(total_len - local_window) // (train_len - local_window))
+
+
+class Interpolation(NamedTuple):
+    """Positions of keys [first, total_len) of a chunk, split for attention logit interpolation (Alg. 3).
+
+    Key k sits at p_k = ceil - weight; its logit is (1 - c) q.K(ceil) + c q.K(floor) with c = weight.
+    Keys [0, grouped) have positions k / group (fractional unless group divides k); the rest keep exact integer
+    positions (the local window and the rest of the tail).
+    """
+
+    ceil: torch.Tensor  # (total_len - first,) int64
+    floor: torch.Tensor  # (total_len - first,) int64
+    weight: torch.Tensor  # (total_len - first,) float64, in [0, 1)
+    group: int
+    grouped: int
+
+
+def interpolate(
+    total_len: int, train_len: int, local_window: int, device: torch.device | str | None = None, first: int = 0
+) -> Interpolation:
+    """Alg. 2 with target_len = total_len, in closed form and exact integer arithmetic, for keys [first, total_len).
+
+    Alg. 2 emits blocks [i, i + 1/g, ..., i + (g-1)/g] for i = 0, 1, ... until train_len - i + g*i >= total_len,
+    then keeps the first total_len - (train_len - i) of them followed by the exact positions i, ..., train_len - 1.
+    Entry k of the grouped part is k / g, so no loop is needed. The newest key always sits at train_len - 1
+    (except with local_window = 0 and total_len a multiple of train_len, where Alg. 2 leaves no exact tail).
+    """
+    keys = torch.arange(first, total_len, device=device)
+    g = group_size(total_len, train_len, local_window)
+    if g == 1:
+        return Interpolation(keys, keys, torch.zeros(len(keys), dtype=torch.float64, device=device), 1, 0)
+    blocks = -(-(total_len - train_len) // (g - 1))  # i when Alg. 2's loop stops
+    grouped = total_len - train_len + blocks
+    remainder = torch.remainder(keys, g)
+    fractional = (keys < grouped) & (remainder > 0)
+    floor = torch.where(keys < grouped, keys // g, keys - (total_len - train_len))
+    weight = torch.where(fractional, (g - remainder).double() / g, 0.0)
+    return Interpolation(floor + fractional, floor, weight, g, grouped)
+
+
+def gali_positions(total_len: int, train_len: int, local_window: int) -> torch.Tensor:
+    """The (fractional) positions of Alg. 2, float64, e.g. for display or for checking against the paper."""
+    interp = interpolate(total_len, train_len, local_window)
+    return interp.ceil.double() - interp.weight

@@ -1,0 +1,147 @@
+"""A deliberately naive restatement of GALI (paper Appendix D, Algorithms 1-3) and of a Llama forward, in float64.
+
+It shares nothing with gali_cli's engine but the noise's random numbers (a definition, not an algorithm): the
+paper's loops are written out literally, every chunk builds full logit matrices from two rotated copies of the keys,
+and the Llama layer is spelled out from its weights. Tests hold the engine against it.
+"""
+
+import math
+
+import torch
+
+from gali_cli.noise import Noise, standard_normal
+
+
+def alg1_chunk_sizes(prefill_len: int, train_len: int, chunk_size: int) -> list[int]:
+    """Algorithm 1, line by line."""
+    sizes = [train_len]
+    total = train_len
+    while total < prefill_len:
+        sizes.append(chunk_size)
+        total += chunk_size
+    sizes[-1] -= total - prefill_len
+    return sizes
+
+
+def alg2_positions(cur_len: int, train_len: int, add_token: int, local_window: int) -> list[float]:
+    """Algorithm 2, line by line (only meaningful when cur_len + add_token > train_len)."""
+    target_len = cur_len + add_token
+    min_group_size = math.ceil((target_len - local_window) / (train_len - local_window))
+    interval = 1 / min_group_size
+    total_len = train_len
+    new_pi: list[float] = []
+    i = 0
+    while total_len < target_len:
+        new_pi += [i + interval * j for j in range(min_group_size)]
+        i += 1
+        total_len = train_len - i + len(new_pi)
+    seg_window = list(range(i, train_len))
+    return new_pi[: target_len - len(seg_window)] + seg_window
+
+
+def chunk_positions(cur_len: int, add_token: int, train_len: int, local_window: int) -> list[float]:
+    """Positions of all keys of a chunk: plain within the training window, Algorithm 2 beyond it."""
+    if cur_len + add_token <= train_len:
+        return [float(p) for p in range(cur_len + add_token)]
+    return alg2_positions(cur_len, train_len, add_token, local_window)
+
+
+class NaiveGali:
+    """A Llama read with GALI, one chunk per call, K/V cached without RoPE, all in float64.
+
+    Args:
+        model: a transformers LlamaForCausalLM (only its weights and rotary frequencies are read).
+        noise: (seed, scale) to add the paper's logit noise, or None.
+        batch_index: which row of a batch this sequence is (the noise differs per row).
+    """
+
+    def __init__(self, model, train_len, chunk_size, local_window, noise=None, batch_index=0):
+        self.config = model.config
+        self.weights = {name: tensor.detach().double() for name, tensor in model.state_dict().items()}
+        self.weights["lm_head.weight"] = model.lm_head.weight.detach().double()
+        rotary = model.model.rotary_emb
+        rotary = getattr(rotary, "rotary", rotary)  # the original, also when GALI is applied
+        self.inv_freq = rotary.inv_freq.detach().double()
+        self.rope_scaling = float(rotary.attention_scaling)
+        self.train_len, self.chunk_size, self.local_window = train_len, chunk_size, local_window
+        self.noise, self.batch_index = noise, batch_index
+        layers = self.config.num_hidden_layers
+        self.keys: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        self.values: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        self.length = 0
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Algorithm 1's chunks, in order; returns every token's logits (len(ids), vocab)."""
+        logits = []
+        start = 0
+        for size in alg1_chunk_sizes(len(ids), self.train_len, self.chunk_size):
+            logits.append(self.chunk(ids[start : start + size]))
+            start += size
+        return torch.cat(logits)
+
+    def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Prefill, then decode `steps` tokens greedily, each token its own chunk."""
+        logits = self.prefill(prompt)[-1]
+        tokens, step_logits = [], []
+        for _ in range(steps):
+            token = int(logits.argmax())
+            tokens.append(token)
+            step_logits.append(logits)
+            logits = self.chunk([token])[-1]
+        return tokens, step_logits
+
+    def chunk(self, ids: list[int]) -> torch.Tensor:
+        w, cfg = self.weights, self.config
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = cfg.hidden_size // heads
+        first, new = self.length, len(ids)
+        total = first + new
+        positions = torch.tensor(chunk_positions(first, new, self.train_len, self.local_window), dtype=torch.float64)
+        query_positions = positions[first:]
+        x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            h = self._rms_norm(x, w[p + "input_layernorm.weight"])
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(new, heads, head_dim)
+            self.keys[layer].append((h @ w[p + "self_attn.k_proj.weight"].T).view(new, kv_heads, head_dim))
+            self.values[layer].append((h @ w[p + "self_attn.v_proj.weight"].T).view(new, kv_heads, head_dim))
+            keys, values = torch.cat(self.keys[layer]), torch.cat(self.values[layer])
+            heads_out = []
+            for head in range(heads):
+                kv = head // (heads // kv_heads)
+                # Algorithm 3: queries at ceil(p); keys at ceil(p) and at floor(p); interpolate the two logits.
+                query_ceil = self._rope(q[:, head], query_positions.ceil())
+                key_ceil = self._rope(keys[:, kv], positions.ceil())
+                key_floor = self._rope(keys[:, kv], positions.floor())
+                attn_floor = query_ceil @ key_ceil.T / math.sqrt(head_dim)
+                attn_ceil = query_ceil @ key_floor.T / math.sqrt(head_dim)
+                rel_coef = torch.remainder(query_positions.ceil().unsqueeze(1) - positions.unsqueeze(0), 1)
+                logits = attn_floor - (attn_floor - attn_ceil) * rel_coef
+                query_index = torch.arange(first, total).unsqueeze(1)
+                key_index = torch.arange(total).unsqueeze(0)
+                if self.noise is not None:
+                    seed, scale = self.noise
+                    samples = standard_normal(
+                        Noise(seed, layer, scale), self.batch_index + 1, heads, torch.arange(first, total), total
+                    )[self.batch_index, head].double()
+                    noise_std = (query_index - key_index) / total * scale
+                    logits = logits + samples * noise_std * (rel_coef != 0)
+                logits = logits.masked_fill(key_index > query_index, float("-inf"))
+                heads_out.append(torch.softmax(logits, dim=-1) @ values[:, kv])
+            x = x + torch.cat(heads_out, dim=-1) @ w[p + "self_attn.o_proj.weight"].T
+            h = self._rms_norm(x, w[p + "post_attention_layernorm.weight"])
+            gate = h @ w[p + "mlp.gate_proj.weight"].T
+            up = h @ w[p + "mlp.up_proj.weight"].T
+            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        self.length = total
+        return self._rms_norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        angles = torch.cat((angles, angles), dim=-1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * angles.cos() * self.rope_scaling + rotated * angles.sin() * self.rope_scaling

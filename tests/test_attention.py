@@ -1,0 +1,154 @@
+import pytest
+import torch
+
+import gali_cli.attention as attention
+from gali_cli.attention import (
+    RopeTable,
+    add_noise,
+    causal_attention,
+    chunk_context,
+    chunk_contexts,
+    gali_attention,
+    reference_gali_attention,
+    rotate,
+)
+from gali_cli.noise import Noise
+from gali_cli.positions import chunk_plan, interpolate
+
+HEAD_DIM = 16
+
+
+def rope_table(rows: int, dtype: torch.dtype = torch.float32) -> RopeTable:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    angles = torch.arange(rows).float().unsqueeze(1) * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return RopeTable(angles.cos().to(dtype), angles.sin().to(dtype), angles.cos(), angles.sin())
+
+
+def qkv(batch, heads, kv_heads, q_len, kv_len, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, q_len, HEAD_DIM, generator=generator).to(dtype)
+    key = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, generator=generator).to(dtype)
+    value = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, generator=generator).to(dtype)
+    return query, key, value
+
+
+CASES = [  # heads, kv_heads, train_len, local_window, keys, queries
+    (4, 4, 16, 3, 40, 5),
+    (4, 2, 16, 0, 48, 1),
+    (8, 2, 32, 31, 100, 7),
+    (4, 1, 16, 1, 17, 17),
+    (2, 2, 16, 5, 90, 16),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, train_len, local_window, kv_len, q_len", CASES)
+def test_mixed_key_equals_two_matmul_interpolation(heads, kv_heads, train_len, local_window, kv_len, q_len):
+    query, key, value = qkv(2, heads, kv_heads, q_len, kv_len)
+    table = rope_table(train_len + 1)
+    chunk = chunk_context(table, kv_len, q_len, train_len, local_window)
+    fast = gali_attention(query, key, value, [chunk], scale=HEAD_DIM**-0.5)
+    slow = reference_gali_attention(query, key, value, table, interpolate(kv_len, train_len, local_window), HEAD_DIM**-0.5)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, train_len, local_window, kv_len, q_len", CASES)
+def test_noisy_path_matches_reference_with_the_same_noise(heads, kv_heads, train_len, local_window, kv_len, q_len):
+    query, key, value = qkv(2, heads, kv_heads, q_len, kv_len, seed=1)
+    table = rope_table(train_len + 1)
+    interp = interpolate(kv_len, train_len, local_window)
+    noise = Noise(seed=3, layer=2, scale=4.0)
+    chunk = chunk_context(table, kv_len, q_len, train_len, local_window)
+    fast = gali_attention(query, key, value, [chunk], HEAD_DIM**-0.5, noise=noise)
+    slow = reference_gali_attention(query, key, value, table, interp, HEAD_DIM**-0.5, noise=noise)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    if kv_len > train_len:
+        clean = gali_attention(query, key, value, [chunk], HEAD_DIM**-0.5)
+        assert (fast - clean).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("noise", [None, Noise(seed=0, layer=1, scale=2.0)])
+@pytest.mark.parametrize("train_len, chunk_size, local_window", [(16, 3, 2), (16, 8, 0), (32, 5, 20)])
+def test_chunks_reusing_keys_equal_chunks_alone(noise, train_len, chunk_size, local_window):
+    """One forward over many chunks re-rotates only moved keys; each chunk must still see its own positions."""
+    kv_len = 7 * train_len + 2
+    pieces = chunk_plan(train_len, kv_len, train_len, chunk_size)
+    query, key, value = qkv(1, 4, 2, kv_len - train_len, kv_len, seed=2)
+    table = rope_table(train_len + 1)
+    contexts = chunk_contexts(table, pieces, train_len, local_window)
+    assert any(chunk.reuse for chunk in contexts)  # the case under test
+    together = gali_attention(query, key, value, contexts, HEAD_DIM**-0.5, noise=noise)
+    for (first, last), chunk in zip(pieces, contexts):
+        rows = slice(first - train_len, last - train_len)
+        alone = chunk_context(table, last, last - first, train_len, local_window)
+        expected = gali_attention(query[:, :, rows], key, value, [alone], HEAD_DIM**-0.5, noise=noise)
+        torch.testing.assert_close(together[:, :, rows], expected, rtol=1e-6, atol=1e-6)
+    reusing = next(chunk for chunk in contexts if chunk.reuse)
+    with pytest.raises(ValueError, match="reuse"):
+        gali_attention(query[:, :, : reusing.queries], key, value, [reusing], HEAD_DIM**-0.5)
+
+
+def test_noisy_path_is_the_same_in_any_tiling(monkeypatch):
+    query, key, value = qkv(1, 4, 2, 12, 80)
+    chunk = chunk_context(rope_table(17), 80, 12, 16, 2)
+    noise = Noise(seed=0, layer=0, scale=1.0)
+    whole = gali_attention(query, key, value, [chunk], 0.25, noise=noise)
+    monkeypatch.setattr(attention, "_NOISY_TILE_ELEMENTS", 4 * 80 * 5)  # tiles of 5 queries
+    assert torch.equal(gali_attention(query, key, value, [chunk], 0.25, noise=noise), whole)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(1, 9), (9, 9), (4, 9), (3, 40)])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_causal_attention_is_lower_right(q_len, kv_len, kv_heads):
+    query, key, value = qkv(2, 4, kv_heads, q_len, kv_len)
+    got = causal_attention(query, key, value, scale=0.3)
+    key_r, value_r = key.repeat_interleave(4 // kv_heads, 1), value.repeat_interleave(4 // kv_heads, 1)
+    logits = query @ key_r.transpose(-1, -2) * 0.3
+    future = torch.arange(kv_len) > torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+    expected = torch.softmax(logits.masked_fill(future, float("-inf")), -1) @ value_r
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_noise_has_the_specified_distribution():
+    kv_len, train_len, local_window = 600, 64, 4
+    interp = interpolate(kv_len, train_len, local_window)
+    weight = interp.weight.float()
+    query_index = torch.arange(kv_len - 50, kv_len)
+    logits = torch.zeros(4, 16, 50, kv_len)
+    add_noise(logits, query_index, interp.group, interp.grouped, Noise(seed=1, layer=0, scale=2.5))
+    sigma = (query_index.unsqueeze(1) - torch.arange(kv_len)).float() * 2.5 / kv_len
+    interpolated = (weight != 0).expand(50, -1)
+    assert not logits[..., ~interpolated].any()  # zero wherever c == 0 (and past the grouped keys)
+    sampled = interpolated & (sigma != 0)
+    standardized = logits[..., sampled] / sigma[sampled]
+    assert abs(standardized.mean().item()) < 0.01
+    assert abs(standardized.std().item() - 1) < 0.01
+    # The spread grows with the distance i - j, as sigma says.
+    near, far = logits[..., interpolated & (sigma < 0.8)], logits[..., interpolated & (sigma > 1.8)]
+    assert far.std() > 2 * near.std()
+
+
+def test_in_window_rotation_is_the_models_own_table():
+    table = rope_table(16, torch.bfloat16)
+    chunk = chunk_context(table, 12, 4, 16, 3)
+    assert not chunk.interpolated
+    assert torch.equal(chunk.key_cos, table.cos[:12]) and torch.equal(chunk.query_sin, table.sin[8:12])
+
+
+def test_bf16_keeps_the_interpolation_weight():
+    # The authors' trap: bf16 has no fractions above 256 (spacing 2), so c computed in bf16 is 0 there.
+    train_len, kv_len = 512, 1800
+    interp = interpolate(kv_len, train_len, 8)
+    p = interp.ceil.double() - interp.weight
+    high = p >= 256
+    assert interp.weight[high].count_nonzero() > 100
+    assert not (p.bfloat16().ceil() - p.bfloat16())[high].any()  # what computing c in bf16 gives
+    # Our bf16 tables mix ceil and floor with the exact c, rounding only the result.
+    table = rope_table(train_len + 1, torch.bfloat16)
+    chunk = chunk_context(table, kv_len, 1, train_len, 8)
+    c = interp.weight.float().unsqueeze(1)
+    exact = (1 - c) * table.cos32[interp.ceil] + c * table.cos32[interp.floor]
+    torch.testing.assert_close(chunk.key_cos.float(), exact, rtol=0, atol=2**-8)
+    fractional = interp.weight != 0
+    off_ceil = (chunk.key_cos.float() - table.cos32[interp.ceil]).abs().amax(dim=1)
+    assert (off_ceil[fractional] > 2**-7).float().mean() > 0.9  # really interpolated, not rounded to a neighbour
