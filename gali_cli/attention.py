@@ -55,7 +55,6 @@ class ChunkContext:
     query_sin: torch.Tensor
     key_cos: torch.Tensor  # (keys - reuse, D), model dtype
     key_sin: torch.Tensor
-    causal_mask: torch.Tensor | None  # (queries, keys) bool, where a kernel needs lower-right causality spelled out
 
     @property
     def interpolated(self) -> bool:
@@ -103,7 +102,6 @@ def chunk_context(
         c = interp.weight.to(table.cos32.dtype).unsqueeze(-1)  # (rows, 1)
         key_cos = ((1 - c) * table.cos32[interp.ceil] + c * table.cos32[interp.floor]).to(table.cos.dtype)
         key_sin = ((1 - c) * table.sin32[interp.ceil] + c * table.sin32[interp.floor]).to(table.sin.dtype)
-    needs_mask = 1 < queries < keys and table.cos.device.type != "cuda"  # see causal_attention
     return ChunkContext(
         queries=queries,
         keys=keys,
@@ -114,7 +112,6 @@ def chunk_context(
         query_sin=table.sin[query_rows],
         key_cos=key_cos,
         key_sin=key_sin,
-        causal_mask=lower_right_mask(queries, keys, table.cos.device) if needs_mask else None,
     )
 
 
@@ -132,11 +129,6 @@ def chunk_contexts(
     return contexts
 
 
-def lower_right_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
-    """(queries, keys) bool, True where the query (one of the last `queries` tokens) may see the key."""
-    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
-
-
 def gali_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -151,7 +143,7 @@ def gali_attention(
     Args:
         query: (B, H, q, D) un-rotated queries of all the chunks, in order.
         key, value: (B, Hkv, >= T, D) un-rotated keys and values of every token so far.
-        chunks: the chunks' contexts, from `chunk_context`; the first one must not reuse rows.
+        chunks: the chunks' contexts, from `chunk_contexts`; the first one must not reuse rows.
         noise: the layer's noise settings, or None for noise-free GALI.
 
     Returns:
@@ -168,7 +160,7 @@ def gali_attention(
         chunk_query = rotate(query[:, :, row : row + chunk.queries], chunk.query_cos, chunk.query_sin)
         chunk_key, chunk_value = mixed[:, :, : chunk.keys], value[:, :, : chunk.keys]
         if noise is None or not chunk.interpolated:
-            outputs.append(causal_attention(chunk_query, chunk_key, chunk_value, scale, dropout, chunk.causal_mask))
+            outputs.append(causal_attention(chunk_query, chunk_key, chunk_value, scale, dropout))
         else:
             outputs.append(_noisy_attention(chunk_query, chunk_key, chunk_value, chunk, scale, dropout, noise))
         row += chunk.queries
@@ -176,17 +168,9 @@ def gali_attention(
 
 
 def causal_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    dropout: float = 0.0,
-    mask: torch.Tensor | None = None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, dropout: float = 0.0
 ) -> torch.Tensor:
-    """scaled_dot_product_attention where the q queries are the last q of the T keys (lower-right causal).
-
-    `mask` may bring a precomputed `lower_right_mask` for the CPU path, so that layers share it.
-    """
+    """scaled_dot_product_attention where the q queries are the last q of the T keys (lower-right causal)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
     if q_len == 1 or q_len == kv_len:  # no mask needed: decoding, or a square causal block
@@ -201,8 +185,8 @@ def causal_attention(
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=causal_lower_right(q_len, kv_len), dropout_p=dropout, scale=scale
         )
-    if mask is None:
-        mask = lower_right_mask(q_len, kv_len, query.device)
+    # Elsewhere a (q, T) bool mask: the CPU flash kernel takes it with GQA and never forms the logits.
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
     )

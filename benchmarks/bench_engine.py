@@ -1,0 +1,196 @@
+"""Prefill and decode cost of the GALI engine against the unpatched model, on random Llama weights.
+
+Each variant runs in its own worker process, so that peak memory is the variant's own (peak RSS on CPU,
+torch.cuda.max_memory_allocated on CUDA); rounds interleave the variants, and the tables report medians over rounds
+and ratios to the unpatched model measured in the same run.
+
+    python benchmarks/bench_engine.py                      # CPU, small Llama, train_len 256, 16x = 4096 tokens
+    python benchmarks/bench_engine.py --device cuda --shape llama3-8b --train-len 8192 --factor 4 --dtype bfloat16
+"""
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SHAPES = {  # hidden, heads, kv_heads, intermediate, layers, vocab
+    "small": (512, 4, 1, 1792, 4, 32000),  # Llama-3 proportions (head dim 128, 4 query heads per kv head), scaled down
+    "llama3-8b": (4096, 32, 8, 14336, 32, 128256),
+}
+VARIANTS = {
+    "sdpa": "the unpatched model (SDPA), one forward",
+    "gali": "GALI, noise off, one forward",
+    "gali-noise": "GALI, noise on, one forward",
+    "gali-pieces": "GALI, noise off, one forward per chunk",
+    "sdpa-pieces": "the unpatched model, one forward per GALI chunk",
+}
+
+
+def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
+    hidden, heads, kv_heads, intermediate, layers, vocab = SHAPES[args.shape]
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=args.train_len,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    with torch.device(args.device):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        model = LlamaForCausalLM(config).eval()
+        torch.set_default_dtype(previous)
+    return model
+
+
+def peak_memory_mib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
+    from gali_cli import GaliConfig, apply_gali
+    from gali_cli.positions import chunk_plan
+    from transformers import DynamicCache
+
+    model = build_model(args)
+    settings = GaliConfig(noise=args.variant == "gali-noise").resolved(args.train_len)
+    if args.variant.startswith("gali"):
+        apply_gali(model, settings)
+    length = args.factor * args.train_len
+    ids = torch.randint(0, model.config.vocab_size, (1, length + args.decode_tokens), device=args.device)
+    prompt = ids[:, :length]
+    pieces = chunk_plan(0, length, args.train_len, settings.chunk_size) if args.variant.endswith("pieces") else None
+
+    def prefill() -> DynamicCache:
+        cache = DynamicCache(config=model.config)
+        for first, last in pieces or [(0, length)]:
+            model(prompt[:, first:last], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    with torch.no_grad():
+        model(ids[:, :8], logits_to_keep=1)  # warm-up: kernels, thread pools
+        synchronize(args.device)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        before = peak_memory_mib(args.device)
+        times = []
+        for _ in range(args.repeats):  # the first prefill also pays for first-touch page faults: keep the best
+            start = time.perf_counter()
+            cache = prefill()
+            synchronize(args.device)
+            times.append(time.perf_counter() - start)
+        prefill_s = min(times)
+        peak = peak_memory_mib(args.device)
+        decode = []
+        for step in range(args.decode_tokens):
+            token = ids[:, length + step : length + step + 1]
+            synchronize(args.device)
+            start = time.perf_counter()
+            model(token, past_key_values=cache, use_cache=True)
+            synchronize(args.device)
+            decode.append(time.perf_counter() - start)
+    return {
+        "prefill_s": prefill_s,
+        "decode_ms": 1000 * statistics.median(decode) if decode else None,
+        "peak_mib": peak,
+        "prefill_mib": peak - before,
+    }
+
+
+def run_worker(args: argparse.Namespace, variant: str, factor: int, decode_tokens: int, repeats: int) -> dict:
+    command = [sys.executable, __file__, "--worker", variant, "--factor", str(factor), "--decode-tokens",
+               str(decode_tokens), "--device", args.device, "--dtype", args.dtype, "--shape", args.shape,
+               "--train-len", str(args.train_len), "--repeats", str(repeats)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(f"worker {variant} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--shape", choices=SHAPES, default="small")
+    parser.add_argument("--train-len", type=int, default=256)
+    parser.add_argument("--factor", type=int, default=16, help="prefill length as a multiple of train_len")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=3, help="worker processes per variant, interleaved")
+    parser.add_argument("--repeats", type=int, default=2, help="prefills per worker; the fastest counts")
+    parser.add_argument("--decode-factors", default="1,2,4,8,16", help="context lengths (x train_len) for decode")
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.variant = args.worker
+        print(json.dumps(worker(args)))
+        return
+
+    variants = args.variants.split(",")
+    prefill: dict[str, list[dict]] = {variant: [] for variant in variants}
+    for _ in range(args.rounds):
+        for variant in variants:
+            prefill[variant].append(run_worker(args, variant, args.factor, 0, args.repeats))
+    decode_variants = [v for v in ("sdpa", "gali") if v in variants]
+    decode = {
+        (variant, factor): run_worker(args, variant, factor, args.decode_tokens, 1)["decode_ms"]
+        for factor in map(int, args.decode_factors.split(","))
+        for variant in decode_variants
+    }
+
+    tokens = args.factor * args.train_len
+    print(f"# {date.today()} - {platform.node()} - {platform.processor() or platform.machine()} - "
+          f"torch {torch.__version__} - {torch.get_num_threads()} threads")
+    print(f"# python {' '.join(sys.argv)}")
+    print(f"\nPrefill of {tokens} tokens ({args.factor}x train_len {args.train_len}), {args.shape} Llama, "
+          f"{args.dtype} on {args.device}; best of {args.repeats} per worker, median of {args.rounds} workers\n")
+    # "prefill MiB" is the peak during prefill minus the peak before it (weights, warm-up): the activations.
+    print("| variant | prefill s | x sdpa | tokens/s | peak MiB | x sdpa | prefill MiB | x sdpa |")
+    print("|---|---|---|---|---|---|---|---|")
+    median = {v: {k: statistics.median(r[k] for r in runs) for k in ("prefill_s", "peak_mib", "prefill_mib")}
+              for v, runs in prefill.items()}
+    base = median.get("sdpa")
+    for variant in variants:
+        m = median[variant]
+        ratio = (lambda key: f"{m[key] / base[key]:.2f}") if base else (lambda key: "-")
+        print(f"| {variant}: {VARIANTS[variant]} | {m['prefill_s']:.2f} | {ratio('prefill_s')} | "
+              f"{tokens / m['prefill_s']:.0f} | {m['peak_mib']:.0f} | {ratio('peak_mib')} | "
+              f"{m['prefill_mib']:.0f} | {ratio('prefill_mib')} |")
+    if decode:
+        print(f"\nDecode, ms per token (median of {args.decode_tokens}) after a prompt of factor x train_len\n")
+        print("| factor | tokens | " + " | ".join(decode_variants) + " |")
+        print("|---|---|" + "---|" * len(decode_variants))
+        for factor in map(int, args.decode_factors.split(",")):
+            cells = " | ".join(f"{decode[(v, factor)]:.1f}" for v in decode_variants)
+            print(f"| {factor} | {factor * args.train_len} | {cells} |")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args), "prefill": prefill, "decode": {f"{v}@{f}": ms for (v, f), ms in
+                                                                           decode.items()}}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
