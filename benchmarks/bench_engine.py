@@ -181,11 +181,11 @@ def main() -> None:
               f"{m['prefill_mib']:.0f} | {ratio('prefill_mib')} |")
     if decode:
         print(f"\nDecode, ms per token (median of {args.decode_tokens}) after a prompt of factor x train_len\n")
-        print("| factor | tokens | " + " | ".join(decode_variants) + " |")
+        print("| prompt tokens | x train_len | " + " | ".join(decode_variants) + " |")
         print("|---|---|" + "---|" * len(decode_variants))
         for factor in map(int, args.decode_factors.split(",")):
             cells = " | ".join(f"{decode[(v, factor)]:.1f}" for v in decode_variants)
-            print(f"| {factor} | {factor * args.train_len} | {cells} |")
+            print(f"| {factor * args.train_len} | {factor} | {cells} |")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "prefill": prefill, "decode": {f"{v}@{f}": ms for (v, f), ms in

@@ -18,8 +18,9 @@ from torch.nn.attention.bias import causal_lower_right
 from .noise import Noise, standard_normal
 from .positions import Interpolation, group_size, interpolate
 
-# Logits held at once by the noisy path (a tile of queries): 4M float32, 16 MiB, plus the noise's temporaries.
-_NOISY_TILE_ELEMENTS = 1 << 22
+# Logits held at once by the noisy path (a tile of queries): 1M float32, 4 MiB; the noise's temporaries take a few
+# times that.
+_NOISY_TILE_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -75,15 +76,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def rotate_fused(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The rotation of `rotate` in two fused passes over x instead of six (the last bit may round differently).
+    """The rotation of `rotate` in two passes over x instead of six (the last bit may round differently).
 
-    Used for the many keys of GALI chunks: [x1, x2] -> [x1 c1 - x2 s1, x2 c2 + x1 s2], written into `out` if given.
+    Used for the many keys of GALI chunks: [x1, x2] -> [x1 c1 - x2 s1, x2 c2 + x1 s2], written into `out` if given
+    (outside autograd only).
     """
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x) if out is None else out
-    torch.mul(x1, cos[..., :half], out=out[..., :half]).addcmul_(x2, sin[..., :half], value=-1)
-    torch.mul(x2, cos[..., half:], out=out[..., half:]).addcmul_(x1, sin[..., half:])
+    out = torch.mul(x, cos, out=out) if out is not None else x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
     return out
 
 
@@ -123,8 +124,8 @@ def chunk_contexts(
     contexts: list[ChunkContext] = []
     for first, last in pieces:
         previous = contexts[-1] if contexts else None
-        same_group = previous and previous.interpolated and previous.group == group_size(last, train_len, local_window)
-        reuse = previous.grouped if same_group else 0
+        group = group_size(last, train_len, local_window)
+        reuse = previous.grouped if previous is not None and previous.interpolated and previous.group == group else 0
         contexts.append(chunk_context(table, last, last - first, train_len, local_window, reuse))
     return contexts
 
@@ -152,11 +153,17 @@ def gali_attention(
     if chunks[0].reuse:
         raise ValueError("the first chunk of a forward has no previous chunk to reuse keys from")
     # K_mix, the interpolation folded into the keys, kept across chunks: only rows that moved are rotated again.
-    mixed = key.new_empty(*key.shape[:2], chunks[-1].keys, key.shape[-1])
+    # Under autograd every chunk's keys must stay intact, so they are rebuilt without writing in place.
+    differentiable = torch.is_grad_enabled()
+    mixed = None if differentiable else key.new_empty(*key.shape[:2], chunks[-1].keys, key.shape[-1])
     outputs, row = [], 0
     for chunk in chunks:
         moved = slice(chunk.reuse, chunk.keys)
-        rotate_fused(key[:, :, moved], chunk.key_cos, chunk.key_sin, out=mixed[:, :, moved])
+        if differentiable:
+            rotated = rotate_fused(key[:, :, moved], chunk.key_cos, chunk.key_sin)
+            mixed = rotated if not chunk.reuse else torch.cat((mixed[:, :, : chunk.reuse], rotated), dim=2)
+        else:
+            rotate_fused(key[:, :, moved], chunk.key_cos, chunk.key_sin, out=mixed[:, :, moved])
         chunk_query = rotate(query[:, :, row : row + chunk.queries], chunk.query_cos, chunk.query_sin)
         chunk_key, chunk_value = mixed[:, :, : chunk.keys], value[:, :, : chunk.keys]
         if noise is None or not chunk.interpolated:
@@ -178,18 +185,24 @@ def causal_attention(
             query, key, value, dropout_p=dropout, is_causal=q_len > 1, scale=scale, enable_gqa=gqa
         )
     if query.device.type == "cuda":
-        # The memory-efficient CUDA kernel does lower-right causality without a mask, but not GQA.
-        if gqa:
-            repeats = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=causal_lower_right(q_len, kv_len), dropout_p=dropout, scale=scale
-        )
+        return lower_right_causal_attention(query, key, value, scale, dropout)
     # Elsewhere a (q, T) bool mask: the CPU flash kernel takes it with GQA and never forms the logits.
     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
     )
+
+
+def lower_right_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, dropout: float = 0.0
+) -> torch.Tensor:
+    """The CUDA route of `causal_attention`: torch's lower-right CausalBias, which the memory-efficient kernel runs
+    without a mask. That kernel has no GQA, so grouped key/value heads are repeated first."""
+    if query.shape[1] != key.shape[1]:
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    bias = causal_lower_right(query.shape[2], key.shape[2])
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scale)
 
 
 def _noisy_attention(
@@ -204,22 +217,20 @@ def _noisy_attention(
     """GALI with logit noise: explicit float32 logits, one tile of queries at a time."""
     batch, heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
-    group = heads // kv_heads
-    # Group query heads by their key head: (B, Hkv, group, q, D) against (B, Hkv, 1, T, D), no repeated keys.
-    query = query.float().view(batch, kv_heads, group, q_len, -1)
-    key_t = key.float().unsqueeze(2).transpose(-1, -2)
-    value = value.float().unsqueeze(2)
+    heads_per_kv = heads // kv_heads
+    # The query heads of one key head become rows of one matrix product: keys are never repeated.
+    query = query.float().view(batch, kv_heads, heads_per_kv, q_len, -1)
+    key_t, value = key.float().transpose(-1, -2), value.float()
     output = torch.empty(batch, heads, q_len, value.shape[-1], dtype=key.dtype, device=key.device)
     tile = max(1, _NOISY_TILE_ELEMENTS // (batch * heads * kv_len))
     for start in range(0, q_len, tile):
         rows = slice(start, min(start + tile, q_len))
-        logits = torch.matmul(query[:, :, :, rows], key_t) * scale  # (B, Hkv, group, tile, T)
-        logits = logits.view(batch, heads, -1, kv_len)
+        tile_query = query[:, :, :, rows].reshape(batch, kv_heads, -1, query.shape[-1])
+        logits = (torch.matmul(tile_query, key_t) * scale).view(batch, heads, -1, kv_len)  # (B, H, tile, T)
         query_index = torch.arange(kv_len - q_len + rows.start, kv_len - q_len + rows.stop, device=key.device)
         add_noise(logits, query_index, chunk.group, chunk.grouped, noise)
         mask_future(logits, query_index)
-        probs = F.dropout(torch.softmax(logits, dim=-1), p=dropout)
-        probs = probs.view(batch, kv_heads, group, -1, kv_len)
+        probs = F.dropout(torch.softmax(logits, dim=-1), p=dropout).view(batch, kv_heads, -1, kv_len)
         output[:, :, rows] = torch.matmul(probs, value).view(batch, heads, -1, value.shape[-1]).to(key.dtype)
     return output
 
@@ -254,15 +265,15 @@ def reference_gali_attention(
 ) -> torch.Tensor:
     """Alg. 3 as written: two rotated copies of the keys, two logit matrices, interpolated. Float32, eager.
 
-    The oracle for `gali_attention` in tests and the "two-matmul" baseline in benchmarks; it holds a chunk's full
-    (B, H, q, T) logits twice, so keep chunks small.
+    The oracle for `gali_attention` in tests, and the straightforward formulation of the authors' code; it holds a
+    chunk's full (B, H, q, T) logits twice, so keep chunks small.
     """
     batch, heads, q_len, _ = query.shape
-    group = heads // key.shape[1]
+    heads_per_kv = heads // key.shape[1]
     cos, sin = table.cos32, table.sin32
     query_ceil = rotate(query.float(), cos[interp.ceil[-q_len:]], sin[interp.ceil[-q_len:]])
-    key_ceil = rotate(key.float(), cos[interp.ceil], sin[interp.ceil]).repeat_interleave(group, dim=1)
-    key_floor = rotate(key.float(), cos[interp.floor], sin[interp.floor]).repeat_interleave(group, dim=1)
+    key_ceil = rotate(key.float(), cos[interp.ceil], sin[interp.ceil]).repeat_interleave(heads_per_kv, dim=1)
+    key_floor = rotate(key.float(), cos[interp.floor], sin[interp.floor]).repeat_interleave(heads_per_kv, dim=1)
     logits_ceil_key = torch.matmul(query_ceil, key_ceil.transpose(-1, -2)) * scale  # interval floor(r)
     logits_floor_key = torch.matmul(query_ceil, key_floor.transpose(-1, -2)) * scale  # interval ceil(r)
     c = interp.weight.float()
@@ -272,4 +283,4 @@ def reference_gali_attention(
         add_noise(logits, query_index, interp.group, interp.grouped, noise)
     mask_future(logits, query_index)
     probs = torch.softmax(logits, dim=-1)
-    return torch.matmul(probs, value.float().repeat_interleave(group, dim=1)).to(value.dtype)
+    return torch.matmul(probs, value.float().repeat_interleave(heads_per_kv, dim=1)).to(value.dtype)

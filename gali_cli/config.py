@@ -10,7 +10,8 @@ class GaliConfig:
     """Settings of Greedy Attention Logit Interpolation (paper §3).
 
     Args:
-        train_len: L_tr, the window the model was trained on. Positions never leave [0, train_len).
+        train_len: L_tr, the window the model was trained on. Positions stay in [0, train_len - 1] (they reach
+            train_len only with local_window = 0, where Alg. 2 leaves no exact tail).
             None means the model's `max_position_embeddings`; a smaller value narrows the interval range,
             which the paper finds can help.
         chunk_size: s, tokens per chunk beyond train_len; each chunk gets its own interpolated positions.

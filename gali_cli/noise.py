@@ -51,14 +51,16 @@ def standard_normal(
 ) -> torch.Tensor:
     """N(0, 1) samples for every (batch, head, query, key < key_count), as float32 of shape (B, H, q, key_count).
 
-    `query_index` holds the queries' absolute token indices; keys are indexed from 0.
+    `query_index` holds the queries' absolute token indices; keys are indexed from 0. Keys 2m and 2m + 1 share one
+    hashed pair of uniforms, whose Box-Muller transform gives two independent normals (cosine and sine branch).
     """
     device = query_index.device
     streams = mix32(stream_key(noise.seed, noise.layer) ^ torch.arange(batch_size * heads, device=device))
     rows = mix32(streams.view(batch_size, heads, 1) ^ mix32(query_index.long() & _MASK32))  # (B, H, q)
-    columns = mix32(torch.arange(key_count, device=device) ^ _GOLDEN)  # (n,)
-    bits = mix32(rows.unsqueeze(-1) ^ columns)  # (B, H, q, n)
-    # Box-Muller on two independent 24-bit uniforms (exact in float32); +0.5 keeps the first one off 0.
-    u1 = ((bits >> 8).float() + 0.5) * 2.0**-24
-    u2 = (mix32(bits ^ _GOLDEN) >> 8).float() * (2.0 * math.pi * 2.0**-24)
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(u2)
+    pairs = mix32(torch.arange((key_count + 1) // 2, device=device) ^ _GOLDEN)  # (n/2,)
+    bits = mix32(rows.unsqueeze(-1) ^ pairs)  # (B, H, q, n/2)
+    # Two independent 24-bit uniforms (exact in float32); +0.5 keeps the first one off 0.
+    radius = torch.sqrt(-2.0 * torch.log(((bits >> 8).float() + 0.5) * 2.0**-24))
+    angle = (mix32(bits ^ _GOLDEN) >> 8).float() * (2.0 * math.pi * 2.0**-24)
+    normals = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), dim=-1)
+    return normals.flatten(-2)[..., :key_count]

@@ -11,6 +11,7 @@ Position ids given to the model must stay a plain arange: GALI never fakes them 
 non-arange positions as packed sequences).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,7 +45,8 @@ class GaliState:
     original_attention: str
     hook: RemovableHandle | None = None
 
-    def attention_function(self):
+    def attention_function(self) -> Callable:
+        """The attention function the unpatched model used, for chunks inside the training window."""
         return ALL_ATTENTION_FUNCTIONS.get_interface(self.original_attention, eager_attention_forward)
 
 
@@ -57,9 +59,10 @@ class ForwardPlan:
         self.pieces = chunk_plan(start, stop, state.config.train_len, state.config.chunk_size)
         self._tables: dict[tuple, RopeTable] = {}
         self._chunks: dict[tuple, list[ChunkContext]] = {}
-        self._window_masks: dict[tuple, Any] = {}
+        self._window_masks: dict[torch.device, Any] = {}
 
     def chunks(self, device: torch.device, dtype: torch.dtype) -> list[ChunkContext]:
+        """The contexts of all pieces, for the layers on `device` (several with device maps)."""
         key = (device, dtype)
         if key not in self._chunks:
             config = self.state.config
@@ -74,8 +77,9 @@ class ForwardPlan:
             # Positions reach train_len - 1, or train_len itself when there is no local window (Alg. 2's edge).
             rows = min(self.stop, config.train_len + (config.local_window == 0))
             positions = torch.arange(rows, device=device).unsqueeze(0)
-            cos32, sin32 = self.state.rotary(torch.empty(0, device=device), positions)
-            cos32, sin32 = cos32[0].float(), sin32[0].float()
+            cos32, sin32 = self.state.rotary(torch.empty(0, dtype=torch.float32, device=device), positions)
+            # .to(device): under a device map, accelerate's hook on the rotary module returns them on its own device.
+            cos32, sin32 = cos32[0].float().to(device), sin32[0].float().to(device)
             self._tables[key] = RopeTable(cos32.to(dtype), sin32.to(dtype), cos32, sin32)
         return self._tables[key]
 
@@ -111,9 +115,9 @@ def apply_gali(model: PreTrainedModel, config: GaliConfig | None = None) -> PreT
         The same model, for chaining.
     """
     base = _llama_model(model)
+    resolved = (config or GaliConfig()).resolved(model.config.max_position_embeddings)  # before touching the model
     if hasattr(base, "_gali"):
         remove_gali(model)
-    resolved = (config or GaliConfig()).resolved(model.config.max_position_embeddings)
     state = GaliState(resolved, base.rotary_emb, model.config._attn_implementation)
     base.rotary_emb = _UnrotatedQueriesAndKeys(base.rotary_emb, model.config)
     model.set_attn_implementation(ATTENTION_NAME)
@@ -162,9 +166,14 @@ def _plan_forward(state: GaliState, module: nn.Module, args: tuple, kwargs: dict
         tokens = given.get("inputs_embeds")
     if tokens is None:
         return None  # transformers reports the missing input itself
+    if module.config._attn_implementation != ATTENTION_NAME:
+        raise GaliError(
+            f"the attention implementation was changed to {module.config._attn_implementation!r} after apply_gali; "
+            "call remove_gali first"
+        )
     new_tokens = tokens.shape[1]
     cache = given.get("past_key_values")
-    start = cache.get_seq_length() if cache is not None else 0
+    start = int(cache.get_seq_length()) if cache is not None else 0  # a StaticCache returns a live tensor
     position_ids = given.get("position_ids")
     if position_ids is not None:
         expected = torch.arange(start, start + new_tokens, device=position_ids.device)
@@ -188,30 +197,30 @@ def _gali_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The "gali" attention: query (B, H, q, D), key/value (B, Hkv, >= T, D), all un-rotated."""
-    plan = gali_plan
-    if plan is None:
+    if gali_plan is None:
         raise GaliError("GALI attention needs the model's forward (it plans the chunks); call the model, not a layer")
     if attention_mask is not None:
         raise GaliError("GALI builds its own causal masks; a custom 4D attention_mask is not supported")
-    if query.shape[2] != plan.stop - plan.start or key.shape[2] < plan.stop:
+    new_tokens = gali_plan.stop - gali_plan.start
+    if query.shape[2] != new_tokens or key.shape[2] < gali_plan.stop:
         raise GaliError(
-            f"GALI expected {plan.stop - plan.start} new tokens over {plan.stop} cached keys, got {query.shape[2]} "
-            f"over {key.shape[2]}: was the cache shared with another model or truncated?"
+            f"GALI expected {new_tokens} new tokens over {gali_plan.stop} cached keys, got {query.shape[2]} over "
+            f"{key.shape[2]}: was the cache shared with another model or truncated?"
         )
-    config = plan.state.config
-    chunks = plan.chunks(query.device, query.dtype)
+    config = gali_plan.state.config
+    chunks = gali_plan.chunks(query.device, query.dtype)
     outputs = []
     if not chunks[0].interpolated:  # only the first piece can lie inside the training window
         window, chunks = chunks[0], chunks[1:]
         # Exactly the computation of the unpatched model: same rotation, same attention function, same mask.
         window_query = rotate(query[:, :, : window.queries], window.query_cos, window.query_sin)
         window_key = rotate(key[:, :, : window.keys], window.key_cos, window.key_sin)
-        output, _ = plan.state.attention_function()(
+        output, _ = gali_plan.state.attention_function()(
             module,
             window_query,
             window_key,
             value[:, :, : window.keys],
-            plan.window_mask(module, window_query),
+            gali_plan.window_mask(module, window_query),
             dropout=dropout,
             scaling=scaling,
             **kwargs,

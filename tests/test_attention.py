@@ -7,6 +7,7 @@ from gali_cli.attention import (
     add_noise,
     causal_attention,
     chunk_context,
+    lower_right_causal_attention,
     chunk_contexts,
     gali_attention,
     reference_gali_attention,
@@ -97,11 +98,12 @@ def test_noisy_path_is_the_same_in_any_tiling(monkeypatch):
     assert torch.equal(gali_attention(query, key, value, [chunk], 0.25, noise=noise), whole)
 
 
+@pytest.mark.parametrize("attention", [causal_attention, lower_right_causal_attention])  # the CPU and CUDA routes
 @pytest.mark.parametrize("q_len, kv_len", [(1, 9), (9, 9), (4, 9), (3, 40)])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_causal_attention_is_lower_right(q_len, kv_len, kv_heads):
+def test_causal_attention_is_lower_right(attention, q_len, kv_len, kv_heads):
     query, key, value = qkv(2, 4, kv_heads, q_len, kv_len)
-    got = causal_attention(query, key, value, scale=0.3)
+    got = attention(query, key, value, scale=0.3)
     key_r, value_r = key.repeat_interleave(4 // kv_heads, 1), value.repeat_interleave(4 // kv_heads, 1)
     logits = query @ key_r.transpose(-1, -2) * 0.3
     future = torch.arange(kv_len) > torch.arange(kv_len - q_len, kv_len).unsqueeze(1)

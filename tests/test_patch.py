@@ -1,6 +1,6 @@
 import pytest
 import torch
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM, StaticCache
 
 import gali_cli.patch as patch
 from gali_cli import ConfigError, GaliConfig, GaliError, UnsupportedModelError, apply_gali, gali_settings, remove_gali
@@ -155,20 +155,81 @@ def test_generate_matches_naive_greedy_decoding(make_llama):
     assert generated[0, 37:].tolist() == naive_tokens
 
 
-def test_llama_3_1_rope_type(make_llama):
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8,
-    }
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 8},  # Llama 3.1
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 16},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ],
+    ids=["llama3", "yarn", "linear"],
+)
+def test_rope_types(make_llama, rope):
     model = make_llama(train_len=32, rope_parameters=rope)
     ids = prompt(90)
     expected = NaiveGali(model, 32, 8, 4).prefill(ids[0].tolist())
+    inside = model(ids[:, :32]).logits
     apply_gali(model, GaliConfig(chunk_size=8, local_window=4, noise=False))
+    assert torch.equal(model(ids[:, :32]).logits, inside)
     torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_static_cache_and_generate(make_llama):
+    model = make_llama(train_len=16)
+    ids = prompt(41)
+    naive_tokens, _ = NaiveGali(model, 16, 4, 2).greedy(ids[0].tolist(), 5)
+    expected = NaiveGali(model, 16, 4, 2).prefill(ids[0].tolist())
+    apply_gali(model, GaliConfig(chunk_size=4, local_window=2, noise=False))
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    logits = torch.cat([model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in
+                        [(0, 10), (10, 28), (28, 41)]], dim=1)  # cut only at plan boundaries (16 + 4k)
+    torch.testing.assert_close(logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+    generated = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
+        cache_implementation="static",
+    )
+    assert generated[0, 41:].tolist() == naive_tokens
+
+
+def test_forward_and_backward_with_autograd(make_llama):
+    model = make_llama(train_len=16)
+    ids = prompt(50)
+    apply_gali(model, GaliConfig(chunk_size=4, local_window=2, noise=True))
+    expected = model(ids).logits
+    with torch.enable_grad():
+        logits = model(ids).logits
+        logits[:, -1].logsumexp(-1).sum().backward()
+    torch.testing.assert_close(logits.detach(), expected, rtol=1e-5, atol=1e-5)
+    gradient = model.model.layers[0].self_attn.k_proj.weight.grad
+    assert gradient is not None and gradient.abs().sum() > 0 and torch.isfinite(gradient).all()
+
+
+def test_failed_reapply_keeps_the_previous_settings(make_llama):
+    model = apply_gali(make_llama(train_len=16), GaliConfig(chunk_size=4, local_window=2))
+    with pytest.raises(ConfigError):
+        apply_gali(model, GaliConfig(train_len=32))
+    assert gali_settings(model) == GaliConfig(train_len=16, chunk_size=4, local_window=2)
+
+
+def test_changing_the_attention_implementation_afterwards_is_caught(make_llama):
+    model = apply_gali(make_llama(train_len=16))
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(GaliError, match="remove_gali"):
+        model(prompt(20))
+
+
+def test_default_dtype_does_not_leak_into_the_tables(make_llama):
+    model = make_llama(train_len=16)
+    ids = prompt(60)
+    apply_gali(model, GaliConfig(chunk_size=4, local_window=2, noise=False))
+    expected = model(ids).logits
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        assert torch.equal(model(ids).logits, expected)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -243,23 +304,6 @@ def test_unsupported_models_get_a_clear_error(make_llama):
         apply_gali(dynamic)
     with pytest.raises(UnsupportedModelError):
         apply_gali(torch.nn.Linear(2, 2))
-
-
-@pytest.mark.parametrize(
-    "settings, flag",
-    [
-        (dict(train_len=16, local_window=16), "--local-window"),
-        (dict(chunk_size=0), "--chunk-size"),
-        (dict(train_len=1), "--train-len"),
-        (dict(local_window=-1), "--local-window"),
-        (dict(noise_scale=-1.0), "--noise-scale"),
-        (dict(seed=1.5), "--seed"),
-        (dict(chunk_size=True), "--chunk-size"),
-    ],
-)
-def test_bad_settings_name_the_flag(settings, flag):
-    with pytest.raises(ConfigError, match=flag):
-        GaliConfig(**settings)
 
 
 def test_train_len_beyond_the_models_window_is_refused(make_llama):

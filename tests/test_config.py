@@ -1,0 +1,28 @@
+import pytest
+
+from gali_cli import ConfigError, GaliConfig
+
+
+@pytest.mark.parametrize(
+    "settings, flag",
+    [
+        (dict(train_len=16, local_window=16), "--local-window"),
+        (dict(chunk_size=0), "--chunk-size"),
+        (dict(train_len=1), "--train-len"),
+        (dict(local_window=-1), "--local-window"),
+        (dict(noise_scale=-1.0), "--noise-scale"),
+        (dict(seed=1.5), "--seed"),
+        (dict(chunk_size=True), "--chunk-size"),
+    ],
+)
+def test_bad_settings_name_the_flag(settings, flag):
+    with pytest.raises(ConfigError, match=flag):
+        GaliConfig(**settings)
+
+
+def test_resolved_fills_defaults_from_train_len():
+    assert GaliConfig().resolved(8192) == GaliConfig(train_len=8192, chunk_size=1024, local_window=128)
+    assert GaliConfig(train_len=256).resolved(8192) == GaliConfig(train_len=256, chunk_size=32, local_window=4)
+    assert GaliConfig(chunk_size=7, local_window=0).resolved(16) == GaliConfig(16, 7, 0)
+    with pytest.raises(ConfigError, match="--train-len"):
+        GaliConfig(train_len=9000).resolved(8192)
