@@ -11,3 +11,11 @@ class ConfigError(GaliError, ValueError):
 
 class UnsupportedModelError(GaliError):
     """A model GALI cannot be applied to; the message names what is unsupported."""
+
+
+class InputError(GaliError):
+    """A document that cannot be read: missing, empty, binary, corrupt, encrypted, or without text."""
+
+
+class ModelLoadError(GaliError):
+    """A model that cannot be found or loaded, or that does not fit in memory."""

@@ -14,3 +14,13 @@ def chat_messages(document: str, instruction: str, system: str | None = None) ->
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": f"{document}\n\n{instruction}"})
     return messages
+
+
+def prompt_ids(tokenizer, document: str, instruction: str, system: str | None = None) -> list[int]:
+    """Token ids of the prompt: through the model's chat template when it has one, else plain text."""
+    if tokenizer.chat_template:
+        messages = chat_messages(document, instruction, system)
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    preamble = f"{system}\n\n" if system else ""
+    return tokenizer(f"{preamble}{document}\n\n{instruction}\n").input_ids

@@ -1,0 +1,206 @@
+"""Generation in three layers: prefill and decode on tensors, a stream of small events, and the joined answer.
+
+The prompt is prefilled in forwards of a bounded number of tokens (memory stays bounded; only the last position's
+logits are computed), cut only where the method allows; then one token per forward is decoded until a stop token.
+"""
+
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .errors import ConfigError
+
+Sampler = Callable[[torch.Tensor], int]
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    """A piece of the answer, as soon as it decodes to whole characters."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a generation, with what it cost."""
+
+    reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    peak_memory_bytes: int
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def make_sampler(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> Sampler:
+    """A function from next-token logits (vocab,) to a token id. Temperature 0 is greedy; otherwise sampling is
+    reproducible for a seed (it runs on the CPU, whatever the model's device)."""
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0, got {top_k}")
+    if temperature == 0:
+        return lambda logits: int(logits.argmax())
+    generator = torch.Generator().manual_seed(seed)
+
+    def sample(logits: torch.Tensor) -> int:
+        logits = logits.float().cpu() / temperature
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            beyond = torch.softmax(sorted_logits, -1).cumsum(-1) > top_p
+            beyond[1:] = beyond[:-1].clone()  # keep the token that crosses top_p
+            beyond[0] = False
+            logits[order[beyond]] = float("-inf")
+        return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+
+    return sample
+
+
+def forward_spans(start: int, stop: int, step: int, boundaries: list[int] | None = None) -> list[tuple[int, int]]:
+    """Cut tokens [start, stop) into forwards of about `step` tokens, ending only at `boundaries` if given.
+
+    A forward is longer than `step` only when the next boundary is that far away.
+    """
+    if boundaries is None:
+        return [(first, min(first + step, stop)) for first in range(start, stop, step)]
+    spans, first, previous = [], start, start
+    for boundary in boundaries:
+        if boundary - first > step and previous > first:
+            spans.append((first, previous))
+            first = previous
+        previous = boundary
+    spans.append((first, stop))
+    return spans
+
+
+def prefill(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    cache: DynamicCache,
+    spans: list[tuple[int, int]],
+    progress: Progress | None = None,
+) -> torch.Tensor:
+    """Run the prompt `ids` (1, n) through the model span by span; returns the last position's logits (vocab,)."""
+    logits = None
+    for first, last in spans:
+        logits = model(input_ids=ids[:, first:last], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if progress:
+            progress(last - spans[0][0], spans[-1][1] - spans[0][0])
+    return logits[0, -1].float()
+
+
+def decode(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    logits: torch.Tensor,
+    sampler: Sampler,
+    max_new_tokens: int,
+    stop_ids: set[int],
+) -> Iterator[int]:
+    """Sample from `logits`, then one token per forward; yields token ids, stop tokens included."""
+    device = model.get_input_embeddings().weight.device
+    for step in range(max_new_tokens):
+        token = sampler(logits)
+        yield token
+        if token in stop_ids or step == max_new_tokens - 1:
+            return
+        step_ids = torch.tensor([[token]], device=device)
+        logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+
+
+def stream_generate(
+    model: PreTrainedModel,
+    tokenizer,
+    prompt_ids: list[int],
+    sampler: Sampler,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    spans: list[tuple[int, int]],
+    progress: Progress | None = None,
+) -> Iterator[TextPiece | Finished]:
+    """Prefill `prompt_ids` along `spans`, then decode; yields the answer piece by piece, then `Finished`."""
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([prompt_ids], device=device)
+    reset_peak_memory(device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        logits = prefill(model, ids, cache, spans, progress)
+        prefilled = time.perf_counter()
+        detokenizer = _Detokenizer(tokenizer)
+        generated, reason = 0, "length"
+        for token in decode(model, cache, logits, sampler, max_new_tokens, stop_ids):
+            generated += 1
+            if token in stop_ids:
+                reason = "stop"
+                break
+            piece = detokenizer.add(token)
+            if piece:
+                yield TextPiece(piece)
+    yield Finished(
+        reason=reason,
+        prompt_tokens=len(prompt_ids),
+        generated_tokens=generated,
+        prefill_seconds=prefilled - started,
+        decode_seconds=time.perf_counter() - prefilled,
+        peak_memory_bytes=peak_memory_bytes(device),
+    )
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer) -> set[int]:
+    """Every id that ends an answer: the generation config's eos ids, the tokenizer's eos, and <|eot_id|>."""
+    ids = model.generation_config.eos_token_id
+    stops = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    if isinstance(eot, int) and eot != tokenizer.unk_token_id:
+        stops.add(eot)
+    return stops
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak GPU memory allocated by torch on CUDA (all GPUs); on CPU, the process's peak resident memory."""
+    if device.type == "cuda":
+        return sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class _Detokenizer:
+    """Turns tokens into text pieces, holding back a piece while it ends in a partial UTF-8 character."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.text = text[len(self.text) :], text
+        return piece

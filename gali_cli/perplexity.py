@@ -1,0 +1,55 @@
+"""Perplexity of a document under a method, in one pass, without ever holding more than a slice of logits."""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from .errors import ConfigError
+
+# Positions whose logits exist at once: logits are (slice x vocab) floats, e.g. 512 x 128k x 4 B = 256 MiB.
+_LOGIT_SLICE = 512
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    length: int  # over the first `length` tokens: tokens 2..length, each predicted from its whole prefix
+    ppl: float
+    mean_nll: float
+
+
+def perplexities(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    lengths: list[int],
+    spans: list[tuple[int, int]],
+    progress: Callable[[int, int, float], None] | None = None,
+) -> list[Perplexity]:
+    """PPL over the first l tokens of `ids` (1, N) for every l in `lengths`, from one pass along `spans`.
+
+    The model's body runs forward by forward (its cache carrying the prefix); the LM head runs on slices of each
+    forward's hidden states. `progress` gets (tokens done, N, running perplexity).
+    """
+    total = ids.shape[1]
+    for length in lengths:
+        if not 2 <= length <= total:
+            raise ConfigError(f"--lengths: {length} tokens asked, the document has {total} (at least 2 needed)")
+    head = model.get_output_embeddings()
+    nll = torch.zeros(total - 1, dtype=torch.float64)  # nll[t]: token t + 1 given tokens 0..t
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        for first, last in spans:
+            hidden = model.model(input_ids=ids[:, first:last], past_key_values=cache, use_cache=True).last_hidden_state
+            for start in range(first, min(last, total - 1), _LOGIT_SLICE):
+                stop = min(start + _LOGIT_SLICE, last, total - 1)
+                logits = head(hidden[0, start - first : stop - first]).float()
+                targets = ids[0, start + 1 : stop + 1].to(logits.device)
+                nll[start:stop] = F.cross_entropy(logits, targets, reduction="none").double().cpu()
+            if progress:
+                done = min(last, total - 1)
+                progress(last, total, math.exp(nll[:done].mean().item()))
+    return [Perplexity(length, math.exp(nll[: length - 1].mean().item()), nll[: length - 1].mean().item())
+            for length in lengths]

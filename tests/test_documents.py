@@ -1,0 +1,113 @@
+import io
+from pathlib import Path
+
+import pytest
+from fpdf import FPDF
+from PIL import Image
+
+from gali_cli.documents import read_document
+from gali_cli.errors import InputError
+
+
+def make_pdf(path: Path, pages: list[str | None], password: str | None = None) -> Path:
+    """A PDF with one page per entry: text, or None for a page holding only an image."""
+    pdf = FPDF()
+    pdf.set_font("helvetica", size=12)
+    for text in pages:
+        pdf.add_page()
+        if text is None:
+            image = io.BytesIO()
+            Image.new("RGB", (40, 20), (200, 30, 30)).save(image, format="PNG")
+            pdf.image(image, x=10, y=10, w=80)
+        else:
+            pdf.multi_cell(0, 8, text)
+    if password is not None:
+        pdf.set_encryption(owner_password="owner", user_password=password)
+    pdf.output(str(path))
+    return path
+
+
+def test_utf8_text(tmp_path):
+    path = tmp_path / "notes.md"
+    path.write_text("# Title\r\n\r\nCafé, naïve, 東京.\r\n", encoding="utf-8")
+    document = read_document(str(path))
+    assert document.text == "# Title\n\nCafé, naïve, 東京.\n"
+    assert (document.kind, document.pages, document.warnings) == ("text", 0, ())
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-8-sig"])
+def test_text_with_a_byte_order_mark(tmp_path, encoding):
+    path = tmp_path / "bom.txt"
+    path.write_text("Grüße aus Köln", encoding=encoding)
+    assert read_document(str(path)).text == "Grüße aus Köln"
+
+
+def test_other_encodings_are_detected_with_a_warning(tmp_path):
+    path = tmp_path / "latin.txt"
+    text = "Le château de la forêt était très ancien; les élèves y passèrent l'été à étudier. " * 20
+    path.write_bytes(text.encode("cp1252"))
+    document = read_document(str(path))
+    assert "château" in document.text and "élèves" in document.text
+    assert any("not UTF-8" in warning for warning in document.warnings)
+
+
+def test_undecodable_bytes_are_replaced_with_a_warning(tmp_path):
+    path = tmp_path / "mixed.txt"
+    path.write_bytes("plain ascii text and ".encode() * 30 + b"\xff\xfe\xfa broken" + " more text".encode() * 30)
+    document = read_document(str(path))
+    assert "plain ascii text" in document.text and document.warnings
+
+
+def test_standard_input(tmp_path):
+    document = read_document("-", stdin=io.BytesIO("from stdin\n".encode()))
+    assert document.text == "from stdin\n" and document.name == "<stdin>"
+    pdf = make_pdf(tmp_path / "in.pdf", ["A PDF arriving on stdin."])
+    assert "arriving on stdin" in read_document("-", stdin=io.BytesIO(pdf.read_bytes())).text
+
+
+def test_pdf_page_by_page_with_progress(tmp_path):
+    path = make_pdf(tmp_path / "report.pdf", ["First page about leases.", "Second page about rent."])
+    seen = []
+    document = read_document(str(path), progress=lambda done, total: seen.append((done, total)))
+    assert document.kind == "pdf" and document.pages == 2
+    assert "First page about leases." in document.text and "Second page about rent." in document.text
+    assert seen == [(1, 2), (2, 2)]
+
+
+def test_pdf_pages_without_text_are_reported(tmp_path):
+    path = make_pdf(tmp_path / "mixed.pdf", ["Some text.", None, "More text."])
+    document = read_document(str(path))
+    assert document.warnings == (f"{path}: no text on page 2 (images?)",)
+
+
+def test_encrypted_pdf(tmp_path):
+    path = make_pdf(tmp_path / "secret.pdf", ["Classified lease terms."], password="s3cret")
+    with pytest.raises(InputError, match="--password"):
+        read_document(str(path))
+    with pytest.raises(InputError, match="wrong password"):
+        read_document(str(path), password="guess")
+    assert "Classified lease terms." in read_document(str(path), password="s3cret").text
+
+
+def write(directory: Path, name: str, data: bytes) -> Path:
+    (directory / name).write_bytes(data)
+    return directory / name
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda d: d / "missing.txt", "no such file"),
+        (lambda d: d, "is a directory"),
+        (lambda d: write(d, "empty.txt", b""), "is empty"),
+        (lambda d: write(d, "blank.txt", b" \n\t\n"), "is empty"),
+        (lambda d: write(d, "image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(200)), "binary"),
+        (lambda d: write(d, "broken.pdf", b"%PDF-1.7\n%broken\n1 0 obj << /Type /Catalog"), "not a readable PDF"),
+        (lambda d: make_pdf(d / "scan.pdf", [None, None]), "OCR"),
+    ],
+    ids=["missing", "directory", "empty", "blank", "binary", "corrupt-pdf", "image-only-pdf"],
+)
+def test_unreadable_inputs(tmp_path, setup, message):
+    path = setup(tmp_path)
+    with pytest.raises(InputError, match=message):
+        read_document(str(path))

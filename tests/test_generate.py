@@ -1,0 +1,97 @@
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
+
+from gali_cli import ConfigError, GaliConfig, apply_gali
+from gali_cli.generate import (
+    Finished,
+    TextPiece,
+    _Detokenizer,
+    forward_spans,
+    make_sampler,
+    prefill,
+    stop_token_ids,
+    stream_generate,
+)
+from gali_cli.methods import METHODS
+from gali_cli.positions import chunk_plan
+
+
+@pytest.fixture
+def tiny(tiny_model_dir):
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    assert make_sampler()(logits) == int(logits.argmax())
+
+    def draws(seed: int) -> list[int]:
+        sample = make_sampler(1.0, seed=seed)
+        return [sample(logits) for _ in range(30)]
+
+    assert draws(3) == draws(3) and draws(3) != draws(4)
+    assert {make_sampler(5.0, top_k=1, seed=s)(logits) for s in range(10)} == {int(logits.argmax())}
+    assert {make_sampler(5.0, top_p=1e-6, seed=s)(logits) for s in range(10)} == {int(logits.argmax())}
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    assert {make_sampler(50.0, top_k=3, seed=s)(logits) for s in range(40)} == top3
+
+
+@pytest.mark.parametrize("settings, flag", [(dict(temperature=-1), "--temperature"), (dict(top_p=0), "--top-p"),
+                                            (dict(top_p=1.5), "--top-p"), (dict(top_k=-2), "--top-k")])
+def test_bad_sampling_settings(settings, flag):
+    with pytest.raises(ConfigError, match=flag):
+        make_sampler(**settings)
+
+
+def test_forward_spans():
+    assert forward_spans(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    plan_ends = [last for _, last in chunk_plan(0, 100, 32, 8)]  # 32, 40, ..., 96, 100
+    assert forward_spans(0, 100, 20, plan_ends) == [(0, 32), (32, 48), (48, 64), (64, 80), (80, 100)]
+    assert forward_spans(5, 6, 20, [6]) == [(5, 6)]
+
+
+def test_prefill_along_spans_equals_one_forward(tiny):
+    model, _ = tiny
+    apply_gali(model, GaliConfig(chunk_size=4, local_window=2))
+    ids = torch.randint(0, 300, (1, 150), generator=torch.Generator().manual_seed(0))
+    whole = model(ids).logits[0, -1]
+    spans = forward_spans(0, 150, 20, METHODS["gali"].boundaries(model, 0, 150))
+    assert len(spans) > 5
+    torch.testing.assert_close(prefill(model, ids, DynamicCache(config=model.config), spans), whole)
+
+
+def test_stream_generate_is_greedy_decoding(tiny):
+    model, tokenizer = tiny
+    apply_gali(model, GaliConfig(chunk_size=4, local_window=2, noise=False))
+    prompt = tokenizer("The lease ends in March. " * 20).input_ids  # several times the 32-token window
+    events = list(stream_generate(model, tokenizer, prompt, make_sampler(), 12, stop_token_ids(model, tokenizer),
+                                  [(0, len(prompt))]))
+    *pieces, finished = events
+    assert all(isinstance(piece, TextPiece) for piece in pieces) and isinstance(finished, Finished)
+    ids, expected = torch.tensor([prompt]), []
+    for _ in range(12):
+        expected.append(int(model(ids).logits[0, -1].argmax()))
+        ids = torch.cat([ids, torch.tensor([[expected[-1]]])], dim=1)
+    assert "".join(piece.text for piece in pieces) == tokenizer.decode(expected, skip_special_tokens=True)
+    assert (finished.reason, finished.prompt_tokens, finished.generated_tokens) == ("length", len(prompt), 12)
+    assert finished.peak_memory_bytes > 0 and finished.prefill_tokens_per_second > 0
+
+
+def test_stop_tokens_end_the_answer(tiny):
+    model, tokenizer = tiny
+    stops = stop_token_ids(model, tokenizer)
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert eot in stops and tokenizer.convert_tokens_to_ids("<|end_of_text|>") in stops
+    always_eot = lambda logits: eot  # noqa: E731
+    events = list(stream_generate(model, tokenizer, [0, 5, 6], always_eot, 10, stops, [(0, 3)]))
+    assert events == [events[-1]] and events[-1].reason == "stop" and events[-1].generated_tokens == 1
+
+
+def test_detokenizer_holds_back_partial_characters(tiny):
+    _, tokenizer = tiny
+    ids = tokenizer("東京 café", add_special_tokens=False).input_ids
+    detokenizer = _Detokenizer(tokenizer)
+    pieces = [detokenizer.add(token) for token in ids]
+    assert "".join(pieces) == "東京 café" and not any("\ufffd" in piece for piece in pieces)

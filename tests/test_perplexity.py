@@ -1,0 +1,41 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gali_cli.perplexity as perplexity_module
+from gali_cli import ConfigError, GaliConfig
+from gali_cli.generate import forward_spans
+from gali_cli.methods import METHODS
+from gali_cli.perplexity import perplexities
+
+
+def reference_ppl(logits: torch.Tensor, ids: torch.Tensor, length: int) -> float:
+    """exp(mean NLL of tokens 2..length) from full logits (1, N, V)."""
+    return math.exp(F.cross_entropy(logits[0, : length - 1].double(), ids[0, 1:length]).item())
+
+
+@pytest.mark.parametrize("method", ["original", "gali"])
+def test_one_pass_matches_full_logits(make_llama, monkeypatch, method):
+    model = make_llama(train_len=16)
+    ids = torch.randint(0, 64, (1, 90), generator=torch.Generator().manual_seed(1))
+    METHODS[method].apply(model, GaliConfig(chunk_size=5, local_window=2))
+    logits = model(ids).logits  # GALI: one forward over all 90 tokens equals any plan-aligned split
+    boundaries = METHODS[method].boundaries(model, 0, 90) if METHODS[method].boundaries else None
+    spans = forward_spans(0, 90, 24, boundaries)
+    monkeypatch.setattr(perplexity_module, "_LOGIT_SLICE", 7)  # several head slices per forward
+    seen = []
+    results = perplexities(model, ids, [2, 16, 17, 50, 90], spans, lambda *update: seen.append(update))
+    for result in results:
+        assert result.ppl == pytest.approx(reference_ppl(logits, ids, result.length), rel=1e-5)
+        assert result.mean_nll == pytest.approx(math.log(result.ppl))
+    assert [done for done, _, _ in seen] == [last for _, last in spans]
+    assert seen[-1][2] == pytest.approx(results[-1].ppl)
+
+
+def test_lengths_must_fit_the_document(make_llama):
+    model = make_llama(train_len=16)
+    ids = torch.randint(0, 64, (1, 20))
+    with pytest.raises(ConfigError, match="21 tokens asked, the document has 20"):
+        perplexities(model, ids, [21], [(0, 20)])
