@@ -2,7 +2,7 @@
 
 from .config import GaliConfig
 from .errors import ConfigError, GaliError, UnsupportedModelError
-from .patch import apply_gali, gali_settings, remove_gali
+from .methods.gali import apply_gali, gali_settings, remove_gali
 
 __all__ = [
     "ConfigError",

@@ -9,6 +9,7 @@ explicit logits, and those are built a tile of queries at a time.
 Shapes: B batch, H query heads, Hkv key/value heads (GQA when Hkv < H), q queries, T keys, D head dim.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +19,9 @@ from torch.nn.attention.bias import causal_lower_right
 from .noise import Noise, standard_normal
 from .positions import Interpolation, group_size, interpolate
 
-# Logits held at once by the noisy path (a tile of queries): 1M float32, 4 MiB; the noise's temporaries take a few
+# Explicit logits held at once (a tile of queries): 1M float32, 4 MiB; noise or extra position sets take a few
 # times that.
-_NOISY_TILE_ELEMENTS = 1 << 20
+_LOGITS_TILE_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -215,23 +216,51 @@ def _noisy_attention(
     noise: Noise,
 ) -> torch.Tensor:
     """GALI with logit noise: explicit float32 logits, one tile of queries at a time."""
-    batch, heads, q_len, _ = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    heads_per_kv = heads // kv_heads
-    # The query heads of one key head become rows of one matrix product: keys are never repeated.
-    query = query.float().view(batch, kv_heads, heads_per_kv, q_len, -1)
-    key_t, value = key.float().transpose(-1, -2), value.float()
-    output = torch.empty(batch, heads, q_len, value.shape[-1], dtype=key.dtype, device=key.device)
-    tile = max(1, _NOISY_TILE_ELEMENTS // (batch * heads * kv_len))
-    for start in range(0, q_len, tile):
-        rows = slice(start, min(start + tile, q_len))
-        tile_query = query[:, :, :, rows].reshape(batch, kv_heads, -1, query.shape[-1])
-        logits = (torch.matmul(tile_query, key_t) * scale).view(batch, heads, -1, kv_len)  # (B, H, tile, T)
-        query_index = torch.arange(kv_len - q_len + rows.start, kv_len - q_len + rows.stop, device=key.device)
-        add_noise(logits, query_index, chunk.group, chunk.grouped, noise)
-        mask_future(logits, query_index)
-        probs = F.dropout(torch.softmax(logits, dim=-1), p=dropout).view(batch, kv_heads, -1, kv_len)
-        output[:, :, rows] = torch.matmul(probs, value).view(batch, heads, -1, value.shape[-1]).to(key.dtype)
+    first = key.shape[2] - query.shape[2]  # token index of the first query
+
+    def logits(rows: slice) -> torch.Tensor:
+        scores = grouped_logits(query[:, :, rows], key, scale)
+        query_index = torch.arange(first + rows.start, first + rows.stop, device=key.device)
+        add_noise(scores, query_index, chunk.group, chunk.grouped, noise)
+        mask_future(scores, query_index)
+        return scores
+
+    return tiled_attention(logits, value, query.shape[1], query.shape[2], dropout)
+
+
+def grouped_logits(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float32 logits (B, H, n, T) of rotated queries (B, H, n, D) against rotated keys (B, Hkv, T, D).
+
+    The query heads that share a key head are stacked into the rows of one matrix product, so keys are never
+    repeated per head.
+    """
+    batch, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    stacked = query.float().reshape(batch, kv_heads, heads // kv_heads * rows, dim)
+    return (torch.matmul(stacked, key.float().transpose(-1, -2)) * scale).view(batch, heads, rows, -1)
+
+
+def tiled_attention(
+    logits: Callable[[slice], torch.Tensor], value: torch.Tensor, heads: int, queries: int, dropout: float = 0.0
+) -> torch.Tensor:
+    """softmax(logits) @ value, a tile of query rows at a time, so that explicit logits never exceed a tile.
+
+    Args:
+        logits: gives the masked float32 logits (B, H, n, T) of the query rows in a slice.
+        value: (B, Hkv, T, D).
+
+    Returns:
+        (B, H, queries, D) in the value's dtype.
+    """
+    batch, kv_heads, kv_len, dim = value.shape
+    value32 = value.float()
+    output = value.new_empty(batch, heads, queries, dim)
+    tile = max(1, _LOGITS_TILE_ELEMENTS // (batch * heads * kv_len))
+    for start in range(0, queries, tile):
+        rows = slice(start, min(start + tile, queries))
+        probs = F.dropout(torch.softmax(logits(rows), dim=-1), p=dropout)
+        probs = probs.view(batch, kv_heads, -1, kv_len)  # heads sharing a key head, stacked as rows
+        output[:, :, rows] = torch.matmul(probs, value32).view(batch, heads, -1, dim).to(value.dtype)
     return output
 
 

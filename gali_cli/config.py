@@ -68,3 +68,32 @@ def _check_int(flag: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{flag} must be a whole number, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{flag} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """The settings of every length-extrapolation method; each method reads its own. None means the method's
+    default, usually relative to train_len and to the input's length (see gali_cli.methods)."""
+
+    train_len: int | None = None
+    chunk_size: int | None = None  # gali
+    local_window: int | None = None  # gali, chunk-llama
+    noise: bool = True  # gali
+    noise_scale: float = 1.0  # gali
+    seed: int = 0  # gali's noise
+    factor: float | None = None  # ntk, dynamic-ntk, yarn
+    group_size: int | None = None  # self-extend
+    neighbor_window: int | None = None  # self-extend
+    dca_chunk_size: int | None = None  # chunk-llama
+
+    def __post_init__(self) -> None:
+        self.gali()  # validates the settings GALI shares
+        _check_int("--group-size", self.group_size, minimum=1)
+        _check_int("--neighbor-window", self.neighbor_window, minimum=1)
+        _check_int("--dca-chunk-size", self.dca_chunk_size, minimum=1)
+        if self.factor is not None and (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
+                                        or not 1 <= self.factor < float("inf")):
+            raise ConfigError(f"--factor must be a number >= 1, got {self.factor!r}")
+
+    def gali(self) -> GaliConfig:
+        return GaliConfig(self.train_len, self.chunk_size, self.local_window, self.noise, self.noise_scale, self.seed)

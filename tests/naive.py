@@ -46,58 +46,49 @@ def chunk_positions(cur_len: int, add_token: int, train_len: int, local_window: 
     return alg2_positions(cur_len, train_len, add_token, local_window)
 
 
-class NaiveGali:
-    """A Llama read with GALI, one chunk per call, K/V cached without RoPE, all in float64.
+class NaiveLlama:
+    """A Llama spelled out from its weights, in float64, one forward per call, K/V cached without RoPE.
 
-    Args:
-        model: a transformers LlamaForCausalLM (only its weights and rotary frequencies are read).
-        noise: (seed, scale) to add the paper's logit noise, or None.
-        batch_index: which row of a batch this sequence is (the noise differs per row).
+    Subclasses give the attention logits of one head: `logits(q (n, D), keys (T, D), first, layer, head)`, scaled
+    by 1/sqrt(d), for the queries of tokens first..first+n-1 over the keys of tokens 0..T-1; the causal mask,
+    softmax and the rest of the layer are here.
     """
 
-    def __init__(self, model, train_len, chunk_size, local_window, noise=None, batch_index=0):
+    def __init__(self, model, batch_index: int = 0):
         self.config = model.config
         self.weights = {name: tensor.detach().double() for name, tensor in model.state_dict().items()}
         self.weights["lm_head.weight"] = model.lm_head.weight.detach().double()
         rotary = model.model.rotary_emb
-        rotary = getattr(rotary, "rotary", rotary)  # the original, also when GALI is applied
+        rotary = getattr(rotary, "rotary", rotary)  # the model's own, also when a method is applied
         self.inv_freq = rotary.inv_freq.detach().double()
         self.rope_scaling = float(rotary.attention_scaling)
-        self.train_len, self.chunk_size, self.local_window = train_len, chunk_size, local_window
-        self.noise, self.batch_index = noise, batch_index
+        self.batch_index = batch_index
         layers = self.config.num_hidden_layers
         self.keys: list[list[torch.Tensor]] = [[] for _ in range(layers)]
         self.values: list[list[torch.Tensor]] = [[] for _ in range(layers)]
         self.length = 0
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Algorithm 1's chunks, in order; returns every token's logits (len(ids), vocab)."""
-        logits = []
-        start = 0
-        for size in alg1_chunk_sizes(len(ids), self.train_len, self.chunk_size):
-            logits.append(self.chunk(ids[start : start + size]))
-            start += size
-        return torch.cat(logits)
+        """The whole prompt in one forward; returns every token's logits (len(ids), vocab)."""
+        return self.forward(ids)
 
     def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-        """Prefill, then decode `steps` tokens greedily, each token its own chunk."""
+        """Prefill, then decode `steps` tokens greedily, one forward each."""
         logits = self.prefill(prompt)[-1]
         tokens, step_logits = [], []
         for _ in range(steps):
             token = int(logits.argmax())
             tokens.append(token)
             step_logits.append(logits)
-            logits = self.chunk([token])[-1]
+            logits = self.forward([token])[-1]
         return tokens, step_logits
 
-    def chunk(self, ids: list[int]) -> torch.Tensor:
+    def forward(self, ids: list[int]) -> torch.Tensor:
         w, cfg = self.weights, self.config
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = cfg.hidden_size // heads
         first, new = self.length, len(ids)
         total = first + new
-        positions = torch.tensor(chunk_positions(first, new, self.train_len, self.local_window), dtype=torch.float64)
-        query_positions = positions[first:]
         x = w["model.embed_tokens.weight"][torch.tensor(ids)]
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
@@ -109,24 +100,9 @@ class NaiveGali:
             heads_out = []
             for head in range(heads):
                 kv = head // (heads // kv_heads)
-                # Algorithm 3: queries at ceil(p); keys at ceil(p) and at floor(p); interpolate the two logits.
-                query_ceil = self._rope(q[:, head], query_positions.ceil())
-                key_ceil = self._rope(keys[:, kv], positions.ceil())
-                key_floor = self._rope(keys[:, kv], positions.floor())
-                attn_floor = query_ceil @ key_ceil.T / math.sqrt(head_dim)
-                attn_ceil = query_ceil @ key_floor.T / math.sqrt(head_dim)
-                rel_coef = torch.remainder(query_positions.ceil().unsqueeze(1) - positions.unsqueeze(0), 1)
-                logits = attn_floor - (attn_floor - attn_ceil) * rel_coef
+                logits = self.logits(q[:, head], keys[:, kv], first, layer, head)
                 query_index = torch.arange(first, total).unsqueeze(1)
-                key_index = torch.arange(total).unsqueeze(0)
-                if self.noise is not None:
-                    seed, scale = self.noise
-                    samples = standard_normal(
-                        Noise(seed, layer, scale), self.batch_index + 1, heads, torch.arange(first, total), total
-                    )[self.batch_index, head].double()
-                    noise_std = (query_index - key_index) / total * scale
-                    logits = logits + samples * noise_std * (rel_coef != 0)
-                logits = logits.masked_fill(key_index > query_index, float("-inf"))
+                logits = logits.masked_fill(torch.arange(total).unsqueeze(0) > query_index, float("-inf"))
                 heads_out.append(torch.softmax(logits, dim=-1) @ values[:, kv])
             x = x + torch.cat(heads_out, dim=-1) @ w[p + "self_attn.o_proj.weight"].T
             h = self._rms_norm(x, w[p + "post_attention_layernorm.weight"])
@@ -136,12 +112,102 @@ class NaiveGali:
         self.length = total
         return self._rms_norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
+    def logits(self, query, keys, first, layer, head):
+        raise NotImplementedError
+
+    def rope_logits(self, query, keys, query_positions, key_positions) -> torch.Tensor:
+        """f(q, P_q)^T f(k, P_k) / sqrt(d) for every query/key pair, positions as float tensors."""
+        return self.rope(query, query_positions) @ self.rope(keys, key_positions).T / math.sqrt(query.shape[-1])
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        angles = positions.unsqueeze(1) * self.inv_freq.unsqueeze(0)
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.double().unsqueeze(1) * self.inv_freq.unsqueeze(0)
         angles = torch.cat((angles, angles), dim=-1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * angles.cos() * self.rope_scaling + rotated * angles.sin() * self.rope_scaling
+
+
+class NaiveGali(NaiveLlama):
+    """GALI, one Algorithm-1 chunk per forward during prefill, one token per forward after.
+
+    Args:
+        noise: (seed, scale) to add the paper's logit noise, or None.
+        batch_index: which row of a batch this sequence is (the noise differs per row).
+    """
+
+    def __init__(self, model, train_len, chunk_size, local_window, noise=None, batch_index=0):
+        super().__init__(model, batch_index)
+        self.train_len, self.chunk_size, self.local_window, self.noise = train_len, chunk_size, local_window, noise
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Algorithm 1's chunks, in order."""
+        logits, start = [], 0
+        for size in alg1_chunk_sizes(len(ids), self.train_len, self.chunk_size):
+            logits.append(self.forward(ids[start : start + size]))
+            start += size
+        return torch.cat(logits)
+
+    def chunk(self, ids: list[int]) -> torch.Tensor:
+        return self.forward(ids)
+
+    def logits(self, query, keys, first, layer, head):
+        total = len(keys)
+        positions = torch.tensor(chunk_positions(first, total - first, self.train_len, self.local_window),
+                                 dtype=torch.float64)
+        query_positions = positions[first:]
+        # Algorithm 3: queries at ceil(p); keys at ceil(p) and at floor(p); interpolate the two logits.
+        attn_floor = self.rope_logits(query, keys, query_positions.ceil(), positions.ceil())
+        attn_ceil = self.rope_logits(query, keys, query_positions.ceil(), positions.floor())
+        rel_coef = torch.remainder(query_positions.ceil().unsqueeze(1) - positions.unsqueeze(0), 1)
+        logits = attn_floor - (attn_floor - attn_ceil) * rel_coef
+        if self.noise is not None:
+            seed, scale = self.noise
+            heads = self.config.num_attention_heads
+            samples = standard_normal(Noise(seed, layer, scale), self.batch_index + 1, heads,
+                                      torch.arange(first, total), total)[self.batch_index, head].double()
+            distance = torch.arange(first, total).unsqueeze(1) - torch.arange(total).unsqueeze(0)
+            logits = logits + samples * (distance / total * scale) * (rel_coef != 0)
+        return logits
+
+
+class NaiveSelfExtend(NaiveLlama):
+    """SelfExtend (Jin et al. 2024): neighbour logits with true positions where i - j < W, grouped logits with
+    positions i // G + W - W // G and j // G elsewhere, each from its own full matrix."""
+
+    def __init__(self, model, group_size, neighbor_window):
+        super().__init__(model)
+        self.group_size, self.neighbor_window = group_size, neighbor_window
+
+    def logits(self, query, keys, first, layer, head):
+        g, w = self.group_size, self.neighbor_window
+        i = torch.arange(first, first + len(query))
+        j = torch.arange(len(keys))
+        neighbor = self.rope_logits(query, keys, i, j)
+        grouped = self.rope_logits(query, keys, i // g + w - w // g, j // g)
+        return torch.where(i.unsqueeze(1) - j.unsqueeze(0) < w, neighbor, grouped)
+
+
+class NaiveDualChunk(NaiveLlama):
+    """Dual Chunk Attention (An et al. 2024), Eq. 2-8: P_k = j mod s; P_intra = i mod s; P_succ = s + i mod s for
+    the first w positions of a chunk, else c - 1; P_inter = c - 1; chosen by how many chunks apart i and j are."""
+
+    def __init__(self, model, chunk_size, local_window, pretraining_window):
+        super().__init__(model)
+        self.s, self.w, self.c = chunk_size, local_window, pretraining_window
+
+    def logits(self, query, keys, first, layer, head):
+        s, w, c = self.s, self.w, self.c
+        i = torch.arange(first, first + len(query))
+        j = torch.arange(len(keys))
+        key_positions = j % s
+        p_intra = i % s
+        p_succ = torch.tensor([s + k if k < w else c - 1 for k in (i % s).tolist()])
+        p_inter = torch.full_like(i, c - 1)
+        apart = (i // s).unsqueeze(1) - (j // s).unsqueeze(0)
+        intra = self.rope_logits(query, keys, p_intra, key_positions)
+        succ = self.rope_logits(query, keys, p_succ, key_positions)
+        inter = self.rope_logits(query, keys, p_inter, key_positions)
+        return torch.where(apart == 0, intra, torch.where(apart == 1, succ, inter))

@@ -4,6 +4,7 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Static
 
 import gali_cli.patch as patch
 from gali_cli import ConfigError, GaliConfig, GaliError, UnsupportedModelError, apply_gali, gali_settings, remove_gali
+from gali_cli.attention import chunk_contexts
 from gali_cli.positions import chunk_plan, interpolate
 from conftest import VOCAB
 from naive import NaiveGali
@@ -215,7 +216,7 @@ def test_failed_reapply_keeps_the_previous_settings(make_llama):
 def test_changing_the_attention_implementation_afterwards_is_caught(make_llama):
     model = apply_gali(make_llama(train_len=16))
     model.set_attn_implementation("sdpa")
-    with pytest.raises(GaliError, match="remove_gali"):
+    with pytest.raises(GaliError, match="remove the method first"):
         model(prompt(20))
 
 
@@ -244,13 +245,12 @@ def test_half_precision_keeps_interpolation_and_tracks_fp32(make_llama, dtype):
     error = (logits - reference).norm() / reference.norm()
     assert error < 0.05, f"relative error {error:.3f} against the fp32 engine"
     # The half-precision model runs the exact fp64 interpolation weights (the chunk tables prove it).
-    state = model.model._gali
-    last = patch.ForwardPlan(state, 0, length).chunks(ids.device, dtype)[-1]
+    table = patch.Forward(model.model._positional, 0, length).table(ids.device, dtype)
+    chunks = chunk_contexts(table, chunk_plan(0, length, train_len, 256), train_len, 16)
     interp = interpolate(length, train_len, 16)
-    table = patch.ForwardPlan(state, 0, length)._table(ids.device, torch.float32)
     c = interp.weight.float().unsqueeze(1)
     exact = (1 - c) * table.cos32[interp.ceil] + c * table.cos32[interp.floor]
-    torch.testing.assert_close(last.key_cos.float(), exact[last.reuse :], rtol=0, atol=2**-7)
+    torch.testing.assert_close(chunks[-1].key_cos.float(), exact[chunks[-1].reuse :], rtol=0, atol=2**-7)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -1,0 +1,73 @@
+"""GALI (paper §3, Algorithms 1-3) as a position-remapping attention, and its public apply / remove functions."""
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..attention import chunk_contexts, gali_attention
+from ..config import GaliConfig
+from ..errors import GaliError
+from ..noise import Noise
+from ..patch import Forward, PositionalAttention, install, installed_method, llama_model, uninstall
+from ..positions import chunk_plan
+
+
+class Gali(PositionalAttention):
+    """Each forward is cut into GALI chunks; each chunk attends with positions recomputed for all its keys."""
+
+    name = "gali"
+
+    def __init__(self, config: GaliConfig) -> None:
+        self.config = config  # resolved: no None left
+        self.exact_until = config.train_len
+
+    def table_rows(self, start: int, stop: int) -> int:
+        # Positions reach train_len - 1, or train_len itself when there is no local window (Alg. 2's edge).
+        return min(stop, self.config.train_len + (self.config.local_window == 0))
+
+    def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
+        config = self.config
+
+        def build_chunks():
+            pieces = chunk_plan(forward.start, forward.stop, config.train_len, config.chunk_size)
+            table = forward.table(query.device, query.dtype)
+            return chunk_contexts(table, pieces, config.train_len, config.local_window)
+
+        chunks = forward.memo(("gali", query.device, query.dtype), build_chunks)
+        outputs = []
+        if not chunks[0].interpolated:  # only the first piece can lie inside the training window
+            window, chunks = chunks[0], chunks[1:]
+            outputs.append(forward.exact_attention(module, query, key, value, window.keys, scaling, dropout, **kwargs))
+        noise = Noise(config.seed, module.layer_idx, config.noise_scale) if config.noise else None
+        beyond = query[:, :, query.shape[2] - sum(chunk.queries for chunk in chunks) :]
+        outputs.append(gali_attention(beyond, key, value, chunks, scaling, dropout, noise).transpose(1, 2))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+def apply_gali(model: PreTrainedModel, config: GaliConfig | None = None) -> PreTrainedModel:
+    """Patch a transformers Llama in place so that it reads inputs longer than its training window with GALI.
+
+    Inputs up to `train_len` tokens run exactly as before. Applying again replaces the settings.
+
+    Returns:
+        The same model, for chaining.
+    """
+    llama_model(model)
+    resolved = (config or GaliConfig()).resolved(model.config.max_position_embeddings)  # before touching the model
+    install(model, Gali(resolved))
+    return model
+
+
+def remove_gali(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo `apply_gali`: the original rotary module, attention implementation and no hook."""
+    if not isinstance(installed_method(model), Gali):
+        raise GaliError("remove_gali: GALI is not applied to this model")
+    uninstall(model)
+    return model
+
+
+def gali_settings(model: PreTrainedModel) -> GaliConfig | None:
+    """The resolved settings GALI runs with on `model`, or None when it is not applied."""
+    method = installed_method(model)
+    return method.config if isinstance(method, Gali) else None

@@ -1,0 +1,73 @@
+"""Global RoPE frequency scaling: static NTK, dynamic NTK and YaRN, through transformers' own rope types.
+
+Each rebuilds the model's rotary embedding from a copy of its config with other `rope_parameters`; the model's own
+module is kept inside the replacement, to be put back.
+"""
+
+import copy
+
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from ..errors import ConfigError
+from ..patch import llama_model
+
+
+class RescaledRope(nn.Module):
+    """The model's rotary embedding rebuilt with other rope parameters; `original` is the one to put back."""
+
+    def __init__(self, original: nn.Module, config) -> None:
+        super().__init__()
+        self.original = original
+        self.rescaled = LlamaRotaryEmbedding(config=config).to(original.inv_freq.device)
+
+    def forward(self, x, position_ids):
+        return self.rescaled(x, position_ids)
+
+
+def ntk_theta(rope_theta: float, factor: float, head_dim: int) -> float:
+    """Static NTK-aware scaling: the base grows by factor^(d / (d - 2)), so the lowest frequency stretches by factor."""
+    return rope_theta * factor ** (head_dim / (head_dim - 2))
+
+
+def rescale(model: PreTrainedModel, kind: str, factor: float, train_len: int) -> dict:
+    """Install `kind` ("ntk", "dynamic-ntk" or "yarn") with `factor`, relative to a window of `train_len`.
+
+    Returns the rope parameters now in use.
+    """
+    base = llama_model(model)
+    config = copy.deepcopy(model.config)
+    parameters = dict(config.rope_parameters or {})
+    if parameters.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"--method {kind} rescales plain RoPE, but this model already uses rope_type "
+            f"{parameters['rope_type']!r}; use gali, self-extend, chunk-llama or original"
+        )
+    if factor < 1:
+        raise ConfigError(f"--factor must be >= 1, got {factor}")
+    theta = parameters.get("rope_theta", 10000.0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if kind == "ntk":
+        parameters = {"rope_type": "default", "rope_theta": ntk_theta(theta, factor, head_dim)}
+    elif kind == "dynamic-ntk":
+        parameters = {"rope_type": "dynamic", "rope_theta": theta, "factor": float(factor)}
+        config.max_position_embeddings = train_len  # where dynamic scaling starts
+    elif kind == "yarn":
+        parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
+                      "original_max_position_embeddings": train_len}
+    else:
+        raise ValueError(f"unknown rope scaling {kind!r}")
+    config.rope_parameters = parameters
+    original = base.rotary_emb.original if isinstance(base.rotary_emb, RescaledRope) else base.rotary_emb
+    base.rotary_emb = RescaledRope(original, config)
+    return parameters
+
+
+def restore(model: PreTrainedModel) -> bool:
+    """Put the model's own rotary embedding back; False when nothing was rescaled."""
+    base = llama_model(model)
+    if not isinstance(base.rotary_emb, RescaledRope):
+        return False
+    base.rotary_emb = base.rotary_emb.original
+    return True

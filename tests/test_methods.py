@@ -1,0 +1,194 @@
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaForCausalLM
+
+from gali_cli import ConfigError, GaliConfig
+from gali_cli.config import MethodSettings
+from gali_cli.methods import METHODS, apply_method, remove_method
+from gali_cli.methods.rope_scaling import ntk_theta
+from conftest import VOCAB
+from naive import NaiveDualChunk, NaiveSelfExtend
+
+
+def prompt(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def forwards(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """Logits of `ids` fed in forwards ending at `cuts`, through one cache."""
+    cache, outputs, start = DynamicCache(config=model.config), [], 0
+    for stop in cuts:
+        outputs.append(model(ids[:, start:stop], past_key_values=cache, use_cache=True).logits)
+        start = stop
+    return torch.cat(outputs, dim=1)
+
+
+def engine_greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
+    cache = DynamicCache(config=model.config)
+    logits, tokens = model(ids, past_key_values=cache, use_cache=True).logits[0, -1], []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    return tokens
+
+
+SELF_EXTEND = [  # heads, kv_heads, train_len, group_size, neighbor_window, prompt_len
+    (4, 2, 16, 3, 4, 40),
+    (4, 4, 16, 5, 8, 48),  # exactly its reach: (16 - 8) * 5 + 8
+    (4, 1, 32, 2, 8, 50),
+    (4, 2, 16, 7, 5, 16),  # inside train_len, past the window
+    (4, 2, 32, 5, 12, 100),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, train_len, size, window, length", SELF_EXTEND)
+def test_self_extend_matches_its_paper(make_llama, heads, kv_heads, train_len, size, window, length):
+    model = make_llama(train_len=train_len, heads=heads, kv_heads=kv_heads)
+    ids = prompt(length)
+    expected = NaiveSelfExtend(model, size, window).prefill(ids[0].tolist())
+    naive_tokens, _ = NaiveSelfExtend(model, size, window).greedy(ids[0].tolist(), 4)
+    apply_method(model, "self-extend", MethodSettings(group_size=size, neighbor_window=window), length)
+    torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+    # Positions depend on (i, j) only: any split of the input gives the same logits.
+    torch.testing.assert_close(forwards(model, ids, [3, window + 1, length - 5, length]), model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+    assert engine_greedy(model, ids, 4) == naive_tokens
+
+
+DUAL_CHUNK = [  # heads, kv_heads, train_len, chunk_size, local_window, prompt_len
+    (4, 2, 16, 12, 4, 50),  # the defaults: s = 3/4 L, w = L - s
+    (4, 4, 16, 6, 2, 45),
+    (4, 1, 32, 24, 8, 110),
+    (4, 2, 16, 10, 0, 33),
+    (4, 2, 16, 5, 3, 14),  # inside train_len, past one chunk
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, train_len, size, window, length", DUAL_CHUNK)
+def test_dual_chunk_attention_matches_its_paper(make_llama, heads, kv_heads, train_len, size, window, length):
+    model = make_llama(train_len=train_len, heads=heads, kv_heads=kv_heads)
+    ids = prompt(length, seed=1)
+    expected = NaiveDualChunk(model, size, window, train_len).prefill(ids[0].tolist())
+    naive_tokens, _ = NaiveDualChunk(model, size, window, train_len).greedy(ids[0].tolist(), 4)
+    settings = MethodSettings(dca_chunk_size=size, local_window=window)
+    apply_method(model, "chunk-llama", settings, length)
+    torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(forwards(model, ids, [2, size, length - 3, length]), model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+    assert engine_greedy(model, ids, 4) == naive_tokens
+
+
+def test_figure_2_of_the_dca_paper():
+    """s = 6, c = 10, w = 4: the successive-chunk query positions are [6, 7, 8, 9, 9, 9] in every chunk."""
+    model_free = NaiveDualChunk.__new__(NaiveDualChunk)
+    model_free.s, model_free.w, model_free.c = 6, 4, 10
+    positions = [model_free.s + k if k < model_free.w else model_free.c - 1 for k in range(6)]
+    assert positions == [6, 7, 8, 9, 9, 9]
+
+
+@pytest.mark.parametrize("method, settings, exact", [
+    ("self-extend", MethodSettings(group_size=7, neighbor_window=8), 8),
+    ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4), 12),
+    ("dynamic-ntk", MethodSettings(factor=4), 16),
+    ("gali", MethodSettings(chunk_size=4, local_window=2), 16),
+])
+def test_exact_where_the_method_promises_it(make_llama, method, settings, exact):
+    model = make_llama(train_len=16)
+    ids = prompt(exact)
+    unpatched = model(ids).logits
+    apply_method(model, method, settings, 64)
+    assert torch.equal(model(ids).logits, unpatched)
+
+
+def test_static_ntk_follows_its_formula(make_llama):
+    model = make_llama(train_len=16)
+    apply_method(model, "ntk", MethodSettings(factor=4), 64)
+    head_dim = 8
+    theta = ntk_theta(10000.0, 4, head_dim)
+    assert theta == pytest.approx(10000.0 * 4 ** (8 / 6))
+    expected = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    torch.testing.assert_close(model.model.rotary_emb.rescaled.inv_freq, expected)
+
+
+@pytest.mark.parametrize("kind, parameters, window", [
+    ("dynamic-ntk", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0}, 16),
+    ("yarn", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 3.0, "original_max_position_embeddings": 16}, 16),
+])
+def test_dynamic_ntk_and_yarn_are_transformers_own(make_llama, tmp_path, kind, parameters, window):
+    model = make_llama(train_len=16)
+    ids = prompt(40)
+    model.save_pretrained(tmp_path)
+    reference = LlamaForCausalLM.from_pretrained(tmp_path, rope_parameters=parameters,
+                                                 max_position_embeddings=window).eval()
+    apply_method(model, kind, MethodSettings(factor=3), 40)
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_default_factors_and_windows(make_llama):
+    model = make_llama(train_len=16)
+    assert apply_method(model, "yarn", MethodSettings(), 40)["factor"] == 3.0  # ceil(40 / 16)
+    assert apply_method(model, "ntk", MethodSettings(), 10)["rope_theta"] == 10000.0  # factor 1: unchanged
+    assert apply_method(model, "self-extend", MethodSettings(), 100) == {
+        "train_len": 16, "neighbor_window": 4, "group_size": 8}  # (16 - 4) * 8 + 4 = 100
+    assert apply_method(model, "chunk-llama", MethodSettings(), 100) == {
+        "train_len": 16, "dca_chunk_size": 12, "local_window": 4}
+    assert apply_method(model, "gali", MethodSettings(), 100)["chunk_size"] == 2
+    assert apply_method(model, "gali", MethodSettings(train_len=8), 100)["train_len"] == 8
+
+
+@pytest.mark.parametrize("method, settings, message", [
+    ("self-extend", MethodSettings(group_size=2, neighbor_window=4), "raise --group-size"),
+    ("self-extend", MethodSettings(neighbor_window=16), "--neighbor-window"),
+    ("chunk-llama", MethodSettings(dca_chunk_size=16), "--dca-chunk-size"),
+    ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=5), "--local-window"),
+    ("gali", MethodSettings(train_len=32), "--train-len"),
+    ("magic", MethodSettings(), "--method"),
+])
+def test_settings_that_make_no_sense(make_llama, method, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_method(make_llama(train_len=16), method, settings, 100)
+
+
+def test_rope_scaling_refuses_models_with_their_own_scaling(make_llama):
+    llama31 = make_llama(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8})
+    with pytest.raises(ConfigError, match="'llama3'"):
+        apply_method(llama31, "yarn", MethodSettings(), 100)
+
+
+def test_bad_settings_are_refused_early():
+    with pytest.raises(ConfigError, match="--factor"):
+        MethodSettings(factor=0.5)
+    with pytest.raises(ConfigError, match="--group-size"):
+        MethodSettings(group_size=0)
+
+
+def test_one_model_runs_every_method_in_turn(make_llama):
+    model = make_llama(train_len=16)
+    ids = prompt(50)
+    unpatched = model(ids).logits
+    outputs = {}
+    for name in METHODS:
+        apply_method(model, name, MethodSettings(), 50)
+        outputs[name] = model(ids).logits
+    remove_method(model)
+    assert torch.equal(model(ids).logits, unpatched) and torch.equal(outputs["original"], unpatched)
+    changed = [name for name in METHODS if name != "original" and not torch.equal(outputs[name], unpatched)]
+    assert sorted(changed) == sorted(set(METHODS) - {"original"})
+    apply_method(model, "gali", MethodSettings(noise=False), 50)
+    again = model(ids).logits
+    apply_method(model, "gali", MethodSettings(noise=False), 50)
+    assert torch.equal(model(ids).logits, again)
+
+
+def test_dynamic_ntk_prefills_in_one_forward(make_llama):
+    assert METHODS["dynamic-ntk"].boundaries(None, 0, 100) == [100]
+    assert METHODS["self-extend"].boundaries is None and METHODS["yarn"].boundaries is None
+    model = make_llama(train_len=16)
+    apply_method(model, "gali", MethodSettings(chunk_size=5), 40)
+    assert METHODS["gali"].boundaries(model, 0, 40) == [16, 21, 26, 31, 36, 40]
+    assert math.isfinite(float(model(prompt(40)).logits.sum()))
+    assert GaliConfig  # the public config still imports
