@@ -1,16 +1,29 @@
-"""gali: read documents longer than a Llama's training window with Greedy Attention Logit Interpolation."""
+"""gali: read documents longer than a Llama's training window with Greedy Attention Logit Interpolation.
 
-from .config import GaliConfig
-from .errors import ConfigError, GaliError, UnsupportedModelError
-from .methods.gali import apply_gali, gali_settings, remove_gali
+The public names load lazily, so that `gali` starts (and stops on Ctrl-C) before torch is imported.
+"""
 
-__all__ = [
-    "ConfigError",
-    "GaliConfig",
-    "GaliError",
-    "UnsupportedModelError",
-    "apply_gali",
-    "gali_settings",
-    "remove_gali",
-]
+import importlib
+
 __version__ = "0.1.0"
+_PUBLIC = {
+    "GaliConfig": ".config",
+    "MethodSettings": ".config",
+    "GaliError": ".errors",
+    "ConfigError": ".errors",
+    "InputError": ".errors",
+    "ModelLoadError": ".errors",
+    "UnsupportedModelError": ".errors",
+    "apply_gali": ".methods.gali",
+    "remove_gali": ".methods.gali",
+    "gali_settings": ".methods.gali",
+    "apply_method": ".methods",
+    "remove_method": ".methods",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'gali_cli' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name], __name__), name)

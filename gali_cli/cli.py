@@ -1,14 +1,17 @@
-"""The `gali` command: parse, call the library, print.
+"""The `gali` command: parse, call the library, print (through gali_cli.display).
 
 stdout carries only the answer (or the --json document); loading, progress, warnings and stats go to stderr.
 Exit codes: 0 ok, 1 runtime error, 2 usage, 3 unreadable input, 4 model load or out of memory, 130 interrupted.
 """
 
-import json
+import functools
+import inspect
+import logging
 import os
 import sys
+import time
+import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Annotated
@@ -16,27 +19,29 @@ from typing import Annotated
 import torch
 import transformers
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from .config import GaliConfig
+from . import display
+from .config import MethodSettings
+from .display import err, fail, print_json, say, warn
 from .documents import Document, read_document
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
-from .generate import Finished, TextPiece, forward_spans, make_sampler, stop_token_ids, stream_generate
-from .loading import DEFAULT_MODEL, LoadedModel, load_config, load_model, resolve_device, resolve_dtype
-from .methods import METHODS, get_method
+from .generate import (
+    Finished,
+    TextPiece,
+    forward_spans,
+    make_sampler,
+    peak_memory_bytes,
+    reset_peak_memory,
+    stop_token_ids,
+    stream_generate,
+)
+from .loading import DEFAULT_MODEL, LoadedModel, environment_facts, load_config, load_model, model_facts
+from .methods import METHODS, apply_method, get_method
 from .perplexity import perplexities
-from .prompts import SUMMARIZE, ask_instruction, prompt_ids
+from .prompts import SUMMARIZE, ask_instruction, prompt_ids, text_ids
 
 EXIT_CODES = {ConfigError: 2, InputError: 3, ModelLoadError: 4, UnsupportedModelError: 4}
-err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
-app = typer.Typer(
-    name="gali",
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-)
+app = typer.Typer(name="gali", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
 
 class Quantize(str, Enum):
@@ -58,156 +63,207 @@ class DType(str, Enum):
     float32 = "float32"
 
 
-MethodName = Enum("MethodName", {name: name for name in METHODS}, type=str)
+def _option(*flags: str, panel: str, **kwargs) -> typer.Option:
+    return typer.Option(*flags, rich_help_panel=panel, **kwargs)
 
-_MODEL, _GALI, _GEN, _OUT = "Model", "GALI (defaults follow the model's training window)", "Generation", "Output"
-File = Annotated[str, typer.Argument(help="A text file (any encoding), a PDF, or - for standard input.")]
-Model = Annotated[str, typer.Option("--model", "-m", envvar="GALI_MODEL", rich_help_panel=_MODEL,
-                                    help="Hub id, local directory, or 'demo' (the small bundled model).")]
-QuantizeOpt = Annotated[Quantize, typer.Option(help="bitsandbytes quantization (4bit: NF4, bf16 compute).",
-                                               rich_help_panel=_MODEL)]
-DeviceOpt = Annotated[Device, typer.Option(help="auto: CUDA when there is a GPU.", rich_help_panel=_MODEL)]
-DTypeOpt = Annotated[DType, typer.Option(help="auto: bfloat16 on GPU, float32 on CPU.", rich_help_panel=_MODEL)]
-MethodOpt = Annotated[MethodName, typer.Option(help="gali, or original (the unpatched model).",
-                                               rich_help_panel=_MODEL)]
-TrainLen = Annotated[int | None, typer.Option(help="The training window to stay within [model's].",
-                                              rich_help_panel=_GALI)]
-ChunkSize = Annotated[int | None, typer.Option(help="Tokens per chunk beyond it [train-len / 8].",
-                                               rich_help_panel=_GALI)]
-LocalWindow = Annotated[int | None, typer.Option(help="Newest tokens kept at exact positions [train-len / 64].",
-                                                 rich_help_panel=_GALI)]
-Noise = Annotated[bool, typer.Option("--noise/--no-noise", help="The paper's Gaussian logit noise.",
-                                     rich_help_panel=_GALI)]
-Seed = Annotated[int, typer.Option(help="Seed of the noise and of sampling.", rich_help_panel=_GALI)]
-Password = Annotated[str | None, typer.Option(help="Password of an encrypted PDF.", rich_help_panel=_MODEL)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.", rich_help_panel=_OUT)]
-Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr: tokens, speed, peak memory.",
-                                       rich_help_panel=_OUT)]
-MaxNewTokens = Annotated[int, typer.Option(min=1, help="Longest answer, in tokens.", rich_help_panel=_GEN)]
-Temperature = Annotated[float, typer.Option(min=0.0, help="0 is greedy.", rich_help_panel=_GEN)]
-TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling.", rich_help_panel=_GEN)]
-TopK = Annotated[int, typer.Option(min=0, help="0 keeps every token.", rich_help_panel=_GEN)]
-System = Annotated[str | None, typer.Option(help="A system prompt.", rich_help_panel=_GEN)]
-NoStream = Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.", rich_help_panel=_OUT)]
+
+_MODEL, _GALI, _OTHER = "Model and method", "GALI (defaults follow the training window)", "Other methods"
+# The options every command takes, declared once: name -> (annotated type, default).
+MODEL_OPTIONS = {
+    "model": (Annotated[str, _option("--model", "-m", envvar="GALI_MODEL", panel=_MODEL,
+                                     help="Hub id, local directory, or 'demo' (the small bundled model).")],
+              DEFAULT_MODEL),
+    "quantize": (Annotated[Quantize, _option(panel=_MODEL, help="bitsandbytes quantization (4bit: NF4, bf16 "
+                                                                 "compute).")], Quantize.none),
+    "device": (Annotated[Device, _option(panel=_MODEL, help="auto: CUDA when there is a GPU.")], Device.auto),
+    "dtype": (Annotated[DType, _option(panel=_MODEL, help="auto: bfloat16 on GPU, float32 on CPU.")], DType.auto),
+    "method": (Annotated[str, _option(panel=_MODEL, help=f"One of {', '.join(METHODS)}; for ppl a comma list, or "
+                                                          "all.")], "gali"),
+    "train_len": (Annotated[int | None, _option(panel=_GALI, help="The training window to stay within (default: "
+                                                                   "the model's).")], None),
+    "chunk_size": (Annotated[int | None, _option(panel=_GALI, help="Tokens per chunk beyond it (default: train-len "
+                                                                    "/ 8).")], None),
+    "local_window": (Annotated[int | None, _option(panel=_GALI, help="Newest tokens kept at exact positions "
+                                                                      "(default: train-len / 64; chunk-llama: "
+                                                                      "train-len - dca-chunk-size).")], None),
+    "noise": (Annotated[bool, _option("--noise/--no-noise", panel=_GALI, help="The paper's Gaussian logit "
+                                                                              "noise.")], True),
+    "seed": (Annotated[int, _option(panel=_GALI, help="Seed of the noise and of sampling.")], 0),
+    "factor": (Annotated[float | None, _option(panel=_OTHER, help="ntk, dynamic-ntk, yarn: the scaling factor "
+                                                                  "(default: input tokens / train-len, rounded "
+                                                                  "up).")], None),
+    "group_size": (Annotated[int | None, _option(panel=_OTHER, help="self-extend: tokens per group (default: the "
+                                                                     "smallest that reaches the input).")], None),
+    "neighbor_window": (Annotated[int | None, _option(panel=_OTHER, help="self-extend: keys at exact distances "
+                                                                          "(default: train-len / 4).")], None),
+    "dca_chunk_size": (Annotated[int | None, _option(panel=_OTHER, help="chunk-llama: chunk size (default: 3/4 of "
+                                                                         "train-len).")], None),
+}
 
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """Which model, and how to run it: everything needed before a document is read."""
+    """Which model, which methods and their settings: everything needed before a document is read."""
 
-    name: str
+    model: str
     quantize: str
     device: str
     dtype: str
-    method: str
-    gali: GaliConfig
+    methods: tuple[str, ...]
+    settings: MethodSettings
 
     @classmethod
-    def parse(cls, name, quantize, device, dtype, method, train_len, chunk_size, local_window, noise, seed):
-        gali = GaliConfig(train_len=train_len, chunk_size=chunk_size, local_window=local_window, noise=noise,
-                          seed=seed)  # validates the flags before anything is loaded
-        return cls(name, quantize.value, device.value, dtype.value, method.value, gali)
+    def parse(cls, options: dict) -> "ModelChoice":
+        """From the command-line options; bad values raise ConfigError before anything is loaded."""
+        names = tuple(dict.fromkeys(part.strip() for part in options["method"].split(",") if part.strip()))
+        methods = tuple(METHODS) if names == ("all",) else names
+        for name in methods or ("",):
+            get_method(name)
+        settings = MethodSettings(**{name: options[name] for name in ("train_len", "chunk_size", "local_window",
+                                                                       "noise", "seed", "factor", "group_size",
+                                                                       "neighbor_window", "dca_chunk_size")})
+        return cls(options["model"], options["quantize"].value, options["device"].value, options["dtype"].value,
+                   methods, settings)
+
+    @property
+    def method(self) -> str:
+        """The one method of an answering command."""
+        if len(self.methods) != 1:
+            raise ConfigError("--method takes one method here; lists and 'all' are for gali ppl")
+        return self.methods[0]
+
+
+def _with_model_options(command: Callable) -> Callable:
+    """Give `command` the options in MODEL_OPTIONS; it receives them parsed, as `choice: ModelChoice`, inside
+    `_run`, so that a bad value is an error like any other."""
+    signature = inspect.signature(command)
+    own = [parameter for parameter in signature.parameters.values() if parameter.name != "choice"]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+              for name, (annotation, default) in MODEL_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def run_command(*args, **kwargs):
+        options = {name: kwargs.pop(name) for name in MODEL_OPTIONS}
+        _run(lambda: command(*args, choice=ModelChoice.parse(options), **kwargs))
+
+    run_command.__signature__ = signature.replace(parameters=own + shared)
+    del run_command.__wrapped__  # Typer must read the new signature, not the wrapped one
+    return run_command
+
+
+File = Annotated[str, typer.Argument(help="A text file (any encoding), a PDF, or - for standard input.")]
+Password = Annotated[str | None, typer.Option(help="Password of an encrypted PDF.")]
+JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr: tokens, speed, peak memory.")]
+MaxNewTokens = Annotated[int, typer.Option(min=1, help="Longest answer, in tokens.")]
+Temperature = Annotated[float, typer.Option(min=0.0, help="0 is greedy.")]
+TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling.")]
+TopK = Annotated[int, typer.Option(min=0, help="0 keeps every token.")]
+System = Annotated[str | None, typer.Option(help="A system prompt.")]
+NoStream = Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.")]
+
+
+@dataclass(frozen=True)
+class Answering:
+    """How an answer is generated and shown."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    system: str | None
+    stream: bool
+    json_output: bool
+    verbose: bool
 
 
 @app.command()
+@_with_model_options
 def summarize(
-    file: File, model: Model = DEFAULT_MODEL, quantize: QuantizeOpt = Quantize.none, device: DeviceOpt = Device.auto,
-    dtype: DTypeOpt = DType.auto, method: MethodOpt = MethodName.gali, train_len: TrainLen = None,
-    chunk_size: ChunkSize = None, local_window: LocalWindow = None, noise: Noise = True, seed: Seed = 0,
-    password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
+    file: File, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
     top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    json_output: JsonOpt = False, verbose: Verbose = False,
+    json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
     """Summarize FILE; the summary streams to stdout.
 
     Example: gali summarize report.pdf --quantize 4bit > summary.txt
     """
-    _run(lambda: _answer(
-        file, SUMMARIZE,
-        ModelChoice.parse(model, quantize, device, dtype, method, train_len, chunk_size, local_window, noise, seed),
-        password, make_sampler(temperature, top_p, top_k, seed), max_new_tokens, system, not no_stream, json_output,
-        verbose,
-    ))
+    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose)
+    _answer(file, SUMMARIZE, choice, password, answering)
 
 
 @app.command()
+@_with_model_options
 def ask(
     file: File, question: Annotated[str, typer.Argument(help="The question about the document.")],
-    model: Model = DEFAULT_MODEL, quantize: QuantizeOpt = Quantize.none, device: DeviceOpt = Device.auto,
-    dtype: DTypeOpt = DType.auto, method: MethodOpt = MethodName.gali, train_len: TrainLen = None,
-    chunk_size: ChunkSize = None, local_window: LocalWindow = None, noise: Noise = True, seed: Seed = 0,
     password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
     top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    json_output: JsonOpt = False, verbose: Verbose = False,
+    json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
     """Answer QUESTION about FILE; the answer streams to stdout.
 
     Example: gali ask contract.txt "When does the lease end?"
     """
     if not question.strip():
-        raise typer.BadParameter("the question is empty", param_hint="QUESTION")
-    _run(lambda: _answer(
-        file, ask_instruction(question),
-        ModelChoice.parse(model, quantize, device, dtype, method, train_len, chunk_size, local_window, noise, seed),
-        password, make_sampler(temperature, top_p, top_k, seed), max_new_tokens, system, not no_stream, json_output,
-        verbose,
-    ))
+        raise ConfigError("QUESTION is empty")
+    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose)
+    _answer(file, ask_instruction(question), choice, password, answering)
 
 
 @app.command()
+@_with_model_options
 def ppl(
-    file: File, model: Model = DEFAULT_MODEL, quantize: QuantizeOpt = Quantize.none, device: DeviceOpt = Device.auto,
-    dtype: DTypeOpt = DType.auto, method: MethodOpt = MethodName.gali, train_len: TrainLen = None,
-    chunk_size: ChunkSize = None, local_window: LocalWindow = None, noise: Noise = True, seed: Seed = 0,
-    password: Password = None,
+    file: File, password: Password = None,
     max_tokens: Annotated[int | None, typer.Option(min=2, help="Evaluate the first N tokens only.")] = None,
-    lengths: Annotated[str | None, typer.Option(help="PPL over the first l tokens for each l, e.g. 1k,2k,4k.")] = None,
-    json_output: JsonOpt = False, verbose: Verbose = False,
+    lengths: Annotated[str | None, typer.Option(help="PPL over the first l tokens for each l, e.g. 1k,2k,4k "
+                                                     "(k = 1024).")] = None,
+    csv: Annotated[bool, typer.Option("--csv", help="Print method,length,ppl rows as CSV.")] = False,
+    plot: Annotated[str | None, typer.Option(help="Also save PPL against length as an image, e.g. ppl.png "
+                                                  "(needs gali-cli[plot]).")] = None,
+    json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
-    """Perplexity of FILE: exp(mean NLL of tokens 2..N), each predicted from its whole prefix, in one pass.
+    """Perplexity of FILE: exp(mean NLL of tokens 2..N), each predicted from its whole prefix, in one pass per
+    method.
 
-    Example: gali ppl book.txt --lengths 2k,4k,8k,16k
+    Example: gali ppl book.txt --method gali,yarn,original --lengths 2k,4k,8k,16k
     """
     wanted = _parse_lengths(lengths)
-    _run(lambda: _perplexity(
-        file,
-        ModelChoice.parse(model, quantize, device, dtype, method, train_len, chunk_size, local_window, noise, seed),
-        password, max_tokens, wanted, json_output, verbose,
-    ))
+    if wanted and max_tokens and wanted[-1] > max_tokens:
+        raise ConfigError(f"--lengths goes to {wanted[-1]} tokens, past --max-tokens {max_tokens}")
+    if json_output and csv:
+        raise ConfigError("--json and --csv both print on stdout: choose one")
+    if plot:
+        display.check_plotting()
+    _perplexity(file, choice, password, max_tokens, wanted, json_output, csv, plot, verbose)
 
 
 @app.command()
-def info(
-    model: Model = DEFAULT_MODEL, quantize: QuantizeOpt = Quantize.none, device: DeviceOpt = Device.auto,
-    dtype: DTypeOpt = DType.auto, method: MethodOpt = MethodName.gali, train_len: TrainLen = None,
-    chunk_size: ChunkSize = None, local_window: LocalWindow = None, noise: Noise = True, seed: Seed = 0,
-    json_output: JsonOpt = False,
-) -> None:
+@_with_model_options
+def info(json_output: JsonOutput = False, choice: ModelChoice = None) -> None:
     """Describe the model, device, CUDA, bitsandbytes and GALI settings, without loading weights.
 
     Example: gali info -m demo
     """
-    _run(lambda: _print_info(
-        ModelChoice.parse(model, quantize, device, dtype, method, train_len, chunk_size, local_window, noise, seed),
-        json_output,
-    ))
+    _print_info(choice, json_output)
 
 
-def _answer(file, instruction, choice, password, sampler, max_new_tokens, system, stream, json_output, verbose):
+def _answer(file: str, instruction: str, choice: ModelChoice, password: str | None, answering: Answering) -> None:
+    sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
     _check(choice)
     document = _read(file, password)
     loaded = _load(choice)
-    ids = prompt_ids(loaded.tokenizer, document.text, instruction, system)
-    _say_input(loaded, choice, document, len(ids))
-    spans = _spans(loaded, choice, 0, len(ids))
-    stream = stream and not json_output
+    ids = prompt_ids(loaded.tokenizer, document.text, instruction, answering.system)
+    settings = apply_method(loaded.model, choice.method, choice.settings, len(ids))
+    _say_input(loaded, choice.method, document, len(ids))
+    stream = answering.stream and not answering.json_output
     answer, finished = [], None
-    with _progress("Reading", len(ids)) as progress:
-        events = stream_generate(loaded.model, loaded.tokenizer, ids, sampler, max_new_tokens,
-                                 stop_token_ids(loaded.model, loaded.tokenizer), spans, progress)
+    with display.progress_bar("Reading") as bar:
+        events = stream_generate(loaded.model, loaded.tokenizer, ids, sampler, answering.max_new_tokens,
+                                 stop_token_ids(loaded.model, loaded.tokenizer),
+                                 _spans(loaded, choice.method, settings, len(ids)), bar)
         try:
             for event in events:
-                progress.done()
+                bar.hide()
                 if isinstance(event, TextPiece):
                     answer.append(event.text)
                     if stream:
@@ -220,143 +276,119 @@ def _answer(file, instruction, choice, password, sampler, max_new_tokens, system
                 sys.stdout.write("\n")
             raise
     text = "".join(answer)
-    if json_output:
-        _print_json({"answer": text.strip(), **_run_facts(loaded, choice, document), **_finished_facts(finished)})
-    elif stream:
-        sys.stdout.write("" if text.endswith("\n") else "\n")
+    if answering.json_output:
+        print_json({"answer": text.strip(), **_facts(choice.model, choice.method, settings, document),
+                    **_finished_facts(finished)})
     else:
-        sys.stdout.write(text.strip() + "\n")
-    if verbose:
+        sys.stdout.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
+    if finished.reason == "length":
+        say(f"(stopped at --max-new-tokens {answering.max_new_tokens})", style="dim")
+    if answering.verbose:
         _say_stats(finished)
 
 
-def _perplexity(file, choice, password, max_tokens, lengths, json_output, verbose) -> None:
+def _perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens: int | None, lengths: list[int],
+                json_output: bool, csv: bool, plot: str | None, verbose: bool) -> None:
     _check(choice)
     document = _read(file, password)
     loaded = _load(choice)
-    ids = loaded.tokenizer(document.text)["input_ids"]
-    if max_tokens and len(ids) > max_tokens:
-        err.print(f"Evaluating the first {max_tokens} of {len(ids)} tokens (--max-tokens).")
-        ids = ids[:max_tokens]
+    ids = text_ids(loaded.tokenizer, document.text, add_special_tokens=True)
+    limit = lengths[-1] if lengths else max_tokens
+    if limit and len(ids) > limit:
+        say(f"Evaluating the first {limit} of {len(ids)} tokens ({'--lengths' if lengths else '--max-tokens'}).")
+        ids = ids[:limit]
     if len(ids) < 2:
         raise InputError(f"{document.name} has {len(ids)} token(s); perplexity needs at least 2")
-    _say_input(loaded, choice, document, len(ids))
-    tensor = torch.tensor([ids], device=loaded.model.get_input_embeddings().weight.device)
-    with _progress("Perplexity", len(ids)) as progress:
-        results = perplexities(loaded.model, tensor, lengths or [len(ids)], _spans(loaded, choice, 0, len(ids)),
-                               progress.with_figure("ppl"))
-    rows = [{"method": choice.method, "length": r.length, "ppl": r.ppl} for r in results]
+    device = loaded.model.get_input_embeddings().weight.device
+    tensor = torch.tensor([ids], device=device)
+    rows, settings = [], {}
+    for method in choice.methods:
+        settings[method] = apply_method(loaded.model, method, choice.settings, len(ids))
+        _say_input(loaded, method, document, len(ids))
+        spans = _spans(loaded, method, settings[method], len(ids))
+        boundaries = METHODS[method].boundaries(loaded.model, 0, len(ids)) if METHODS[method].boundaries else None
+        reset_peak_memory(device)
+        started = time.perf_counter()
+        with display.progress_bar(method) as bar:
+            results = perplexities(loaded.model, tensor, lengths or [len(ids)], spans, bar.with_figure("ppl"),
+                                   boundaries)
+        rows += [{"method": method, "length": result.length, "ppl": result.ppl} for result in results]
+        if verbose:
+            seconds = time.perf_counter() - started
+            say(f"{method}: {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.0f} tokens/s); "
+                f"peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB")
+    single = len(rows) == 1 and not lengths
     if json_output:
-        facts = _run_facts(loaded, choice, document)
-        _print_json({"results": rows, "tokens": len(ids), **facts} if lengths else
-                    {"ppl": results[0].ppl, "tokens": len(ids), **facts})
-    elif lengths:
-        table = Table("method", "length", "ppl")
-        for row in rows:
-            table.add_row(row["method"], str(row["length"]), f"{row['ppl']:.3f}")
-        Console().print(table)
+        facts = _facts(choice.model, ",".join(choice.methods), settings, document)
+        print_json({"ppl": rows[0]["ppl"], "tokens": len(ids), **facts} if single else
+                   {"results": rows, "tokens": len(ids), **facts})
+    elif csv:
+        display.print_ppl_csv(rows)
+    elif single:
+        sys.stdout.write(f"{rows[0]['ppl']:.4f}\n")
     else:
-        sys.stdout.write(f"{results[0].ppl:.4f}\n")
-    if verbose:
-        err.print(f"{len(ids)} tokens, method {choice.method}, ppl {results[-1].ppl:.4f}")
+        display.print_ppl_table(rows)
+    if plot:
+        display.plot_ppl(rows, plot, f"{os.path.basename(document.name)}, {choice.model}")
+        say(f"Saved {plot}.")
 
 
 def _print_info(choice: ModelChoice, json_output: bool) -> None:
-    config = load_config(choice.name)
-    device = resolve_device(choice.device)
-    gali = choice.gali.resolved(config.max_position_embeddings)
-    cuda = [{"name": torch.cuda.get_device_name(i), "memory_gib": round(torch.cuda.get_device_properties(i)
-             .total_memory / 2**30, 1)} for i in range(torch.cuda.device_count())]
-    facts = {
-        "model": choice.name,
-        "architecture": (config.architectures or ["LlamaForCausalLM"])[0],
-        "layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "heads": config.num_attention_heads,
-        "kv_heads": config.num_key_value_heads,
-        "vocab_size": config.vocab_size,
-        "train_len": config.max_position_embeddings,
-        "rope": dict(config.rope_parameters or {}),
-        "device": str(device),
-        "dtype": str(resolve_dtype(choice.dtype, device)).removeprefix("torch."),
-        "quantization": choice.quantize,
-        "method": choice.method,
-        "gali": asdict(gali),
-        "cuda": cuda,
-        "bitsandbytes": _bitsandbytes_status(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-    if json_output:
-        _print_json(facts)
-        return
-    table = Table(show_header=False, box=None)
-    for key, value in facts.items():
-        shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
-        if key == "cuda":
-            shown = "; ".join(f"{gpu['name']} ({gpu['memory_gib']} GiB)" for gpu in value) or "no GPU"
-        table.add_row(key, str(shown))
-    Console().print(table)
-
-
-def _bitsandbytes_status() -> str:
+    facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
+             "quantization": choice.quantize, "method": ",".join(choice.methods)}
     try:
-        import bitsandbytes
-    except Exception as error:  # noqa: BLE001 - any import failure means "not usable", and we say why
-        return f"unavailable ({type(error).__name__}: {error})"
-    return f"bitsandbytes {bitsandbytes.__version__}"
-
-
-def _read(file: str, password: str | None) -> Document:
-    with _progress("Pages", None) as progress:
-        document = read_document(file, password=password, progress=progress)
-    for warning in document.warnings:
-        err.print(f"[yellow]warning:[/] {warning}")
-    return document
+        config = load_config(choice.model)
+    except GaliError:
+        display.print_facts(facts, json_output)  # what is known without the model, then the error
+        raise
+    gali = asdict(choice.settings.gali().resolved(config.max_position_embeddings))
+    display.print_facts({**facts, **model_facts(config), "gali": gali}, json_output)
 
 
 def _check(choice: ModelChoice) -> None:
     """Settings that depend on the model (its window) are checked from its config, before any file is read."""
-    get_method(choice.method)
-    choice.gali.resolved(load_config(choice.name).max_position_embeddings)
+    window = load_config(choice.model).max_position_embeddings
+    if "gali" in choice.methods:
+        choice.settings.gali().resolved(window)
+    elif choice.settings.train_len is not None and choice.settings.train_len > window:
+        raise ConfigError(f"--train-len ({choice.settings.train_len}) exceeds the model's training window ({window})")
+
+
+def _read(file: str, password: str | None) -> Document:
+    with display.progress_bar("Pages") as bar:
+        document = read_document(file, password=password, progress=bar)
+    for warning in document.warnings:
+        warn(warning)
+    return document
 
 
 def _load(choice: ModelChoice) -> LoadedModel:
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    with err.status(f"Loading {choice.name}"):
-        loaded = load_model(choice.name, choice.quantize, choice.device, choice.dtype)
-        get_method(choice.method).apply(loaded.model, choice.gali)
-    return loaded
+    with err.status(f"Loading {choice.model}"):
+        return load_model(choice.model, choice.quantize, choice.device, choice.dtype)
 
 
-def _spans(loaded: LoadedModel, choice: ModelChoice, start: int, stop: int) -> list[tuple[int, int]]:
-    """Forwards of about 8 chunks (bounded memory), cut only where the method allows."""
-    method = get_method(choice.method)
-    step = max(256, 8 * choice.gali.resolved(loaded.train_len).chunk_size)
-    boundaries = method.boundaries(loaded.model, start, stop) if method.boundaries else None
-    return forward_spans(start, stop, step, boundaries)
+def _spans(loaded: LoadedModel, method: str, settings: dict, tokens: int) -> list[tuple[int, int]]:
+    """Forwards of a bounded size (about 8 GALI chunks, at least 256 tokens), cut only where the method allows."""
+    chunk = settings.get("chunk_size") or loaded.train_len // 8
+    boundaries = METHODS[method].boundaries
+    return forward_spans(0, tokens, max(256, 8 * chunk), boundaries(loaded.model, 0, tokens) if boundaries else None)
 
 
-def _say_input(loaded: LoadedModel, choice: ModelChoice, document, tokens: int) -> None:
-    pages = f"{document.pages} pages, " if document.pages else ""
-    ratio = tokens / loaded.train_len
-    err.print(f"{document.name}: {pages}{tokens} tokens, {ratio:.1f}x the model's {loaded.train_len}-token window "
-              f"({choice.method})", style="dim")
+def _say_input(loaded: LoadedModel, method: str, document: Document, tokens: int) -> None:
+    pages = f"{document.pages} page{'s' if document.pages != 1 else ''}, " if document.pages else ""
+    say(f"{document.name}: {pages}{tokens} tokens, {tokens / loaded.train_len:.1f}x the model's {loaded.train_len}"
+        f"-token window ({method})", style="dim")
 
 
 def _say_stats(finished: Finished) -> None:
-    err.print(
-        f"prompt {finished.prompt_tokens} tokens, prefill {finished.prefill_seconds:.2f} s "
+    say(f"prompt {finished.prompt_tokens} tokens, prefill {finished.prefill_seconds:.2f} s "
         f"({finished.prefill_tokens_per_second:.0f} tokens/s); generated {finished.generated_tokens} tokens "
         f"({finished.decode_tokens_per_second:.1f} tokens/s, {finished.reason}); "
-        f"peak memory {finished.peak_memory_bytes / 2**30:.2f} GiB"
-    )
+        f"peak memory {finished.peak_memory_bytes / 2**30:.2f} GiB")
 
 
-def _run_facts(loaded: LoadedModel, choice: ModelChoice, document) -> dict:
-    gali = asdict(choice.gali.resolved(loaded.train_len)) if choice.method == "gali" else None
-    return {"model": choice.name, "method": choice.method, "gali": gali,
+def _facts(model: str, method: str, settings: dict, document: Document) -> dict:
+    return {"model": model, "method": method, "settings": settings,
             "document": {"name": document.name, "kind": document.kind, "pages": document.pages}}
 
 
@@ -368,74 +400,54 @@ def _finished_facts(finished: Finished) -> dict:
             "peak_memory_mib": round(finished.peak_memory_bytes / 2**20, 1)}
 
 
-def _print_json(document: dict) -> None:
-    sys.stdout.write(json.dumps(document, ensure_ascii=False) + "\n")
-
-
 def _parse_lengths(text: str | None) -> list[int]:
     """"1k,2k,4k" -> [1024, 2048, 4096] (k = 1024, as in the paper); sorted, unique."""
-    if not text:
-        return []
     lengths = set()
-    for part in text.split(","):
+    for part in (text or "").split(","):
         part = part.strip().lower()
-        scale = 1024 if part.endswith("k") else 1
+        if not part:
+            continue
         try:
-            value = int(part.removesuffix("k")) * scale
+            value = int(part.removesuffix("k")) * (1024 if part.endswith("k") else 1)
         except ValueError:
-            raise typer.BadParameter(f"{part!r} is not a length such as 4096 or 4k", param_hint="--lengths")
+            raise ConfigError(f"--lengths: {part!r} is not a length such as 4096 or 4k") from None
         if value < 2:
-            raise typer.BadParameter(f"lengths must be at least 2, got {part!r}", param_hint="--lengths")
+            raise ConfigError(f"--lengths: {part!r} is too short, perplexity needs at least 2 tokens")
         lengths.add(value)
     return sorted(lengths)
 
 
-class _Bar:
-    """The (done, total) callback of a Rich progress bar on stderr; a line per update when stderr is no terminal."""
-
-    def __init__(self, progress: Progress, task, label: str) -> None:
-        self.progress, self.task, self.label = progress, task, label
-
-    def __call__(self, done: int, total: int) -> None:
-        self.progress.update(self.task, completed=done, total=total, visible=True)
-
-    def with_figure(self, name: str) -> Callable[[int, int, float], None]:
-        def update(done: int, total: int, figure: float) -> None:
-            self(done, total)
-            self.progress.update(self.task, description=f"{self.label} ({name} {figure:.3f})")
-            if not err.is_terminal:
-                err.print(f"{self.label}: {done}/{total} tokens, {name} {figure:.3f}")
-        return update
-
-    def done(self) -> None:
-        self.progress.update(self.task, visible=False)
-
-
-@contextmanager
-def _progress(label: str, total: int | None):
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as progress:
-        yield _Bar(progress, progress.add_task(label, total=total, visible=False), label)
-
-
 def _run(action: Callable[[], None]) -> None:
     """Run a command: library errors become one line on stderr and an exit code (GALI_DEBUG=1: tracebacks)."""
+    _quiet_libraries()
     try:
         action()
     except KeyboardInterrupt:
-        err.print("interrupted")
+        say("interrupted")
         raise typer.Exit(130)
+    except BrokenPipeError:  # the reader of stdout went away (e.g. | head): stop quietly, as Python's docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(1)
     except GaliError as error:
-        err.print(f"[red]gali:[/] {error}")
+        fail(str(error))
         raise typer.Exit(next((code for kind, code in EXIT_CODES.items() if isinstance(error, kind)), 1))
     except torch.cuda.OutOfMemoryError:
-        err.print("[red]gali:[/] CUDA ran out of memory: try --quantize 4bit or a smaller --chunk-size")
+        fail("CUDA ran out of memory: try --quantize 4bit or a smaller --chunk-size")
         raise typer.Exit(4)
     except Exception as error:
         if os.environ.get("GALI_DEBUG"):
             raise
-        err.print(f"[red]gali:[/] unexpected {type(error).__name__}: {error} (GALI_DEBUG=1 shows the traceback)")
+        fail(f"unexpected {type(error).__name__}: {error} (GALI_DEBUG=1 shows the traceback)")
         raise typer.Exit(1)
+
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (retries, repaired PDFs, per-call quantization notes) off the user's stderr."""
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    for name in ("huggingface_hub", "pypdf", "bitsandbytes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="bitsandbytes")
 
 
 def _version(value: bool) -> None:
@@ -454,5 +466,13 @@ def _options(
     """Read documents longer than a Llama's training window, with Greedy Attention Logit Interpolation (GALI)."""
 
 
-def main() -> None:
-    app()
+def main(args: list[str] | None = None) -> int:
+    """The `gali` executable: like `app()`, but usage errors too are one line on stderr."""
+    try:
+        code = app(args=args, standalone_mode=False)
+    except typer.TyperException as error:  # a usage error: unknown option, bad value, missing argument
+        fail(f"{error.format_message()} (see gali --help)")
+        return error.exit_code
+    except typer.Abort:
+        return 1
+    return code if isinstance(code, int) else 0

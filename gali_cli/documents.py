@@ -50,7 +50,7 @@ def read_document(
     data = (stdin or sys.stdin.buffer).read() if source == STDIN else _read_bytes(Path(source), name)
     if not data.strip():
         raise InputError(f"{name} is empty")
-    if b"%PDF-" in data[:1024]:  # the PDF header may follow some junk
+    if data.lstrip()[:5] == b"%PDF-":
         return _read_pdf(data, name, password, progress)
     text, warnings = _decode(data, name)
     if not text.strip():
@@ -75,6 +75,10 @@ def _decode(data: bytes, name: str) -> tuple[str, list[str]]:
         if data.startswith(bom):
             return data.decode(encoding, errors="replace"), []
     head = data[:_SNIFF]
+    if b"\x00" in head:  # ASCII-range text in UTF-16 without a byte order mark: zeros on one side of each pair
+        for encoding, high, low in (("utf-16-le", head[1::2], head[0::2]), ("utf-16-be", head[0::2], head[1::2])):
+            if high.count(0) > 0.9 * len(high) and low.count(0) < 0.1 * len(low):
+                return data.decode(encoding, errors="replace"), [f"{name} has no byte order mark; read it as {encoding}"]
     control = sum(byte < 32 and byte not in b"\t\n\r\f\v\x1b" for byte in head)
     if b"\x00" in head or control > len(head) // 10:
         raise InputError(f"{name} looks like a binary file, not text or PDF")
@@ -83,6 +87,9 @@ def _decode(data: bytes, name: str) -> tuple[str, list[str]]:
     except UnicodeDecodeError:
         pass
     guess = charset_normalizer.from_bytes(data).best()
+    western = charset_normalizer.from_bytes(data, cp_isolation=["cp1252"]).best()
+    if western is not None and (guess is None or western.percent_chaos <= guess.percent_chaos):
+        guess = western  # short texts fit several code pages equally well: take the most common one
     if guess is not None and guess.encoding not in ("utf_8", "ascii"):
         return str(guess), [f"{name} is not UTF-8; read it as {guess.encoding}"]
     text = data.decode("utf-8", errors="replace")
@@ -100,6 +107,8 @@ def _read_pdf(
             raise InputError(f"{name}: wrong password")
         pages = reader.pages
         total = len(pages)
+        if not total:
+            raise InputError(f"{name} is a PDF without pages")
     except DependencyError as error:
         raise InputError(f"{name} needs a decryption library: pip install 'pypdf[crypto]' ({error})") from error
     except (PyPdfError, ValueError, KeyError, TypeError) as error:

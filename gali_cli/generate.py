@@ -5,6 +5,7 @@ logits are computed), cut only where the method allows; then one token per forwa
 """
 
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -144,6 +145,8 @@ def stream_generate(
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         logits = prefill(model, ids, cache, spans, progress)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # kernels run asynchronously: wait for them before reading the clock
         prefilled = time.perf_counter()
         detokenizer = _Detokenizer(tokenizer)
         generated, reason = 0, "length"
@@ -155,6 +158,8 @@ def stream_generate(
             piece = detokenizer.add(token)
             if piece:
                 yield TextPiece(piece)
+        if tail := detokenizer.finish():
+            yield TextPiece(tail)
     yield Finished(
         reason=reason,
         prompt_tokens=len(prompt_ids),
@@ -179,28 +184,42 @@ def stop_token_ids(model: PreTrainedModel, tokenizer) -> set[int]:
 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(index)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak GPU memory allocated by torch on CUDA (all GPUs); on CPU, the process's peak resident memory."""
     if device.type == "cuda":
         return sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 class _Detokenizer:
-    """Turns tokens into text pieces, holding back a piece while it ends in a partial UTF-8 character."""
+    """Turns tokens into text pieces, holding back a piece while it ends in a partial UTF-8 character.
+
+    Only the current line is decoded again for each token, so the cost stays linear in the answer's length.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
+        self.ids: list[int] = []  # tokens of the current line
+        self.text = ""  # what was emitted of it
 
     def add(self, token: int) -> str:
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return ""
-        piece, self.text = text[len(self.text) :], text
+        piece = text[len(self.text) :]
+        if text.endswith("\n"):
+            self.ids, self.text = [], ""
+        else:
+            self.text = text
         return piece
+
+    def finish(self) -> str:
+        """Whatever is still held back when generation ends."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return text[len(self.text) :]

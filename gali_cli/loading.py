@@ -16,15 +16,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 @dataclass
 class LoadedModel:
-    """A model ready to use, with the facts about it that gali reports."""
+    """A model ready for inference, and its tokenizer."""
 
     model: PreTrainedModel
     tokenizer: object  # a transformers tokenizer
-    name: str  # as the user gave it
-    source: str  # the directory or hub id it was loaded from
     device: torch.device
     dtype: torch.dtype
-    quantization: str
 
     @property
     def train_len(self) -> int:
@@ -37,6 +34,7 @@ def demo_model_path() -> Path:
 
 
 def resolve_device(device: str) -> torch.device:
+    """auto: the first CUDA GPU when there is one, else the CPU; asking for CUDA without one is an error."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -114,7 +112,7 @@ def load_model(name: str, quantize: str = "none", device: str = "auto", dtype: s
     except (OSError, ValueError, ImportError) as error:
         raise ModelLoadError(_load_failure(name, source, error)) from error
     model.eval()
-    return LoadedModel(model, tokenizer, name, source, target, torch_dtype, quantize)
+    return LoadedModel(model, tokenizer, target, torch_dtype)
 
 
 def _load_failure(name: str, source: str, error: Exception) -> str:
@@ -125,3 +123,30 @@ def _load_failure(name: str, source: str, error: Exception) -> str:
             f"or cannot be reached (offline?) - {reason}"
         )
     return f"cannot load model {name!r} from {source}: {reason}"
+
+
+def environment_facts(device: str, dtype: str) -> dict:
+    """Where a model would run: device and dtype as resolved, GPUs, bitsandbytes, library versions."""
+    import transformers
+
+    target = resolve_device(device)
+    gpus = [{"name": torch.cuda.get_device_name(i),
+             "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
+            for i in range(torch.cuda.device_count())]
+    try:
+        import bitsandbytes
+
+        quantization = f"bitsandbytes {bitsandbytes.__version__}"
+    except Exception as error:  # noqa: BLE001 - any import failure means "not usable", and we say why
+        quantization = f"unavailable ({type(error).__name__}: {error})"
+    return {"device": str(target), "dtype": str(resolve_dtype(dtype, target)).removeprefix("torch."),
+            "cuda": gpus, "bitsandbytes": quantization, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def model_facts(config) -> dict:
+    """The architecture facts gali cares about, from a model's config."""
+    return {"architecture": (config.architectures or ["LlamaForCausalLM"])[0], "layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size, "heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads, "vocab_size": config.vocab_size,
+            "train_len": config.max_position_embeddings, "rope": dict(config.rope_parameters or {})}

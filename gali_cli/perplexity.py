@@ -27,11 +27,13 @@ def perplexities(
     lengths: list[int],
     spans: list[tuple[int, int]],
     progress: Callable[[int, int, float], None] | None = None,
+    boundaries: list[int] | None = None,
 ) -> list[Perplexity]:
     """PPL over the first l tokens of `ids` (1, N) for every l in `lengths`, from one pass along `spans`.
 
     The model's body runs forward by forward (its cache carrying the prefix); the LM head runs on slices of each
-    forward's hidden states. `progress` gets (tokens done, N, running perplexity).
+    forward's hidden states, cut at the method's chunk `boundaries` too, so that logits never span two chunks.
+    `progress` gets (tokens done, N, perplexity of the first `done` tokens) after every slice.
     """
     total = ids.shape[1]
     for length in lengths:
@@ -39,17 +41,22 @@ def perplexities(
             raise ConfigError(f"--lengths: {length} tokens asked, the document has {total} (at least 2 needed)")
     head = model.get_output_embeddings()
     nll = torch.zeros(total - 1, dtype=torch.float64)  # nll[t]: token t + 1 given tokens 0..t
+    cuts = sorted({*(boundaries or []), *(last for _, last in spans)})
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         for first, last in spans:
             hidden = model.model(input_ids=ids[:, first:last], past_key_values=cache, use_cache=True).last_hidden_state
-            for start in range(first, min(last, total - 1), _LOGIT_SLICE):
-                stop = min(start + _LOGIT_SLICE, last, total - 1)
-                logits = head(hidden[0, start - first : stop - first]).float()
-                targets = ids[0, start + 1 : stop + 1].to(logits.device)
-                nll[start:stop] = F.cross_entropy(logits, targets, reduction="none").double().cpu()
-            if progress:
-                done = min(last, total - 1)
-                progress(last, total, math.exp(nll[:done].mean().item()))
+            start = first
+            for end in (cut for cut in cuts if first < cut <= last):
+                for begin in range(start, end, _LOGIT_SLICE):
+                    piece = slice(begin, min(begin + _LOGIT_SLICE, end, total - 1))
+                    if piece.start >= piece.stop:
+                        break
+                    logits = head(hidden[0, piece.start - first : piece.stop - first]).float()
+                    targets = ids[0, piece.start + 1 : piece.stop + 1].to(logits.device)
+                    nll[piece] = F.cross_entropy(logits, targets, reduction="none").double().cpu()
+                start = end
+                if progress and end >= 2:
+                    progress(end, total, math.exp(nll[: end - 1].mean().item()))
     return [Perplexity(length, math.exp(nll[: length - 1].mean().item()), nll[: length - 1].mean().item())
             for length in lengths]

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 import gali_cli.cli as cli
 from gali_cli.generate import TextPiece
+from rich.console import Console
 from test_documents import make_pdf
 
 DOCUMENT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n" * 12
@@ -46,8 +47,9 @@ def test_summarize_prints_only_the_answer(gali, doc):
     assert DOCUMENT[:40] not in plain.stdout
     assert "tokens" in plain.stderr and "x the model's 32-token window" in plain.stderr
     assert answer["finish_reason"] == "length" and answer["generated_tokens"] == 8
-    assert answer["method"] == "gali" and answer["gali"] == {
+    assert answer["method"] == "gali" and answer["settings"] == {
         "train_len": 32, "chunk_size": 4, "local_window": 0, "noise": True, "noise_scale": 1.0, "seed": 0}
+    assert "stopped at --max-new-tokens 8" in plain.stderr
     assert answer["document"] == {"name": str(doc), "kind": "text", "pages": 0}
     assert answer["prompt_tokens"] > 32 and answer["peak_memory_mib"] > 0
 
@@ -66,6 +68,16 @@ def test_sampling_is_reproducible_with_a_seed(gali, doc):
     runs = [gali("summarize", str(doc), "--max-new-tokens", "12", "--temperature", "1.5", "--seed", seed).stdout
             for seed in ["5", "5", "6"]]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+    greedy = gali("summarize", str(doc), "--max-new-tokens", "12").stdout
+    for narrow in (["--top-k", "1"], ["--top-p", "0.000001"]):  # sampling flags reach the sampler
+        assert gali("summarize", str(doc), "--max-new-tokens", "12", "--temperature", "5", *narrow).stdout == greedy
+
+
+def test_the_answer_stays_on_stdout_when_stderr_is_a_terminal(gali, doc, monkeypatch):
+    monkeypatch.setattr(cli.display, "err", Console(stderr=True, force_terminal=True, soft_wrap=True))
+    quiet = gali("summarize", str(doc), "--max-new-tokens", "6", "--json")
+    streamed = gali("summarize", str(doc), "--max-new-tokens", "6")
+    assert streamed.exit_code == 0 and streamed.stdout == json.loads(quiet.stdout)["answer"] + "\n"
 
 
 def test_ppl(gali, doc):
@@ -80,8 +92,51 @@ def test_ppl(gali, doc):
     assert [(r["method"], r["length"]) for r in results] == [("gali", 16), ("gali", 32), ("gali", 64)]
     limited = gali("ppl", str(doc), "--max-tokens", "50", "--json")
     assert json.loads(limited.stdout)["tokens"] == 50 and "first 50 of" in limited.stderr
-    assert gali("ppl", str(doc), "--lengths", "100k").exit_code == 2
-    assert gali("ppl", str(doc), "--lengths", "two").exit_code == 2
+    cut = gali("ppl", str(doc), "--lengths", "16,64", "--json")  # the largest length is all it reads
+    assert json.loads(cut.stdout)["tokens"] == 64 and "first 64 of" in cut.stderr
+    for bad in (["--lengths", "100k"], ["--lengths", "two"], ["--lengths", "64", "--max-tokens", "32"],
+                ["--json", "--csv"], ["--method", "gali,magic"]):
+        assert gali("ppl", str(doc), *bad).exit_code == 2, bad
+
+
+def test_every_method_side_by_side(gali, doc, tmp_path):
+    lengths = ["--lengths", "8,32,128"]
+    rows = json.loads(gali("ppl", str(doc), "--method", "all", *lengths, "--json").stdout)["results"]
+    assert [r["method"] for r in rows[::3]] == list(cli.METHODS) and {r["length"] for r in rows} == {8, 32, 128}
+    by_method = {(r["method"], r["length"]): r["ppl"] for r in rows}
+    # Each is exact where it promises: GALI up to train_len (32), SelfExtend within its neighbour window (32 / 4),
+    # Dual Chunk Attention within one chunk (3/4 of 32). (Dynamic NTK rescales a whole forward from its longest
+    # position, so in one pass over 128 tokens even the first 32 move.)
+    for method, length in [("gali", 32), ("self-extend", 8), ("chunk-llama", 8)]:
+        assert by_method[(method, length)] == pytest.approx(by_method[("original", length)], rel=1e-5), method
+    assert by_method[("gali", 128)] != pytest.approx(by_method[("original", 128)], rel=1e-3)
+    csv = gali("ppl", str(doc), "--method", "gali,yarn", *lengths, "--csv").stdout.splitlines()
+    assert csv[0] == "method,length,ppl" and len(csv) == 7 and csv[1].startswith("gali,8,")
+    table = gali("ppl", str(doc), "--method", "gali,original", *lengths)
+    assert "gali" in table.stdout and "original" in table.stdout and table.stdout.count("\n") > 4
+    plot = tmp_path / "ppl.png"
+    assert gali("ppl", str(doc), "--method", "gali,original", *lengths, "--plot", str(plot)).exit_code == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert gali("summarize", str(doc), "--method", "gali,yarn").exit_code == 2  # one method for an answer
+
+
+def test_prefill_cuts_forwards_only_at_chunk_boundaries(gali, doc, tiny_model_dir):
+    """With chunks of 5, a 256-token forward would end inside a chunk; the CLI must cut at 32 + 5k instead."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from gali_cli.config import MethodSettings
+    from gali_cli.methods import apply_method
+
+    long_doc = doc.parent / "long.txt"
+    long_doc.write_text(DOCUMENT * 3)
+    got = json.loads(gali("ppl", str(long_doc), "--chunk-size", "5", "--no-noise", "--json").stdout)
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)(DOCUMENT * 3, return_tensors="pt").input_ids
+    assert ids.shape[1] == got["tokens"] > 300
+    apply_method(model, "gali", MethodSettings(chunk_size=5, noise=False), ids.shape[1])
+    logits = model(ids).logits[0, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.double(), ids[0, 1:]).exp().item()
+    assert got["ppl"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_info(gali, tiny_model_dir):
@@ -109,21 +164,34 @@ def test_standard_input_and_pdfs(gali, tmp_path):
 def test_bad_inputs_exit_3_with_one_line(gali, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.7\n%broken\n1 0 obj << /Type /Catalog")
     scan = make_pdf(tmp_path / "scan.pdf", [None])
-    for path, message in [(tmp_path / "nope.txt", "no such file"), (tmp_path / "empty.txt", "is empty"),
-                          (tmp_path / "blob.bin", "binary"), (tmp_path, "directory"), (scan, "OCR")]:
-        result = gali("summarize", str(path))
-        assert result.exit_code == 3, (path, result.stderr)
+    locked = make_pdf(tmp_path / "locked.pdf", [DOCUMENT[:100]], password="pw")
+    for args, message in [([tmp_path / "nope.txt"], "no such file"), ([tmp_path / "empty.txt"], "is empty"),
+                          ([tmp_path / "blob.bin"], "binary"), ([tmp_path], "directory"), ([scan], "OCR"),
+                          ([tmp_path / "broken.pdf"], "not a readable PDF"),
+                          ([locked, "--password", "nope"], "wrong password")]:
+        result = gali("summarize", *map(str, args))
+        assert result.exit_code == 3, (args, result.stderr)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1 and not result.stdout
 
 
 def test_usage_errors_exit_2_before_anything_is_read(gali, tmp_path):
     missing = str(tmp_path / "does-not-matter.txt")
     for args in [("--temperature", "-1"), ("--chunk-size", "0"), ("--local-window", "40"), ("--method", "magic"),
-                 ("--top-p", "2"), ("--train-len", "64"), ("--quantize", "3bit")]:
+                 ("--top-p", "2"), ("--train-len", "64"), ("--quantize", "3bit"), ("--factor", "0.5")]:
         result = gali("summarize", missing, *args)
         assert result.exit_code == 2, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [["summarize", "x", "--factor", "abc"], ["ppl", "x", "--lengths", "1.5k"],
+                                  ["ask", "x"], ["summarize", "x", "--max-new-tokens", "0"], ["nonsense"],
+                                  ["ask", "x", " "]])
+def test_usage_errors_are_one_line_from_the_executable(args, capsys, tiny_model_dir):
+    assert cli.main([*args, "-m", str(tiny_model_dir)] if args[0] != "nonsense" else args) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and captured.err.startswith("gali: ") and not captured.out
 
 
 def test_model_problems_exit_4(gali, doc, tmp_path):

@@ -111,3 +111,18 @@ def test_unreadable_inputs(tmp_path, setup, message):
     path = setup(tmp_path)
     with pytest.raises(InputError, match=message):
         read_document(str(path))
+
+
+def test_encoding_corner_cases(tmp_path):
+    short = read_document("-", stdin=io.BytesIO("La forêt est très belle en été.\n".encode("cp1252")))
+    assert short.text == "La forêt est très belle en été.\n"  # cp1250 fits too, but cp1252 wins the tie
+    utf16 = read_document("-", stdin=io.BytesIO("Plain text in UTF-16, no BOM.\n".encode("utf-16-le")))
+    assert utf16.text == "Plain text in UTF-16, no BOM.\n" and "byte order mark" in utf16.warnings[0]
+    mentions = read_document("-", stdin=io.BytesIO(b"# Notes\n\nA PDF starts with %PDF-1.7, then objects.\n"))
+    assert mentions.kind == "text"
+    from pypdf import PdfWriter
+
+    empty = tmp_path / "empty.pdf"
+    PdfWriter().write(empty)
+    with pytest.raises(InputError, match="without pages"):
+        read_document(str(empty))

@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 import gali_cli.perplexity as perplexity_module
-from gali_cli import ConfigError, GaliConfig
+from gali_cli import ConfigError
+from gali_cli.config import MethodSettings
 from gali_cli.generate import forward_spans
-from gali_cli.methods import METHODS
+from gali_cli.methods import METHODS, apply_method
 from gali_cli.perplexity import perplexities
 
 
@@ -20,18 +21,20 @@ def reference_ppl(logits: torch.Tensor, ids: torch.Tensor, length: int) -> float
 def test_one_pass_matches_full_logits(make_llama, monkeypatch, method):
     model = make_llama(train_len=16)
     ids = torch.randint(0, 64, (1, 90), generator=torch.Generator().manual_seed(1))
-    METHODS[method].apply(model, GaliConfig(chunk_size=5, local_window=2))
+    apply_method(model, method, MethodSettings(chunk_size=5, local_window=2), 90)
     logits = model(ids).logits  # GALI: one forward over all 90 tokens equals any plan-aligned split
     boundaries = METHODS[method].boundaries(model, 0, 90) if METHODS[method].boundaries else None
     spans = forward_spans(0, 90, 24, boundaries)
     monkeypatch.setattr(perplexity_module, "_LOGIT_SLICE", 7)  # several head slices per forward
     seen = []
-    results = perplexities(model, ids, [2, 16, 17, 50, 90], spans, lambda *update: seen.append(update))
+    results = perplexities(model, ids, [2, 16, 17, 50, 90], spans, lambda *update: seen.append(update), boundaries)
     for result in results:
         assert result.ppl == pytest.approx(reference_ppl(logits, ids, result.length), rel=1e-5)
         assert result.mean_nll == pytest.approx(math.log(result.ppl))
-    assert [done for done, _, _ in seen] == [last for _, last in spans]
-    assert seen[-1][2] == pytest.approx(results[-1].ppl)
+    # Progress after every chunk (or forward), with the perplexity of exactly the tokens done so far.
+    assert [done for done, _, _ in seen] == sorted({*(boundaries or []), *(last for _, last in spans)})
+    for done, _, figure in seen:
+        assert figure == pytest.approx(reference_ppl(logits, ids, done), rel=1e-5)
 
 
 def test_lengths_must_fit_the_document(make_llama):

@@ -32,6 +32,8 @@ from .self_extend import SelfExtend, reach
 
 @dataclass(frozen=True)
 class Method:
+    """A method by name: how to apply it to a loaded model, and where its forwards may be cut."""
+
     name: str
     summary: str
     # (model, settings, train_len, input tokens) -> the settings it resolved, for reports
@@ -98,6 +100,7 @@ METHODS = {
 
 
 def get_method(name: str) -> Method:
+    """The method called `name`, or a ConfigError listing them all."""
     if name not in METHODS:
         raise ConfigError(f"--method must be one of {', '.join(METHODS)} (or all); got {name!r}")
     return METHODS[name]

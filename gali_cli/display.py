@@ -1,0 +1,137 @@
+"""How the `gali` command shows things: stderr messages and progress bars, and perplexity tables, CSV and plots.
+
+stdout only ever gets what `print_answer`, `print_json`, `print_ppl_table`, `print_ppl_csv` write.
+"""
+
+import json
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .errors import ConfigError
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
+
+
+def say(message: str, style: str | None = None) -> None:
+    err.print(message, style=style, markup=False)
+
+
+def warn(message: str) -> None:
+    err.print("[yellow]warning:[/] ", end="")
+    err.print(message, markup=False)
+
+
+def fail(message: str) -> None:
+    err.print("[red]gali:[/] ", end="")
+    err.print(message, markup=False)
+
+
+def print_json(document: dict) -> None:
+    sys.stdout.write(json.dumps(document, ensure_ascii=False) + "\n")
+
+
+def print_facts(facts: dict, json_output: bool) -> None:
+    """`gali info`'s facts: one JSON object, or aligned lines."""
+    if json_output:
+        print_json(facts)
+        return
+    for key, value in facts.items():
+        if key == "cuda":
+            value = "; ".join(f"{gpu['name']} ({gpu['memory_gib']} GiB)" for gpu in value) or "no GPU"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        sys.stdout.write(f"{key:<14}{value}\n")
+
+
+class Bar:
+    """A Rich progress bar on stderr, fed through (done, total) callbacks; silent when stderr is no terminal."""
+
+    def __init__(self, progress: Progress, label: str) -> None:
+        self.progress, self.label = progress, label
+        self.task = progress.add_task(label, total=None, visible=False)
+        self.next_line = 0.0  # without a terminal: a line at most every 1/8 of the way
+
+    def __call__(self, done: int, total: int) -> None:
+        self.progress.update(self.task, completed=done, total=total, visible=True)
+
+    def with_figure(self, name: str) -> Callable[[int, int, float], None]:
+        """A (done, total, figure) callback that also shows a running figure, e.g. the perplexity so far."""
+
+        def update(done: int, total: int, figure: float) -> None:
+            self(done, total)
+            self.progress.update(self.task, description=f"{self.label} ({name} {figure:.3f})")
+            if not err.is_terminal and (done >= self.next_line * total or done == total):
+                say(f"{self.label}: {done}/{total} tokens, {name} {figure:.3f}")
+                self.next_line = done / total + 1 / 8
+
+        return update
+
+    def hide(self) -> None:
+        self.progress.update(self.task, visible=False)
+
+
+@contextmanager
+def progress_bar(label: str):
+    """A `Bar`; stdout is left alone, so that a streamed answer can follow on it."""
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal, redirect_stdout=False,
+                  redirect_stderr=False) as progress:
+        yield Bar(progress, label)
+
+
+def ppl_table(rows: list[dict]) -> Table:
+    """Methods down, lengths across, the best (lowest) perplexity of each length in bold, as the paper's Table 3."""
+    lengths = sorted({row["length"] for row in rows})
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    value = {(row["method"], row["length"]): row["ppl"] for row in rows}
+    best = {length: min(value[(method, length)] for method in methods) for length in lengths}
+    table = Table("method", *(str(length) for length in lengths))
+    for method in methods:
+        cells = [f"[bold]{value[(method, n)]:.3f}[/]" if value[(method, n)] == best[n] else f"{value[(method, n)]:.3f}"
+                 for n in lengths]
+        table.add_row(method, *cells)
+    return table
+
+
+def print_ppl_table(rows: list[dict]) -> None:
+    Console(highlight=False).print(ppl_table(rows))
+
+
+def print_ppl_csv(rows: list[dict]) -> None:
+    sys.stdout.write("method,length,ppl\n" + "".join(f"{r['method']},{r['length']},{r['ppl']:.6f}\n" for r in rows))
+
+
+def check_plotting() -> None:
+    """Fail before any work when --plot cannot be honoured."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise ConfigError("--plot needs matplotlib: pip install 'gali-cli[plot]'") from error
+
+
+def plot_ppl(rows: list[dict], path: str, title: str) -> None:
+    """Perplexity against length, one line per method, saved as an image at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(row["method"] for row in rows):
+        points = sorted((row["length"], row["ppl"]) for row in rows if row["method"] == method)
+        axes.plot(*zip(*points), marker="o", label=method)
+    axes.set(xscale="log", yscale="log", xlabel="tokens", ylabel="perplexity", title=title)
+    axes.legend()
+    figure.tight_layout()
+    try:
+        figure.savefig(path)
+    except OSError as error:
+        raise ConfigError(f"--plot {path}: {error.strerror or error}") from error
+    finally:
+        plt.close(figure)
