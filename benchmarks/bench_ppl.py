@@ -85,9 +85,9 @@ def main() -> None:
         markdown, figures = table("method", list(METHODS), LENGTHS,
                                   lambda method, n: corpus_ppl(model, files, n, method, MethodSettings()))
     elif args.experiment == "chunk-window":
-        configurations = [(chunk, window) for chunk in (8, 16, 32, 64, 128) for window in (0, 4, 16, 64)]
+        configurations = [(chunk, window) for chunk in (16, 32, 64, 128) for window in (0, 4, 16, 64, 128, 192)]
         markdown, figures = table(
-            "chunk / window", [f"{c} / {w}" for c, w in configurations], [1024, 4096],
+            "chunk / window", [f"{c} / {w}" for c, w in configurations], LENGTHS[1:],
             lambda row, n: corpus_ppl(model, files, n, "gali", MethodSettings(
                 chunk_size=int(row.split(" / ")[0]), local_window=int(row.split(" / ")[1]))))
     elif args.experiment == "noise":

@@ -15,9 +15,9 @@ class GaliConfig:
             None means the model's `max_position_embeddings`; a smaller value narrows the interval range,
             which the paper finds can help.
         chunk_size: s, tokens per chunk beyond train_len; each chunk gets its own interpolated positions.
-            None means train_len // 8.
+            None means train_len // 4 (docs/benchmarks.md says why).
         local_window: L_w, the newest tokens of every chunk that keep exact, un-interpolated positions.
-            None means train_len // 64.
+            None means train_len // 2: the exact tail must hold at least a chunk (docs/benchmarks.md).
         noise: add the paper's Gaussian logit noise where logits are interpolated.
         noise_scale: multiplies the noise's standard deviation (i - j) / T.
         seed: makes the noise reproducible.
@@ -56,8 +56,8 @@ class GaliConfig:
         return replace(
             self,
             train_len=train_len,
-            chunk_size=self.chunk_size if self.chunk_size is not None else max(1, train_len // 8),
-            local_window=self.local_window if self.local_window is not None else train_len // 64,
+            chunk_size=self.chunk_size if self.chunk_size is not None else max(1, train_len // 4),
+            local_window=self.local_window if self.local_window is not None else train_len // 2,
         )
 
 

@@ -21,8 +21,8 @@ def test_bad_settings_name_the_flag(settings, flag):
 
 
 def test_resolved_fills_defaults_from_train_len():
-    assert GaliConfig().resolved(8192) == GaliConfig(train_len=8192, chunk_size=1024, local_window=128)
-    assert GaliConfig(train_len=256).resolved(8192) == GaliConfig(train_len=256, chunk_size=32, local_window=4)
+    assert GaliConfig().resolved(8192) == GaliConfig(train_len=8192, chunk_size=2048, local_window=4096)
+    assert GaliConfig(train_len=256).resolved(8192) == GaliConfig(train_len=256, chunk_size=64, local_window=128)
     assert GaliConfig(chunk_size=7, local_window=0).resolved(16) == GaliConfig(16, 7, 0)
     with pytest.raises(ConfigError, match="--train-len"):
         GaliConfig(train_len=9000).resolved(8192)

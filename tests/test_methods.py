@@ -134,7 +134,7 @@ def test_default_factors_and_windows(make_llama):
         "train_len": 16, "neighbor_window": 4, "group_size": 8}  # (16 - 4) * 8 + 4 = 100
     assert apply_method(model, "chunk-llama", MethodSettings(), 100) == {
         "train_len": 16, "dca_chunk_size": 12, "local_window": 4}
-    assert apply_method(model, "gali", MethodSettings(), 100)["chunk_size"] == 2
+    assert apply_method(model, "gali", MethodSettings(), 100)["chunk_size"] == 4  # train_len / 4
     assert apply_method(model, "gali", MethodSettings(train_len=8), 100)["train_len"] == 8
 
 

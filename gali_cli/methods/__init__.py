@@ -8,7 +8,7 @@
 | yarn | transformers' YaRN with original_max_position_embeddings = L | --factor, ceil(N / L) |
 | self-extend | SelfExtend: exact neighbours, grouped positions beyond | --neighbor-window L/4, --group-size: the smallest that reaches N |
 | chunk-llama | Dual Chunk Attention: intra-, successive- and inter-chunk | --dca-chunk-size 3L/4, --local-window L - chunk |
-| gali | Greedy Attention Logit Interpolation | --chunk-size L/8, --local-window L/64, --noise |
+| gali | Greedy Attention Logit Interpolation | --chunk-size L/4, --local-window L/2, --noise |
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
 model can run them all in turn. Each also says where a forward may be cut without changing the results.
@@ -40,6 +40,8 @@ class Method:
     apply: Callable[[PreTrainedModel, MethodSettings, int, int], dict]
     # Token indices in (start, stop] where a forward over [start, stop) may end; None: anywhere.
     boundaries: Callable[[PreTrainedModel, int, int], list[int]] | None = None
+    # False when results depend on one forward over the whole input: no prefilled prefix can then be reused.
+    prefix_reusable: bool = True
 
 
 def default_factor(settings: MethodSettings, train_len: int, tokens: int) -> float:
@@ -90,7 +92,7 @@ METHODS = {
     "ntk": Method("ntk", "static NTK-aware RoPE scaling", _rope("ntk")),
     # Dynamic NTK picks its frequencies from the longest position of each forward: one forward for the whole input.
     "dynamic-ntk": Method("dynamic-ntk", "dynamic NTK RoPE scaling (transformers)", _rope("dynamic-ntk"),
-                          lambda model, start, stop: [stop]),
+                          lambda model, start, stop: [stop], prefix_reusable=False),
     "yarn": Method("yarn", "YaRN RoPE scaling (transformers)", _rope("yarn")),
     "self-extend": Method("self-extend", "SelfExtend: grouped positions beyond a neighbour window",
                           _apply_self_extend),
