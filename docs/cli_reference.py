@@ -7,14 +7,14 @@ from typer.testing import CliRunner
 
 from gali_cli.cli import app
 
-COMMANDS = ["summarize", "ask", "ppl", "info"]
+COMMANDS = ["summarize", "ask", "chat", "ppl", "info", "cache", "cache list", "cache clear"]
 
 
 def render() -> str:
     runner = CliRunner()
     sections = ["# `gali` command reference", "", "Generated from `--help` by `python docs/cli_reference.py`.", ""]
     for command in [None, *COMMANDS]:
-        args = [command, "--help"] if command else ["--help"]
+        args = [*command.split(), "--help"] if command else ["--help"]
         result = runner.invoke(app, args, env={"COLUMNS": "100", "NO_COLOR": "1"}, color=False)
         title = f"gali {command}" if command else "gali"
         lines = [line.rstrip() for line in result.stdout.splitlines()]

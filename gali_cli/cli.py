@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -25,20 +26,13 @@ from .config import MethodSettings
 from .display import err, fail, print_json, say, warn
 from .documents import Document, read_document
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
-from .generate import (
-    Finished,
-    TextPiece,
-    forward_spans,
-    make_sampler,
-    peak_memory_bytes,
-    reset_peak_memory,
-    stop_token_ids,
-    stream_generate,
-)
+from .conversation import Conversation, model_spans
+from .doc_cache import DocumentCache, default_directory, default_limit
+from .generate import Finished, TextPiece, make_sampler, peak_memory_bytes, reset_peak_memory
 from .loading import DEFAULT_MODEL, LoadedModel, environment_facts, load_config, load_model, model_facts
 from .methods import METHODS, apply_method, get_method
 from .perplexity import perplexities
-from .prompts import SUMMARIZE, ask_instruction, prompt_ids, text_ids
+from .prompts import SUMMARIZE, ask_instruction, text_ids
 
 EXIT_CODES = {ConfigError: 2, InputError: 3, ModelLoadError: 4, UnsupportedModelError: 4}
 app = typer.Typer(name="gali", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -82,9 +76,9 @@ MODEL_OPTIONS = {
     "train_len": (Annotated[int | None, _option(panel=_GALI, help="The training window to stay within (default: "
                                                                    "the model's).")], None),
     "chunk_size": (Annotated[int | None, _option(panel=_GALI, help="Tokens per chunk beyond it (default: train-len "
-                                                                    "/ 8).")], None),
+                                                                    "/ 4).")], None),
     "local_window": (Annotated[int | None, _option(panel=_GALI, help="Newest tokens kept at exact positions "
-                                                                      "(default: train-len / 64; chunk-llama: "
+                                                                      "(default: train-len / 2; chunk-llama: "
                                                                       "train-len - dca-chunk-size).")], None),
     "noise": (Annotated[bool, _option("--noise/--no-noise", panel=_GALI, help="The paper's Gaussian logit "
                                                                               "noise.")], True),
@@ -161,6 +155,11 @@ TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling.")
 TopK = Annotated[int, typer.Option(min=0, help="0 keeps every token.")]
 System = Annotated[str | None, typer.Option(help="A system prompt.")]
 NoStream = Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.")]
+CacheDir = Annotated[str | None, typer.Option(envvar="GALI_CACHE_DIR", help="Where documents' prefilled states are "
+                                                                            "kept (default: the user cache "
+                                                                            "directory).")]
+NoCache = Annotated[bool, typer.Option("--no-cache", help="Neither reuse nor store the document's prefilled "
+                                                          "state.")]
 
 
 @dataclass(frozen=True)
@@ -175,6 +174,8 @@ class Answering:
     stream: bool
     json_output: bool
     verbose: bool
+    cache_dir: str | None = None
+    no_cache: bool = False
 
 
 @app.command()
@@ -182,13 +183,15 @@ class Answering:
 def summarize(
     file: File, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
     top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
+    cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False,
+    choice: ModelChoice = None,
 ) -> None:
     """Summarize FILE; the summary streams to stdout.
 
     Example: gali summarize report.pdf --quantize 4bit > summary.txt
     """
-    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose)
+    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
+                          cache_dir, no_cache)
     _answer(file, SUMMARIZE, choice, password, answering)
 
 
@@ -198,15 +201,18 @@ def ask(
     file: File, question: Annotated[str, typer.Argument(help="The question about the document.")],
     password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
     top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
+    cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False,
+    choice: ModelChoice = None,
 ) -> None:
-    """Answer QUESTION about FILE; the answer streams to stdout.
+    """Answer QUESTION about FILE; the answer streams to stdout. The document's prefilled state is cached, so
+    the next question about it starts at once.
 
     Example: gali ask contract.txt "When does the lease end?"
     """
     if not question.strip():
         raise ConfigError("QUESTION is empty")
-    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose)
+    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
+                          cache_dir, no_cache)
     _answer(file, ask_instruction(question), choice, password, answering)
 
 
@@ -239,6 +245,100 @@ def ppl(
 
 @app.command()
 @_with_model_options
+def chat(
+    file: File, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
+    top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
+    cache_dir: CacheDir = None, no_cache: NoCache = False,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per answer, a line each.")] = False,
+    verbose: Verbose = False, choice: ModelChoice = None,
+) -> None:
+    """Read FILE once, then answer questions typed at the prompt, keeping the conversation (Ctrl-D to leave).
+
+    Answers stream to stdout, the prompt goes to stderr; questions may also be piped in, one a line.
+
+    Example: gali chat report.pdf -m demo
+    """
+    if file == "-":
+        raise ConfigError("gali chat reads its questions from standard input: give FILE as a path")
+    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
+                          cache_dir, no_cache)
+    sampler = make_sampler(temperature, top_p, top_k, choice.settings.seed)
+    _check(choice)
+    store = None if no_cache else _store(cache_dir)
+    document = _read(file, password)
+    loaded = _load(choice)
+    conversation = _conversation(loaded, choice, document, system, store)
+    _say_input(loaded, choice.method, document, len(conversation.prompt(ask_instruction("?"))))
+    interactive = sys.stdin.isatty()
+    while True:
+        question = _read_question(interactive)
+        if question is None:
+            return
+        if not question:
+            continue
+        instruction = question if conversation.questions else ask_instruction(question)
+        text, finished = _stream_answer(conversation, instruction, sampler, answering)
+        if json_output:
+            print_json({"question": question, "answer": text.strip(), "turn": len(conversation.questions),
+                        **_finished_facts(finished)})
+        if verbose:
+            _say_stats(finished)
+
+
+def _read_question(interactive: bool) -> str | None:
+    """The next question from stdin (the prompt on stderr when a person types), stripped; None at end of input."""
+    if interactive:
+        err.print("[bold]>[/bold] ", end="")
+    line = sys.stdin.readline()
+    if not line:
+        if interactive:
+            err.print()
+        return None
+    return line.strip()
+
+
+cache_app = typer.Typer(name="cache", no_args_is_help=True, help="The document cache: prefilled states of documents "
+                                                                  "asked about (GALI_CACHE_DIR, GALI_CACHE_LIMIT).")
+app.add_typer(cache_app)
+
+
+@cache_app.command("list")
+def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> None:
+    """List cached documents, most recently used first.
+
+    Example: gali cache list
+    """
+    def action() -> None:
+        store = _store(cache_dir)
+        entries = store.entries()
+        if json_output:
+            print_json({"directory": str(store.directory), "limit_bytes": store.limit,
+                        "entries": [{"document": entry.document, "model": entry.model, "method": entry.method,
+                                     "tokens": entry.tokens, "bytes": entry.size, "last_used": entry.last_used,
+                                     "path": str(entry.path)} for entry in entries]})
+        else:
+            display.print_cache_entries(entries, store.directory, store.limit)
+
+    _run(action)
+
+
+@cache_app.command("clear")
+def cache_clear(cache_dir: CacheDir = None) -> None:
+    """Delete every cached document state.
+
+    Example: gali cache clear
+    """
+    def action() -> None:
+        store = _store(cache_dir)
+        count, size = store.clear()
+        say(f"Removed {count} cached document state{'s' if count != 1 else ''} ({size / 2**20:.1f} MiB) from "
+            f"{store.directory}.")
+
+    _run(action)
+
+
+@app.command()
+@_with_model_options
 def info(json_output: JsonOutput = False, choice: ModelChoice = None) -> None:
     """Describe the model, device, CUDA, bitsandbytes and GALI settings, without loading weights.
 
@@ -250,41 +350,61 @@ def info(json_output: JsonOutput = False, choice: ModelChoice = None) -> None:
 def _answer(file: str, instruction: str, choice: ModelChoice, password: str | None, answering: Answering) -> None:
     sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
     _check(choice)
+    store = None if answering.no_cache else _store(answering.cache_dir)
     document = _read(file, password)
     loaded = _load(choice)
-    ids = prompt_ids(loaded.tokenizer, document.text, instruction, answering.system)
-    settings = apply_method(loaded.model, choice.method, choice.settings, len(ids))
-    _say_input(loaded, choice.method, document, len(ids))
+    conversation = _conversation(loaded, choice, document, answering.system, store)
+    _say_input(loaded, choice.method, document, len(conversation.prompt(instruction)))
+    text, finished = _stream_answer(conversation, instruction, sampler, answering)
+    if answering.json_output:
+        print_json({"answer": text.strip(), **_facts(choice.model, choice.method, conversation.resolved, document),
+                    **_finished_facts(finished)})
+    if answering.verbose:
+        _say_stats(finished)
+
+
+def _conversation(loaded: LoadedModel, choice: ModelChoice, document: Document, system: str | None,
+                  store: DocumentCache | None) -> Conversation:
+    return Conversation(loaded, choice.method, choice.settings, document.text, document.name, system, store,
+                        notice=lambda message: say(message, style="dim"))
+
+
+def _store(directory: str | None) -> DocumentCache:
+    path = Path(directory).expanduser() if directory else default_directory()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--cache-dir {path}: not a directory")
+    return DocumentCache(path, default_limit(), warn)
+
+
+def _stream_answer(conversation: Conversation, instruction: str, sampler, answering: Answering
+                   ) -> tuple[str, Finished]:
+    """One answer, streamed to stdout unless --json or --no-stream; returns its text and what it cost."""
     stream = answering.stream and not answering.json_output
     answer, finished = [], None
     with display.progress_bar("Reading") as bar:
-        events = stream_generate(loaded.model, loaded.tokenizer, ids, sampler, answering.max_new_tokens,
-                                 stop_token_ids(loaded.model, loaded.tokenizer),
-                                 _spans(loaded, choice.method, settings, len(ids)), bar)
         try:
-            for event in events:
+            for event in conversation.ask(instruction, sampler, answering.max_new_tokens, bar):
                 bar.hide()
                 if isinstance(event, TextPiece):
                     answer.append(event.text)
                     if stream:
                         sys.stdout.write(event.text)
                         sys.stdout.flush()
-                elif isinstance(event, Finished):
+                else:
                     finished = event
         except KeyboardInterrupt:
             if stream and answer:
                 sys.stdout.write("\n")
             raise
     text = "".join(answer)
-    if answering.json_output:
-        print_json({"answer": text.strip(), **_facts(choice.model, choice.method, settings, document),
-                    **_finished_facts(finished)})
-    else:
+    if not answering.json_output:
         sys.stdout.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
+        sys.stdout.flush()
+    if conversation.from_store and len(conversation.questions) == 1:
+        say(f"(document state from the cache: {conversation.document_tokens} tokens not read again)", style="dim")
     if finished.reason == "length":
         say(f"(stopped at --max-new-tokens {answering.max_new_tokens})", style="dim")
-    if answering.verbose:
-        _say_stats(finished)
+    return text, finished
 
 
 def _perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens: int | None, lengths: list[int],
@@ -305,7 +425,7 @@ def _perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens
     for method in choice.methods:
         settings[method] = apply_method(loaded.model, method, choice.settings, len(ids))
         _say_input(loaded, method, document, len(ids))
-        spans = _spans(loaded, method, settings[method], len(ids))
+        spans = model_spans(loaded, method, settings[method], 0, len(ids))
         boundaries = METHODS[method].boundaries(loaded.model, 0, len(ids)) if METHODS[method].boundaries else None
         reset_peak_memory(device)
         started = time.perf_counter()
@@ -367,13 +487,6 @@ def _load(choice: ModelChoice) -> LoadedModel:
         return load_model(choice.model, choice.quantize, choice.device, choice.dtype)
 
 
-def _spans(loaded: LoadedModel, method: str, settings: dict, tokens: int) -> list[tuple[int, int]]:
-    """Forwards of a bounded size (about 8 GALI chunks, at least 256 tokens), cut only where the method allows."""
-    chunk = settings.get("chunk_size") or loaded.train_len // 8
-    boundaries = METHODS[method].boundaries
-    return forward_spans(0, tokens, max(256, 8 * chunk), boundaries(loaded.model, 0, tokens) if boundaries else None)
-
-
 def _say_input(loaded: LoadedModel, method: str, document: Document, tokens: int) -> None:
     pages = f"{document.pages} page{'s' if document.pages != 1 else ''}, " if document.pages else ""
     say(f"{document.name}: {pages}{tokens} tokens, {tokens / loaded.train_len:.1f}x the model's {loaded.train_len}"
@@ -381,7 +494,8 @@ def _say_input(loaded: LoadedModel, method: str, document: Document, tokens: int
 
 
 def _say_stats(finished: Finished) -> None:
-    say(f"prompt {finished.prompt_tokens} tokens, prefill {finished.prefill_seconds:.2f} s "
+    cached = finished.prompt_tokens - finished.prefilled_tokens
+    say(f"prompt {finished.prompt_tokens} tokens ({cached} from the cache), prefill {finished.prefill_seconds:.2f} s "
         f"({finished.prefill_tokens_per_second:.0f} tokens/s); generated {finished.generated_tokens} tokens "
         f"({finished.decode_tokens_per_second:.1f} tokens/s, {finished.reason}); "
         f"peak memory {finished.peak_memory_bytes / 2**30:.2f} GiB")
@@ -394,6 +508,7 @@ def _facts(model: str, method: str, settings: dict, document: Document) -> dict:
 
 def _finished_facts(finished: Finished) -> dict:
     return {"finish_reason": finished.reason, "prompt_tokens": finished.prompt_tokens,
+            "cached_tokens": finished.prompt_tokens - finished.prefilled_tokens,
             "generated_tokens": finished.generated_tokens,
             "prefill_tokens_per_second": round(finished.prefill_tokens_per_second, 2),
             "decode_tokens_per_second": round(finished.decode_tokens_per_second, 2),

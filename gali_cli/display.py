@@ -1,13 +1,16 @@
 """How the `gali` command shows things: stderr messages and progress bars, and perplexity tables, CSV and plots.
 
-stdout only ever gets what `print_answer`, `print_json`, `print_ppl_table`, `print_ppl_csv` write.
+stdout only ever gets what `print_json`, `print_facts`, `print_ppl_table`, `print_ppl_csv` and
+`print_cache_entries` write.
 """
 
 import json
 import sys
+from datetime import datetime
 from collections.abc import Callable
 from contextlib import contextmanager
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -101,6 +104,22 @@ def ppl_table(rows: list[dict]) -> Table:
 
 def print_ppl_table(rows: list[dict]) -> None:
     Console(highlight=False).print(ppl_table(rows))
+
+
+def print_cache_entries(entries: list, directory, limit: int) -> None:
+    """`gali cache list`: a table of cached documents on stdout, the totals on stderr."""
+    if entries:
+        table = Table(box=box.SIMPLE_HEAD)
+        for column in ("document", "model", "method", "tokens", "MiB", "last used"):
+            table.add_column(column, justify="right" if column in ("tokens", "MiB") else "left")
+        for entry in entries:
+            used = datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M")
+            table.add_row(entry.document, entry.model, entry.method, str(entry.tokens), f"{entry.size / 2**20:.1f}",
+                          used)
+        Console(highlight=False).print(table)
+    total = sum(entry.size for entry in entries)
+    say(f"{len(entries)} cached document state{'s' if len(entries) != 1 else ''}, {total / 2**30:.2f} of "
+        f"{limit / 2**30:.2f} GiB, in {directory}", style="dim")
 
 
 def print_ppl_csv(rows: list[dict]) -> None:

@@ -32,14 +32,16 @@ class Finished:
 
     reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
     prompt_tokens: int
+    prefilled_tokens: int  # those of the prompt this call ran through the model; the others came from the cache
     generated_tokens: int
     prefill_seconds: float
     decode_seconds: float
     peak_memory_bytes: int
+    answer_ids: tuple[int, ...] = ()  # the generated tokens, stop token left out
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -136,25 +138,33 @@ def stream_generate(
     stop_ids: set[int],
     spans: list[tuple[int, int]],
     progress: Progress | None = None,
+    cache: DynamicCache | None = None,
 ) -> Iterator[TextPiece | Finished]:
-    """Prefill `prompt_ids` along `spans`, then decode; yields the answer piece by piece, then `Finished`."""
+    """Prefill `prompt_ids` along `spans`, then decode; yields the answer piece by piece, then `Finished`.
+
+    A `cache` that already holds the prompt's first tokens (a document read before) is continued: `spans` then
+    start where it ends. Either way the cache holds the prompt and the answer afterwards, for the next turn.
+    """
     device = model.get_input_embeddings().weight.device
     ids = torch.tensor([prompt_ids], device=device)
     reset_peak_memory(device)
     started = time.perf_counter()
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
+        cache = cache if cache is not None else DynamicCache(config=model.config)
+        if spans[0][0] != cache.get_seq_length():
+            raise ValueError(f"the cache holds {cache.get_seq_length()} tokens but the spans start at {spans[0][0]}")
         logits = prefill(model, ids, cache, spans, progress)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # kernels run asynchronously: wait for them before reading the clock
         prefilled = time.perf_counter()
         detokenizer = _Detokenizer(tokenizer)
-        generated, reason = 0, "length"
+        generated, answer, reason = 0, [], "length"
         for token in decode(model, cache, logits, sampler, max_new_tokens, stop_ids):
             generated += 1
             if token in stop_ids:
                 reason = "stop"
                 break
+            answer.append(token)
             piece = detokenizer.add(token)
             if piece:
                 yield TextPiece(piece)
@@ -163,10 +173,12 @@ def stream_generate(
     yield Finished(
         reason=reason,
         prompt_tokens=len(prompt_ids),
+        prefilled_tokens=spans[-1][1] - spans[0][0],
         generated_tokens=generated,
         prefill_seconds=prefilled - started,
         decode_seconds=time.perf_counter() - prefilled,
         peak_memory_bytes=peak_memory_bytes(device),
+        answer_ids=tuple(answer),
     )
 
 

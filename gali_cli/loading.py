@@ -1,6 +1,7 @@
 """Loading a Llama and its tokenizer: hub id, local directory or the bundled demo; full precision or bitsandbytes."""
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ class LoadedModel:
     tokenizer: object  # a transformers tokenizer
     device: torch.device
     dtype: torch.dtype
+    identity: dict = field(default_factory=dict)  # what the weights are and how they run (document cache key)
 
     @property
     def train_len(self) -> int:
@@ -112,7 +114,20 @@ def load_model(name: str, quantize: str = "none", device: str = "auto", dtype: s
     except (OSError, ValueError, ImportError) as error:
         raise ModelLoadError(_load_failure(name, source, error)) from error
     model.eval()
-    return LoadedModel(model, tokenizer, target, torch_dtype)
+    identity = {"model": name, "source": str(Path(source).resolve()) if Path(source).exists() else source,
+                "weights": weights_fingerprint(source, config), "quantize": quantize, "dtype": str(torch_dtype),
+                "device": target.type}
+    return LoadedModel(model, tokenizer, target, torch_dtype, identity)
+
+
+def weights_fingerprint(source: str, config) -> list:
+    """What tells these weights from others under the same name: for a directory, its files' names, sizes and
+    modification times (a retrained model in the same place changes them); for a hub id, the commit loaded."""
+    path = Path(source)
+    if not path.is_dir():
+        return [getattr(config, "_commit_hash", None)]
+    return sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns) for entry in os.scandir(path)
+                  if entry.is_file() and entry.name.endswith((".safetensors", ".bin", ".json", ".model")))
 
 
 def _load_failure(name: str, source: str, error: Exception) -> str:

@@ -1,9 +1,25 @@
 """The prompts gali sends: the document first, then the instruction, so that every question about one document
-shares the same token prefix (and its prefilled state can be reused)."""
+shares the same token prefix, and its prefilled state can be reused (`gali chat`, the document cache).
+
+Prompts are tokenized piece by piece: the chat template is rendered around placeholders, and each message's text is
+tokenized with the template text before it, which is how the template's own tokenization cuts them. Two things
+follow. A message that spells a control token such as "<|eot_id|>" keeps it as characters: its text is then
+tokenized apart, so only the template can end a turn. And the tokens up to the end of the document never depend on
+what comes after it: `document_end` marks a prefix every question about the document shares.
+"""
+
+from typing import NamedTuple
 
 SUMMARIZE = "Summarize the document above."
 ASK = "Answer this question about the document above: {question}"
 _SLOT = "\x00gali-slot-{}\x00"  # stands for a message's text while the chat template is rendered
+
+
+class Prompt(NamedTuple):
+    """Token ids of a prompt, and how many of them depend only on the system prompt and the document."""
+
+    ids: list[int]
+    document_end: int
 
 
 def ask_instruction(question: str) -> str:
@@ -14,7 +30,7 @@ def ask_instruction(question: str) -> str:
 def chat_messages(document: str, instruction: str, system: str | None = None) -> list[dict[str, str]]:
     """Messages for a chat template: optional system prompt, then one user turn holding document and instruction."""
     messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": f"{document}\n\n{instruction}"})
+    messages.append({"role": "user", "content": f"{document.strip()}\n\n{instruction}"})
     return messages
 
 
@@ -23,24 +39,53 @@ def text_ids(tokenizer, text: str, add_special_tokens: bool = False) -> list[int
     return tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True).input_ids
 
 
-def prompt_ids(tokenizer, document: str, instruction: str, system: str | None = None) -> list[int]:
-    """Token ids of the prompt: through the model's chat template when it has one, else plain text.
+def prompt_ids(tokenizer, document: str, instruction: str, system: str | None = None) -> Prompt:
+    """The prompt of `gali summarize` and `gali ask`: one user turn, the document then the instruction."""
+    return conversation_ids(tokenizer, document, [instruction], [], system)
 
-    A document cannot end the user's turn by containing "<|eot_id|>": when a message's text spells a special
-    token, the template is rendered around placeholders and only its own parts may produce special tokens.
-    Otherwise the ids are exactly the template's own tokenization.
+
+def conversation_ids(
+    tokenizer, document: str, questions: list[str], answers: list[list[int]], system: str | None = None
+) -> Prompt:
+    """Token ids of a conversation about `document`, ending where the model answers the last question.
+
+    The first user turn holds the document and the first instruction; later turns hold one question each.
+    `answers` are the token ids the model generated for all questions but the last, reused as they are, so the ids
+    of turn n are a prefix of those of turn n + 1 (no re-tokenization of what is already in the cache).
     """
-    messages = chat_messages(document, instruction, system)
+    if len(answers) != len(questions) - 1:
+        raise ValueError(f"{len(questions)} questions need {len(questions) - 1} answers, got {len(answers)}")
+    document = document.strip()
+    # (role, text or generated ids); the first user text is split so that the document ends a piece of its own.
+    turns: list[tuple[str, str | list[int]]] = [("system", system)] if system else []
+    for index, question in enumerate(questions):
+        turns.append(("user", question))
+        if index < len(answers):
+            turns.append(("assistant", answers[index]))
+    first_user = 1 if system else 0
+
     if not tokenizer.chat_template:
-        return text_ids(tokenizer, "\n\n".join(m["content"] for m in messages) + "\n", add_special_tokens=True)
+        ids = text_ids(tokenizer, f"{system}\n\n" if system else "", add_special_tokens=True)
+        ids += text_ids(tokenizer, document)
+        document_end = len(ids)
+        for role, content in turns[first_user:]:
+            ids += content if role == "assistant" else text_ids(tokenizer, f"\n\n{content}\n")
+        return Prompt(ids, document_end)
+
+    slotted = [{"role": role, "content": _SLOT.format(index)} for index, (role, _) in enumerate(turns)]
+    rendered = tokenizer.apply_chat_template(slotted, add_generation_prompt=True, tokenize=False)
     specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
-    if not any(special in message["content"] for message in messages for special in specials):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    slots = [{**message, "content": _SLOT.format(index)} for index, message in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(slots, add_generation_prompt=True, tokenize=False)
-    ids = []
-    for index, message in enumerate(messages):
+    ids, document_end = [], 0
+    for index, (role, content) in enumerate(turns):
         template_part, rendered = rendered.split(_SLOT.format(index), 1)
-        ids += tokenizer(template_part, add_special_tokens=False).input_ids + text_ids(tokenizer, message["content"])
-    return ids + tokenizer(rendered, add_special_tokens=False).input_ids
+        text = document if index == first_user else content
+        if role == "assistant":
+            ids += tokenizer(template_part, add_special_tokens=False).input_ids + content
+        elif any(special in text for special in specials):
+            ids += tokenizer(template_part, add_special_tokens=False).input_ids + text_ids(tokenizer, text)
+        else:  # together, as the template's own tokenization would cut them
+            ids += tokenizer(template_part + text, add_special_tokens=False).input_ids
+        if index == first_user:
+            document_end = len(ids)
+            ids += text_ids(tokenizer, f"\n\n{content}")
+    return Prompt(ids + tokenizer(rendered, add_special_tokens=False).input_ids, document_end)

@@ -48,6 +48,13 @@ def make_llama():
 
 
 @pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory, monkeypatch):
+    """No test reads or writes the user's document cache."""
+    monkeypatch.setenv("GALI_CACHE_DIR", str(tmp_path_factory.mktemp("gali-cache")))
+    monkeypatch.delenv("GALI_CACHE_LIMIT", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
         yield

@@ -13,6 +13,7 @@ from transformers import MistralConfig, MistralForCausalLM
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
+import gali_cli.conversation as conversation
 from gali_cli.generate import TextPiece
 from rich.console import Console
 from test_documents import make_pdf
@@ -48,7 +49,7 @@ def test_summarize_prints_only_the_answer(gali, doc):
     assert "tokens" in plain.stderr and "x the model's 32-token window" in plain.stderr
     assert answer["finish_reason"] == "length" and answer["generated_tokens"] == 8
     assert answer["method"] == "gali" and answer["settings"] == {
-        "train_len": 32, "chunk_size": 4, "local_window": 0, "noise": True, "noise_scale": 1.0, "seed": 0}
+        "train_len": 32, "chunk_size": 8, "local_window": 16, "noise": True, "noise_scale": 1.0, "seed": 0}
     assert "stopped at --max-new-tokens 8" in plain.stderr
     assert answer["document"] == {"name": str(doc), "kind": "text", "pages": 0}
     assert answer["prompt_tokens"] > 32 and answer["peak_memory_mib"] > 0
@@ -140,9 +141,9 @@ def test_prefill_cuts_forwards_only_at_chunk_boundaries(gali, doc, tiny_model_di
 
 
 def test_info(gali, tiny_model_dir):
-    facts = json.loads(gali("info", "--json", "--chunk-size", "8").stdout)
+    facts = json.loads(gali("info", "--json", "--chunk-size", "6").stdout)
     assert facts["train_len"] == 32 and facts["architecture"] == "LlamaForCausalLM"
-    assert facts["gali"]["chunk_size"] == 8 and facts["gali"]["local_window"] == 0
+    assert facts["gali"]["chunk_size"] == 6 and facts["gali"]["local_window"] == 16
     assert facts["device"] in ("cpu", "cuda") and "bitsandbytes" in facts["bitsandbytes"]
     text = gali("info")
     assert text.exit_code == 0 and "train_len" in text.stdout
@@ -207,7 +208,7 @@ def test_out_of_memory_suggests_quantizing(gali, doc, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(cli, "stream_generate", out_of_memory)
+    monkeypatch.setattr(conversation, "stream_generate", out_of_memory)
     result = gali("summarize", str(doc))
     assert result.exit_code == 4 and "--quantize 4bit" in result.stderr
 
@@ -216,7 +217,7 @@ def test_unexpected_errors_are_one_line_unless_debugging(gali, doc, monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("something odd")
 
-    monkeypatch.setattr(cli, "stream_generate", broken)
+    monkeypatch.setattr(conversation, "stream_generate", broken)
     result = gali("summarize", str(doc))
     assert result.exit_code == 1 and "RuntimeError: something odd" in result.stderr
     assert "Traceback" not in result.stderr and "GALI_DEBUG=1" in result.stderr
@@ -229,7 +230,7 @@ def test_interrupt_keeps_what_was_printed(gali, doc, monkeypatch):
         yield TextPiece(" ends")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "stream_generate", interrupted)
+    monkeypatch.setattr(conversation, "stream_generate", interrupted)
     result = gali("summarize", str(doc))
     assert result.exit_code == 130 and result.stdout == "The lease ends\n"
 
@@ -267,3 +268,59 @@ def test_ctrl_c_while_streaming(tiny_model_dir, doc):
     rest, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert first and (first + rest).endswith(b"\n")
+
+
+def test_the_second_question_reuses_the_document(gali, doc, tmp_path):
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    first = gali("ask", str(doc), "When does the lease end?", "--max-new-tokens", "6", "--json", env=env)
+    second = gali("ask", str(doc), "Who repairs the roof?", "--max-new-tokens", "6", "--json", env=env)
+    uncached = gali("ask", str(doc), "Who repairs the roof?", "--max-new-tokens", "6", "--json", "--no-cache",
+                    env=env)
+    assert first.exit_code == second.exit_code == uncached.exit_code == 0, second.stderr
+    first, second, uncached = (json.loads(run.stdout) for run in (first, second, uncached))
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] > 32 and uncached["cached_tokens"] == 0
+    assert second["answer"] == uncached["answer"]
+    listed = json.loads(gali("cache", "list", "--json", env=env, model=False).stdout)
+    assert len(listed["entries"]) == 1 and listed["entries"][0]["document"] == str(doc)
+    assert listed["entries"][0]["tokens"] == second["cached_tokens"]
+    table = gali("cache", "list", env=env, model=False)
+    assert str(doc) in table.stdout and "1 cached document state" in table.stderr
+    cleared = gali("cache", "clear", env=env, model=False)
+    assert cleared.exit_code == 0 and "Removed 1 cached document state" in cleared.stderr
+    assert json.loads(gali("cache", "list", "--json", env=env, model=False).stdout)["entries"] == []
+
+
+def test_a_damaged_cache_entry_is_rebuilt(gali, doc, tmp_path):
+    states = tmp_path / "states"
+    first = gali("summarize", str(doc), "--max-new-tokens", "6", "--cache-dir", str(states))
+    entry, = states.glob("*.safetensors")
+    entry.write_bytes(entry.read_bytes()[:200])
+    again = gali("summarize", str(doc), "--max-new-tokens", "6", "--cache-dir", str(states))
+    assert again.exit_code == 0 and again.stdout == first.stdout
+    assert "warning: ignoring the damaged document cache entry" in again.stderr
+    assert len(list(states.glob("*.safetensors"))) == 1  # rebuilt
+
+
+def test_no_cache_writes_nothing_and_a_bad_cache_dir_is_a_usage_error(gali, doc, tmp_path):
+    states = tmp_path / "states"
+    assert gali("summarize", str(doc), "--max-new-tokens", "2", "--no-cache", "--cache-dir", str(states)).exit_code == 0
+    assert not states.exists()
+    (tmp_path / "file").write_text("x")
+    result = gali("summarize", str(doc), "--cache-dir", str(tmp_path / "file"))
+    assert result.exit_code == 2 and "not a directory" in result.stderr
+    result = gali("summarize", str(doc), env={"GALI_CACHE_LIMIT": "plenty"})
+    assert result.exit_code == 2 and "GALI_CACHE_LIMIT" in result.stderr
+
+
+def test_chat_answers_each_question_in_turn(gali, doc):
+    questions = "When does the lease end?\n\nWho repairs the roof?\n"
+    result = gali("chat", str(doc), "--max-new-tokens", "5", "--json", input=questions)
+    assert result.exit_code == 0, result.stderr
+    turns = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [turn["question"] for turn in turns] == ["When does the lease end?", "Who repairs the roof?"]
+    assert [turn["turn"] for turn in turns] == [1, 2] and turns[1]["cached_tokens"] > turns[0]["prompt_tokens"]
+    single = json.loads(gali("ask", str(doc), "When does the lease end?", "--max-new-tokens", "5", "--json").stdout)
+    assert turns[0]["answer"] == single["answer"]  # the first turn is `gali ask`
+    plain = gali("chat", str(doc), "--max-new-tokens", "5", input=questions)
+    assert plain.stdout.splitlines() == [turn["answer"] for turn in turns]
+    assert gali("chat", "-", input=questions).exit_code == 2

@@ -1,0 +1,120 @@
+"""Questions about one document, answered from one model state: `gali summarize` and `gali ask` are one-turn
+conversations, `gali chat` a long one.
+
+The document is prefilled once, in forwards that always end where the document ends (prompts.py), so its keys and
+values are the same whatever question follows: they come from the document cache when an earlier run stored them,
+and each later turn only runs its own new tokens (the question, and the chat template's markers) through the model.
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+from . import __version__
+from .config import MethodSettings
+from .doc_cache import DocumentCache, entry_key
+from .generate import Finished, Progress, Sampler, TextPiece, forward_spans, stop_token_ids, stream_generate
+from .loading import LoadedModel
+from .methods import METHODS, apply_method
+from .prompts import conversation_ids
+
+
+class Conversation:
+    """A document, the questions asked about it so far and their answers, and the model's cache of all of them."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        method: str,
+        settings: MethodSettings,
+        document: str,
+        document_name: str,
+        system: str | None = None,
+        store: DocumentCache | None = None,
+        notice: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self.loaded, self.method, self.settings = loaded, method, settings
+        self.document, self.document_name, self.system = document, document_name, system
+        self.store = store if METHODS[method].prefix_reusable else None
+        self.notice = notice
+        self.questions: list[str] = []
+        self.answers: list[list[int]] = []
+        self.resolved: dict | None = None  # the method's settings as applied
+        self.cache: DynamicCache | None = None
+        self.cached_ids: list[int] = []  # the tokens whose K/V `cache` holds
+        self.document_tokens = 0
+        self.from_store = False  # whether the document's state came from the document cache
+
+    def prompt(self, instruction: str) -> list[int]:
+        """Token ids of the conversation with `instruction` as the next question (nothing is run)."""
+        return conversation_ids(self.loaded.tokenizer, self.document, [*self.questions, instruction], self.answers,
+                                self.system).ids
+
+    def ask(
+        self, instruction: str, sampler: Sampler, max_new_tokens: int, progress: Progress | None = None
+    ) -> Iterator[TextPiece | Finished]:
+        """Answer `instruction` (the first one follows the document in the same user turn); yields the answer piece
+        by piece, then `Finished`. The question and answer join the conversation once the answer is complete."""
+        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        prompt = conversation_ids(tokenizer, self.document, [*self.questions, instruction], self.answers, self.system)
+        self.document_tokens = prompt.document_end
+        resolved = apply_method(model, self.method, self.settings, len(prompt.ids))
+        reusable = METHODS[self.method].prefix_reusable and resolved == self.resolved
+        if self.cache is not None and not reusable:
+            self.notice(f"reading the document again: {self.method}'s settings changed with the conversation's "
+                        f"length ({len(prompt.ids)} tokens)" if METHODS[self.method].prefix_reusable else
+                        f"reading the document again: {self.method} needs the whole input in one forward")
+        if not reusable or prompt.ids[: len(self.cached_ids)] != self.cached_ids:
+            self.cache, self.cached_ids = None, []
+        self.resolved = resolved
+        document_ids = prompt.ids[: prompt.document_end]
+        key = entry_key(self.identity(), document_ids) if self.store else None
+        if self.cache is None:
+            self.cache = self.store.load(key, document_ids, model) if self.store else None
+            self.from_store = self.cache is not None
+            self.cached_ids = document_ids if self.cache is not None else []
+            self.cache = self.cache if self.cache is not None else DynamicCache(config=model.config)
+        start = len(self.cached_ids)
+        finished = None
+        for event in stream_generate(model, tokenizer, prompt.ids, sampler, max_new_tokens,
+                                     stop_token_ids(model, tokenizer), self._spans(start, len(prompt.ids)),
+                                     progress, self.cache):
+            finished = event if isinstance(event, Finished) else finished
+            yield event
+        self.questions.append(instruction)
+        self.answers.append(list(finished.answer_ids))
+        self.cached_ids = (prompt.ids + self.answers[-1])[: self.cache.get_seq_length()]
+        if self.store and not self.from_store and start == 0:
+            self.store.save(key, document_ids, self.cache, {
+                "document": self.document_name, "model": self.loaded.identity.get("model", "?"),
+                "method": self.method})
+
+    def _spans(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Forwards over tokens [start, stop): a bounded number of tokens each (about 8 GALI chunks, at least
+        256), cut where the method allows, and always at the end of the document."""
+        cuts = [cut for cut in (start, self.document_tokens, stop) if start <= cut <= stop]
+        if not METHODS[self.method].prefix_reusable:
+            cuts = [start, stop]
+        spans = []
+        for first, last in zip(cuts, cuts[1:]):
+            if first < last:
+                spans += model_spans(self.loaded, self.method, self.resolved, first, last)
+        return spans
+
+    def identity(self) -> dict:
+        """Everything a document's K/V depend on besides its tokens: model, weights, dtype, method, settings."""
+        return {"format": "gali-document-state", "gali": __version__, "torch": torch.__version__,
+                "transformers": transformers.__version__, **self.loaded.identity, "method": self.method,
+                "settings": {name: value for name, value in (self.resolved or {}).items()},
+                "chosen": asdict(self.settings)}
+
+
+def model_spans(loaded: LoadedModel, method: str, resolved: dict, start: int, stop: int) -> list[tuple[int, int]]:
+    """Forwards over [start, stop) of about 8 GALI chunks (at least 256 tokens), cut only where `method` allows."""
+    chunk = resolved.get("chunk_size") or loaded.train_len // 8
+    boundaries = METHODS[method].boundaries
+    return forward_spans(start, stop, max(256, 8 * chunk),
+                         boundaries(loaded.model, start, stop) if boundaries else None)

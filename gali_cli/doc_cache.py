@@ -1,0 +1,222 @@
+"""The document cache: a document's prefilled keys and values kept on disk, so the next question skips the prefill.
+
+Prompts put the document first (prompts.py), so every question about it shares the tokens up to `document_end`, and
+their keys and values do not depend on what follows (attention is causal, and the prefill is always cut at the end
+of the document, cached or not). An entry holds one document's K/V for one model and method with its settings.
+
+Entries are safetensors files (plain tensors, no pickled objects) named by a SHA-256 of everything the K/V depend
+on; they are written to a temporary file and renamed, so a crash or a full disk never leaves half an entry, and are
+checked on load (format version, key, token hash, shapes, dtype): a file that fails is ignored, deleted and rebuilt.
+Least recently used entries go first when the directory grows past its size limit.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache, PreTrainedModel
+
+from .errors import ConfigError
+
+FORMAT = "1"
+SUFFIX = ".safetensors"
+DEFAULT_LIMIT = 20 * 2**30
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30, "t": 2**40,
+          "tb": 2**40}
+
+
+def default_directory() -> Path:
+    """$GALI_CACHE_DIR, else the platform's user cache directory (e.g. ~/.cache/gali/documents on Linux)."""
+    if os.environ.get("GALI_CACHE_DIR"):
+        return Path(os.environ["GALI_CACHE_DIR"]).expanduser()
+    return Path(platformdirs.user_cache_dir("gali")) / "documents"
+
+
+def parse_size(text: str) -> int:
+    """ "20G", "512mb", "1000000" -> bytes (binary units)."""
+    cleaned = text.strip().lower().replace(" ", "").removesuffix("ib")
+    number = cleaned.rstrip("kmgtb")
+    unit = cleaned[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1
+    if unit not in _UNITS or value < 0:
+        raise ConfigError(f"GALI_CACHE_LIMIT must be a size such as 20G or 512M, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def default_limit() -> int:
+    """$GALI_CACHE_LIMIT (e.g. 20G), else 20 GiB."""
+    limit = os.environ.get("GALI_CACHE_LIMIT")
+    return parse_size(limit) if limit else DEFAULT_LIMIT
+
+
+def entry_key(identity: dict, prefix_ids: list[int]) -> str:
+    """A name for the K/V of `prefix_ids` under `identity` (model, weights, dtype, method, settings, versions)."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+    digest.update(_ids_digest(prefix_ids).encode())
+    return digest.hexdigest()
+
+
+def _ids_digest(ids: list[int]) -> str:
+    return hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached document, as `gali cache list` shows it."""
+
+    path: Path
+    size: int
+    last_used: float
+    tokens: int
+    document: str
+    model: str
+    method: str
+
+
+class DocumentCache:
+    """Prefilled document states in `directory`, at most `limit` bytes in all."""
+
+    def __init__(self, directory: Path, limit: int, warn: Callable[[str], None]) -> None:
+        self.directory = directory
+        self.limit = limit
+        self.warn = warn
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}{SUFFIX}"
+
+    def load(self, key: str, prefix_ids: list[int], model: PreTrainedModel) -> DynamicCache | None:
+        """The cached K/V of `prefix_ids` as a DynamicCache on the model's device, or None (absent or unusable)."""
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            tensors, metadata = _read(path)
+            _check(tensors, metadata, key, prefix_ids, model)
+        except (OSError, SafetensorError, ValueError, KeyError) as error:
+            self.warn(f"ignoring the damaged document cache entry {path}: {error}; it will be rebuilt")
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)  # recently used: evicted last
+        device = model.get_input_embeddings().weight.device
+        cache = DynamicCache(config=model.config)
+        for layer in range(model.config.num_hidden_layers):
+            cache.update(tensors[f"keys.{layer}"].to(device), tensors[f"values.{layer}"].to(device), layer)
+        return cache
+
+    def save(self, key: str, prefix_ids: list[int], cache: DynamicCache, description: dict[str, str]) -> None:
+        """Store the first len(prefix_ids) tokens' K/V of `cache`; a failure (e.g. a full disk) only warns."""
+        tokens = len(prefix_ids)
+        tensors = {}
+        for layer, state in enumerate(cache.layers):
+            tensors[f"keys.{layer}"] = state.keys[:, :, :tokens].contiguous().cpu()
+            tensors[f"values.{layer}"] = state.values[:, :, :tokens].contiguous().cpu()
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        if size > self.limit:
+            self.warn(f"not caching the document: its state takes {size / 2**30:.2f} GiB, more than the cache "
+                      f"limit of {self.limit / 2**30:.2f} GiB (GALI_CACHE_LIMIT)")
+            return
+        metadata = {"format": FORMAT, "key": key, "tokens": str(tokens), "ids_sha256": _ids_digest(prefix_ids),
+                    **description}
+        temporary = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._evict(keep=self.limit - size)
+            handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".partial-", suffix=SUFFIX)
+            os.close(handle)
+            save_file(tensors, temporary, metadata)
+            with open(temporary, "rb") as written:
+                os.fsync(written.fileno())
+            os.replace(temporary, self.path(key))
+        except (OSError, SafetensorError) as error:
+            self.warn(f"could not write the document cache in {self.directory}: {error}")
+            if temporary:
+                Path(temporary).unlink(missing_ok=True)
+
+    def entries(self) -> list[Entry]:
+        """Every entry, most recently used first; unreadable files are listed with what can be said of them."""
+        found = []
+        for path in self.directory.glob(f"*{SUFFIX}") if self.directory.is_dir() else []:
+            if path.name.startswith(".partial-"):
+                continue
+            stat = path.stat()
+            try:
+                metadata = _metadata(path)
+            except (OSError, SafetensorError, ValueError):
+                metadata = {}
+            found.append(Entry(path, stat.st_size, stat.st_mtime, int(metadata.get("tokens", 0)),
+                               metadata.get("document", "?"), metadata.get("model", "?"),
+                               metadata.get("method", "?")))
+        return sorted(found, key=lambda entry: entry.last_used, reverse=True)
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every entry (and leftovers of interrupted writes); returns (files, bytes) removed."""
+        count = size = 0
+        for path in self.directory.glob(f"*{SUFFIX}") if self.directory.is_dir() else []:
+            size += path.stat().st_size
+            path.unlink(missing_ok=True)
+            count += 1
+        return count, size
+
+    def _evict(self, keep: int) -> None:
+        """Delete least recently used entries until the others take at most `keep` bytes."""
+        entries = self.entries()
+        total = sum(entry.size for entry in entries)
+        for entry in reversed(entries):
+            if total <= keep:
+                break
+            entry.path.unlink(missing_ok=True)
+            total -= entry.size
+        stale = time.time() - 3600  # temporary files an interrupted writer left behind
+        for partial in self.directory.glob(f".partial-*{SUFFIX}"):
+            if partial.stat().st_mtime < stale:
+                partial.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    return load_file(path), _metadata(path)
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    """The safetensors header's metadata, read without loading the tensors."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        if not 0 < length <= 100 * 2**20:
+            raise ValueError("not a safetensors file")
+        header = json.loads(file.read(length))
+    metadata = header.get("__metadata__")
+    if not isinstance(metadata, dict):
+        raise ValueError("no gali metadata")
+    return metadata
+
+
+def _check(tensors: dict[str, torch.Tensor], metadata: dict[str, str], key: str, prefix_ids: list[int],
+           model: PreTrainedModel) -> None:
+    """Raise ValueError unless the entry is exactly the K/V of `prefix_ids` for this model and settings."""
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"format {metadata.get('format')!r}, expected {FORMAT}")
+    if metadata.get("key") != key or metadata.get("ids_sha256") != _ids_digest(prefix_ids):
+        raise ValueError("it belongs to another document or setting")
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expected = (1, config.num_key_value_heads, len(prefix_ids), head_dim)
+    names = {f"{kind}.{layer}" for kind in ("keys", "values") for layer in range(config.num_hidden_layers)}
+    if set(tensors) != names:
+        raise ValueError(f"its tensors are not the keys and values of {config.num_hidden_layers} layers")
+    dtype = next(iter(tensors.values())).dtype
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != expected or tensor.dtype != dtype:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} {tensor.dtype}, expected {expected}")
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{name} holds non-finite values")

@@ -1,0 +1,204 @@
+"""The document cache and conversations: reused states give the same answers, and bad files are never trusted."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import gali_cli.doc_cache as doc_cache
+from gali_cli.config import MethodSettings
+from gali_cli.conversation import Conversation
+from gali_cli.doc_cache import DocumentCache, entry_key, parse_size
+from gali_cli.errors import ConfigError
+from gali_cli.generate import Finished, TextPiece, make_sampler, stop_token_ids, stream_generate
+from gali_cli.loading import load_model
+from gali_cli.prompts import SUMMARIZE, ask_instruction, conversation_ids
+
+DOCUMENT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n" * 5
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture
+def store(tmp_path):
+    warnings = []
+    cache = DocumentCache(tmp_path / "states", 2**30, warnings.append)
+    cache.warnings = warnings
+    return cache
+
+
+def answer(conversation: Conversation, instruction: str, tokens: int = 10) -> tuple[list[int], Finished]:
+    events = list(conversation.ask(instruction, make_sampler(), tokens))
+    assert all(isinstance(event, TextPiece) for event in events[:-1])
+    return list(events[-1].answer_ids), events[-1]
+
+
+def filled_cache(loaded, tokens: int) -> tuple[list[int], DynamicCache]:
+    ids = list(range(3, 3 + tokens))
+    cache = DynamicCache(config=loaded.model.config)
+    loaded.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return ids, cache
+
+
+@pytest.mark.parametrize("method, settings", [
+    ("gali", MethodSettings()),  # noise on: the noise is a function of token indices and seed, so it repeats
+    ("gali", MethodSettings(noise=False, chunk_size=3, local_window=2)),
+    ("self-extend", MethodSettings(group_size=16)),  # the defaults follow the input's length: fixed here, so
+    ("chunk-llama", MethodSettings()),
+    ("yarn", MethodSettings(factor=16.0)),  # that both questions resolve to the same settings
+    ("original", MethodSettings()),
+])
+def test_a_cached_document_gives_the_same_answers(loaded, store, method, settings):
+    fresh = [answer(Conversation(loaded, method, settings, DOCUMENT, "lease.txt"), instruction)[0]
+             for instruction in (SUMMARIZE, ask_instruction("Who repairs the roof?"))]
+    first = Conversation(loaded, method, settings, DOCUMENT, "lease.txt", store=store)
+    ids, finished = answer(first, SUMMARIZE)
+    assert ids == fresh[0] and finished.prefilled_tokens == finished.prompt_tokens and not first.from_store
+    assert len(store.entries()) == 1 and store.entries()[0].tokens == first.document_tokens > 32
+    second = Conversation(loaded, method, settings, DOCUMENT, "lease.txt", store=store)
+    ids, finished = answer(second, ask_instruction("Who repairs the roof?"))
+    assert second.from_store and ids == fresh[1]
+    assert finished.prompt_tokens - finished.prefilled_tokens == second.document_tokens
+    assert store.warnings == []
+
+
+def test_other_settings_or_documents_do_not_share_a_state(loaded, store):
+    answer(Conversation(loaded, "gali", MethodSettings(), DOCUMENT, "a", store=store), SUMMARIZE, 2)
+    for method, settings, document in [("gali", MethodSettings(local_window=4), DOCUMENT),
+                                       ("gali", MethodSettings(seed=1), DOCUMENT),
+                                       ("self-extend", MethodSettings(), DOCUMENT),
+                                       ("gali", MethodSettings(), DOCUMENT + "One more line.")]:
+        conversation = Conversation(loaded, method, settings, document, "b", store=store)
+        answer(conversation, SUMMARIZE, 2)
+        assert not conversation.from_store
+    assert len(store.entries()) == 5
+
+
+def test_dynamic_ntk_never_reuses_a_prefix(loaded, store):
+    conversation = Conversation(loaded, "dynamic-ntk", MethodSettings(), DOCUMENT, "a", store=store)
+    answer(conversation, SUMMARIZE, 2)
+    _, finished = answer(conversation, "Why?", 2)
+    assert store.entries() == [] and finished.prefilled_tokens == finished.prompt_tokens
+
+
+def test_a_conversation_continues_its_cache(loaded):
+    """Turn two runs only its new tokens, and answers as one forward over the whole conversation would."""
+    conversation = Conversation(loaded, "original", MethodSettings(), DOCUMENT, "lease.txt")
+    first, _ = answer(conversation, ask_instruction("When does the lease end?"), 6)
+    second, finished = answer(conversation, "And the rent?", 6)
+    ids = conversation_ids(loaded.tokenizer, DOCUMENT, [ask_instruction("When does the lease end?"),
+                                                        "And the rent?"], [first]).ids
+    assert finished.prompt_tokens == len(ids) and finished.prefilled_tokens < len(ids) - len(first)
+    events = list(stream_generate(loaded.model, loaded.tokenizer, ids, make_sampler(), 6,
+                                  stop_token_ids(loaded.model, loaded.tokenizer), [(0, len(ids))]))
+    assert second == list(events[-1].answer_ids)
+    assert conversation.questions == [ask_instruction("When does the lease end?"), "And the rent?"]
+
+
+def test_self_extend_reads_again_when_the_conversation_outgrows_its_groups(loaded):
+    notices = []
+    conversation = Conversation(loaded, "self-extend", MethodSettings(), DOCUMENT, "lease.txt", notice=notices.append)
+    answer(conversation, SUMMARIZE, 40)
+    group = conversation.resolved["group_size"]
+    while conversation.resolved["group_size"] == group:
+        _, finished = answer(conversation, "Tell me more about the roof and the rent, please.", 40)
+    assert finished.prefilled_tokens == finished.prompt_tokens and "reading the document again" in notices[-1]
+
+
+def test_state_round_trip(loaded, store):
+    ids, cache = filled_cache(loaded, 12)
+    store.save("k" * 64, ids[:9], cache, {"document": "doc", "model": "tiny", "method": "gali"})
+    restored = store.load("k" * 64, ids[:9], loaded.model)
+    for layer, state in enumerate(restored.layers):
+        torch.testing.assert_close(state.keys, cache.layers[layer].keys[:, :, :9], rtol=0, atol=0)
+        torch.testing.assert_close(state.values, cache.layers[layer].values[:, :, :9], rtol=0, atol=0)
+    entry, = store.entries()
+    assert (entry.document, entry.model, entry.method, entry.tokens) == ("doc", "tiny", "gali", 9)
+    assert store.load("k" * 64, ids[:8], loaded.model) is None and "another document" in store.warnings[-1]
+    assert store.entries() == []  # a file that fails its checks is deleted, to be rebuilt
+
+
+def _damage_by_truncation(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _damage_by_garbage(path: Path) -> None:
+    path.write_bytes(b"\x00" * 64)
+
+
+def _damage_by_a_foreign_format(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"format":"1"', b'"format":"9"'))
+
+
+def _damage_by_nan(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    metadata = doc_cache._metadata(path)
+    tensors["keys.0"][0, 0, 0, 0] = float("nan")
+    save_file(tensors, path, metadata)
+
+
+@pytest.mark.parametrize("damage", [_damage_by_truncation, _damage_by_garbage, _damage_by_a_foreign_format,
+                                    _damage_by_nan])
+def test_a_damaged_entry_is_ignored_with_a_warning(loaded, store, damage):
+    ids, cache = filled_cache(loaded, 6)
+    key = entry_key({"model": "tiny"}, ids)
+    store.save(key, ids, cache, {})
+    damage(store.path(key))
+    assert store.load(key, ids, loaded.model) is None
+    assert len(store.warnings) == 1 and "damaged" in store.warnings[0] and str(store.path(key)) in store.warnings[0]
+    assert not store.path(key).exists()
+
+
+def test_a_failed_write_leaves_no_file(loaded, store, monkeypatch):
+    ids, cache = filled_cache(loaded, 6)
+
+    def disk_full(tensors, filename, metadata):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(doc_cache, "save_file", disk_full)
+    store.save(entry_key({}, ids), ids, cache, {})
+    assert list(store.directory.iterdir()) == [] and "No space left on device" in store.warnings[0]
+
+
+def test_least_recently_used_entries_go_first(loaded, tmp_path):
+    ids, cache = filled_cache(loaded, 6)
+    size = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers)
+    warnings = []
+    keys = [entry_key({"n": n}, ids) for n in range(3)]
+    probe = DocumentCache(tmp_path / "probe", 2**30, warnings.append)
+    probe.save(keys[0], ids, cache, {})
+    store = DocumentCache(tmp_path / "states", 2 * probe.entries()[0].size + size // 2, warnings.append)  # 2 fit
+    for age, key in enumerate(keys[:2]):
+        store.save(key, ids, cache, {})
+        os.utime(store.path(key), (1000 + age, 1000 + age))
+    store.load(keys[0], ids, loaded.model)  # now the most recently used
+    store.save(keys[2], ids, cache, {})
+    assert {entry.path for entry in store.entries()} == {store.path(keys[0]), store.path(keys[2])}
+    tiny = DocumentCache(tmp_path / "small", size // 2, warnings.append)
+    tiny.save(keys[0], ids, cache, {})
+    assert tiny.entries() == [] and "more than the cache limit" in warnings[-1]
+    total = sum(entry.size for entry in store.entries())
+    assert store.clear() == (2, total) and store.entries() == []
+
+
+def test_sizes_and_directories(monkeypatch, tmp_path):
+    assert parse_size("20G") == parse_size("20 GiB") == 20 * 2**30
+    assert parse_size("512m") == 512 * 2**20 and parse_size("1000") == 1000 and parse_size("1.5k") == 1536
+    for bad in ("lots", "-1G", "5X"):
+        with pytest.raises(ConfigError, match="GALI_CACHE_LIMIT"):
+            parse_size(bad)
+    monkeypatch.setenv("GALI_CACHE_DIR", str(tmp_path / "mine"))
+    assert doc_cache.default_directory() == tmp_path / "mine"
+    monkeypatch.delenv("GALI_CACHE_DIR")
+    assert doc_cache.default_directory().name == "documents" and "gali" in str(doc_cache.default_directory())
+    monkeypatch.setenv("GALI_CACHE_LIMIT", "3M")
+    assert doc_cache.default_limit() == 3 * 2**20
