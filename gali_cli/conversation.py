@@ -78,15 +78,19 @@ class Conversation:
             self.cached_ids = document_ids if self.cache is not None else []
             self.cache = self.cache if self.cache is not None else DynamicCache(config=model.config)
         start = len(self.cached_ids)
-        finished = None
         for event in stream_generate(model, tokenizer, prompt.ids, sampler, max_new_tokens,
                                      stop_token_ids(model, tokenizer), self._spans(start, len(prompt.ids)),
                                      progress, self.cache):
-            finished = event if isinstance(event, Finished) else finished
+            if isinstance(event, Finished):  # before yielding it: a consumer may stop at the last event
+                self._record(instruction, prompt.ids, list(event.answer_ids), key, document_ids, start)
             yield event
+
+    def _record(self, instruction: str, ids: list[int], answer: list[int], key: str | None, document_ids: list[int],
+                start: int) -> None:
+        """The turn joins the conversation; a document read in this turn is stored for later runs."""
         self.questions.append(instruction)
-        self.answers.append(list(finished.answer_ids))
-        self.cached_ids = (prompt.ids + self.answers[-1])[: self.cache.get_seq_length()]
+        self.answers.append(answer)
+        self.cached_ids = (ids + answer)[: self.cache.get_seq_length()]
         if self.store and not self.from_store and start == 0:
             self.store.save(key, document_ids, self.cache, {
                 "document": self.document_name, "model": self.loaded.identity.get("model", "?"),

@@ -202,3 +202,11 @@ def test_sizes_and_directories(monkeypatch, tmp_path):
     assert doc_cache.default_directory().name == "documents" and "gali" in str(doc_cache.default_directory())
     monkeypatch.setenv("GALI_CACHE_LIMIT", "3M")
     assert doc_cache.default_limit() == 3 * 2**20
+
+
+def test_the_state_is_stored_once_the_answer_is_complete(loaded, store):
+    conversation = Conversation(loaded, "gali", MethodSettings(), DOCUMENT, "lease.txt", store=store)
+    for event in conversation.ask(SUMMARIZE, make_sampler(), 3):
+        if isinstance(event, Finished):
+            break  # a consumer that stops at the last event, without exhausting the generator
+    assert len(store.entries()) == 1 and conversation.questions == [SUMMARIZE]
