@@ -268,8 +268,10 @@ def chat(
     document = _read(file, password)
     loaded = _load(choice)
     conversation = _conversation(loaded, choice, document, system, store)
-    _say_input(loaded, choice.method, document, len(conversation.prompt(ask_instruction("?"))))
+    _say_input(loaded, choice.method, document, conversation.prompt(ask_instruction("?")).document_end)
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # a stray byte in a piped question is not worth a crash
     while True:
         question = _read_question(interactive)
         if question is None:
@@ -354,7 +356,7 @@ def _answer(file: str, instruction: str, choice: ModelChoice, password: str | No
     document = _read(file, password)
     loaded = _load(choice)
     conversation = _conversation(loaded, choice, document, answering.system, store)
-    _say_input(loaded, choice.method, document, len(conversation.prompt(instruction)))
+    _say_input(loaded, choice.method, document, len(conversation.prompt(instruction).ids))
     text, finished = _stream_answer(conversation, instruction, sampler, answering)
     if answering.json_output:
         print_json({"answer": text.strip(), **_facts(choice.model, choice.method, conversation.resolved, document),

@@ -7,8 +7,6 @@ and each later turn only runs its own new tokens (the question, and the chat tem
 """
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
-
 import torch
 import transformers
 from transformers import DynamicCache
@@ -19,7 +17,7 @@ from .doc_cache import DocumentCache, entry_key
 from .generate import Finished, Progress, Sampler, TextPiece, forward_spans, stop_token_ids, stream_generate
 from .loading import LoadedModel
 from .methods import METHODS, apply_method
-from .prompts import conversation_ids
+from .prompts import Prompt, conversation_ids
 
 
 class Conversation:
@@ -47,11 +45,16 @@ class Conversation:
         self.cached_ids: list[int] = []  # the tokens whose K/V `cache` holds
         self.document_tokens = 0
         self.from_store = False  # whether the document's state came from the document cache
+        self._last_prompt: tuple[tuple[str, int], Prompt] | None = None
 
-    def prompt(self, instruction: str) -> list[int]:
-        """Token ids of the conversation with `instruction` as the next question (nothing is run)."""
-        return conversation_ids(self.loaded.tokenizer, self.document, [*self.questions, instruction], self.answers,
-                                self.system).ids
+    def prompt(self, instruction: str) -> Prompt:
+        """Token ids of the conversation with `instruction` as the next question (nothing is run; the last one is
+        kept, so that asking right after does not tokenize a long document again)."""
+        turn = (instruction, len(self.questions))
+        if self._last_prompt is None or self._last_prompt[0] != turn:
+            self._last_prompt = turn, conversation_ids(self.loaded.tokenizer, self.document,
+                                                       [*self.questions, instruction], self.answers, self.system)
+        return self._last_prompt[1]
 
     def ask(
         self, instruction: str, sampler: Sampler, max_new_tokens: int, progress: Progress | None = None
@@ -59,7 +62,7 @@ class Conversation:
         """Answer `instruction` (the first one follows the document in the same user turn); yields the answer piece
         by piece, then `Finished`. The question and answer join the conversation once the answer is complete."""
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
-        prompt = conversation_ids(tokenizer, self.document, [*self.questions, instruction], self.answers, self.system)
+        prompt = self.prompt(instruction)
         self.document_tokens = prompt.document_end
         resolved = apply_method(model, self.method, self.settings, len(prompt.ids))
         reusable = METHODS[self.method].prefix_reusable and resolved == self.resolved
@@ -112,8 +115,7 @@ class Conversation:
         """Everything a document's K/V depend on besides its tokens: model, weights, dtype, method, settings."""
         return {"format": "gali-document-state", "gali": __version__, "torch": torch.__version__,
                 "transformers": transformers.__version__, **self.loaded.identity, "method": self.method,
-                "settings": {name: value for name, value in (self.resolved or {}).items()},
-                "chosen": asdict(self.settings)}
+                "settings": self.resolved}
 
 
 def model_spans(loaded: LoadedModel, method: str, resolved: dict, start: int, stop: int) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -114,8 +115,8 @@ def print_cache_entries(entries: list, directory, limit: int) -> None:
             table.add_column(column, justify="right" if column in ("tokens", "MiB") else "left")
         for entry in entries:
             used = datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M")
-            table.add_row(entry.document, entry.model, entry.method, str(entry.tokens), f"{entry.size / 2**20:.1f}",
-                          used)
+            table.add_row(escape(entry.document), escape(entry.model), escape(entry.method), str(entry.tokens),
+                          f"{entry.size / 2**20:.1f}", used)
         Console(highlight=False).print(table)
     total = sum(entry.size for entry in entries)
     say(f"{len(entries)} cached document state{'s' if len(entries) != 1 else ''}, {total / 2**30:.2f} of "

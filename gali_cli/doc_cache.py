@@ -21,8 +21,8 @@ from pathlib import Path
 
 import platformdirs
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from .errors import ConfigError
@@ -50,7 +50,7 @@ def parse_size(text: str) -> int:
         value = float(number)
     except ValueError:
         value = -1
-    if unit not in _UNITS or value < 0:
+    if unit not in _UNITS or not 0 <= value < float("inf"):
         raise ConfigError(f"GALI_CACHE_LIMIT must be a size such as 20G or 512M, got {text!r}")
     return int(value * _UNITS[unit])
 
@@ -97,21 +97,33 @@ class DocumentCache:
         return self.directory / f"{key}{SUFFIX}"
 
     def load(self, key: str, prefix_ids: list[int], model: PreTrainedModel) -> DynamicCache | None:
-        """The cached K/V of `prefix_ids` as a DynamicCache on the model's device, or None (absent or unusable)."""
+        """The cached K/V of `prefix_ids` as a DynamicCache on the model's devices, or None (absent or unusable)."""
         path = self.path(key)
-        if not path.exists():
+        try:
+            inode = path.stat().st_ino
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            self.warn(f"cannot read the document cache in {self.directory}: {error}")
             return None
         try:
-            tensors, metadata = _read(path)
-            _check(tensors, metadata, key, prefix_ids, model)
-        except (OSError, SafetensorError, ValueError, KeyError) as error:
+            with safe_open(path, framework="pt") as file:  # one handle: a concurrent replace cannot mix two files
+                _check_metadata(file.metadata(), key, prefix_ids)
+                tensors = {name: file.get_tensor(name) for name in file.keys()}
+            _check_tensors(tensors, len(prefix_ids), model)
+        except FileNotFoundError:
+            return None  # evicted by another gali meanwhile
+        except (OSError, SafetensorError, ValueError, KeyError, TypeError, AttributeError) as error:
             self.warn(f"ignoring the damaged document cache entry {path}: {error}; it will be rebuilt")
-            path.unlink(missing_ok=True)
+            _unlink_if_same(path, inode)
             return None
-        os.utime(path)  # recently used: evicted last
-        device = model.get_input_embeddings().weight.device
+        try:
+            os.utime(path)  # recently used: evicted last
+        except OSError:
+            pass  # a read-only cache still serves
         cache = DynamicCache(config=model.config)
-        for layer in range(model.config.num_hidden_layers):
+        for layer, attention in enumerate(layer.self_attn for layer in model.model.layers):
+            device = attention.k_proj.weight.device  # with device_map="auto", layers live on different GPUs
             cache.update(tensors[f"keys.{layer}"].to(device), tensors[f"values.{layer}"].to(device), layer)
         return cache
 
@@ -139,35 +151,51 @@ class DocumentCache:
             with open(temporary, "rb") as written:
                 os.fsync(written.fileno())
             os.replace(temporary, self.path(key))
+            temporary = None
+            _fsync_directory(self.directory)
         except (OSError, SafetensorError) as error:
             self.warn(f"could not write the document cache in {self.directory}: {error}")
+        finally:  # also on Ctrl-C: never leave half a file
             if temporary:
                 Path(temporary).unlink(missing_ok=True)
 
     def entries(self) -> list[Entry]:
-        """Every entry, most recently used first; unreadable files are listed with what can be said of them."""
+        """Every entry, most recently used first; a file that is not one of ours is listed with what can be said."""
         found = []
-        for path in self.directory.glob(f"*{SUFFIX}") if self.directory.is_dir() else []:
-            if path.name.startswith(".partial-"):
-                continue
-            stat = path.stat()
+        for path in self._files():
+            try:
+                stat = path.stat()
+            except OSError:
+                continue  # gone meanwhile
             try:
                 metadata = _metadata(path)
-            except (OSError, SafetensorError, ValueError):
-                metadata = {}
-            found.append(Entry(path, stat.st_size, stat.st_mtime, int(metadata.get("tokens", 0)),
-                               metadata.get("document", "?"), metadata.get("model", "?"),
-                               metadata.get("method", "?")))
+                tokens = int(metadata.get("tokens", 0))
+            except (OSError, SafetensorError, ValueError, TypeError, AttributeError):
+                metadata, tokens = {}, 0
+            found.append(Entry(path, stat.st_size, stat.st_mtime, tokens, str(metadata.get("document", "?")),
+                               str(metadata.get("model", "?")), str(metadata.get("method", "?"))))
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
     def clear(self) -> tuple[int, int]:
         """Delete every entry (and leftovers of interrupted writes); returns (files, bytes) removed."""
         count = size = 0
-        for path in self.directory.glob(f"*{SUFFIX}") if self.directory.is_dir() else []:
-            size += path.stat().st_size
-            path.unlink(missing_ok=True)
-            count += 1
+        for path in self._files(partial=True):
+            try:
+                size += path.stat().st_size
+                path.unlink()
+                count += 1
+            except OSError:
+                continue
         return count, size
+
+    def _files(self, partial: bool = False) -> list[Path]:
+        """The regular files in the directory that look like entries (and with `partial`, unfinished ones)."""
+        try:
+            paths = list(self.directory.glob(f"*{SUFFIX}")) + (list(self.directory.glob(f".partial-*{SUFFIX}"))
+                                                               if partial else [])
+        except OSError:
+            return []
+        return [path for path in paths if path.is_file() and (partial or not path.name.startswith(".partial-"))]
 
     def _evict(self, keep: int) -> None:
         """Delete least recently used entries until the others take at most `keep` bytes."""
@@ -178,14 +206,13 @@ class DocumentCache:
                 break
             entry.path.unlink(missing_ok=True)
             total -= entry.size
-        stale = time.time() - 3600  # temporary files an interrupted writer left behind
-        for partial in self.directory.glob(f".partial-*{SUFFIX}"):
-            if partial.stat().st_mtime < stale:
-                partial.unlink(missing_ok=True)
-
-
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    return load_file(path), _metadata(path)
+        stale = time.time() - 3600  # temporary files a killed writer left behind (not one still writing)
+        for partial in self._files(partial=True):
+            try:
+                if partial.name.startswith(".partial-") and partial.stat().st_mtime < stale:
+                    partial.unlink()
+            except OSError:
+                continue
 
 
 def _metadata(path: Path) -> dict[str, str]:
@@ -195,22 +222,26 @@ def _metadata(path: Path) -> dict[str, str]:
         if not 0 < length <= 100 * 2**20:
             raise ValueError("not a safetensors file")
         header = json.loads(file.read(length))
-    metadata = header.get("__metadata__")
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict):
         raise ValueError("no gali metadata")
     return metadata
 
 
-def _check(tensors: dict[str, torch.Tensor], metadata: dict[str, str], key: str, prefix_ids: list[int],
-           model: PreTrainedModel) -> None:
-    """Raise ValueError unless the entry is exactly the K/V of `prefix_ids` for this model and settings."""
+def _check_metadata(metadata: dict[str, str] | None, key: str, prefix_ids: list[int]) -> None:
+    """Raise ValueError unless the entry says it holds the K/V of exactly `prefix_ids` under `key`."""
+    metadata = metadata or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format {metadata.get('format')!r}, expected {FORMAT}")
     if metadata.get("key") != key or metadata.get("ids_sha256") != _ids_digest(prefix_ids):
         raise ValueError("it belongs to another document or setting")
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], tokens: int, model: PreTrainedModel) -> None:
+    """Raise ValueError unless `tensors` are finite keys and values of `tokens` tokens for every layer of `model`."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    expected = (1, config.num_key_value_heads, len(prefix_ids), head_dim)
+    expected = (1, config.num_key_value_heads, tokens, head_dim)
     names = {f"{kind}.{layer}" for kind in ("keys", "values") for layer in range(config.num_hidden_layers)}
     if set(tensors) != names:
         raise ValueError(f"its tensors are not the keys and values of {config.num_hidden_layers} layers")
@@ -220,3 +251,26 @@ def _check(tensors: dict[str, torch.Tensor], metadata: dict[str, str], key: str,
             raise ValueError(f"{name} has shape {tuple(tensor.shape)} {tensor.dtype}, expected {expected}")
         if not torch.isfinite(tensor).all():
             raise ValueError(f"{name} holds non-finite values")
+
+
+def _unlink_if_same(path: Path, inode: int) -> None:
+    """Delete `path` unless another process has replaced it since we looked (then the new file is not ours to judge)."""
+    try:
+        if path.stat().st_ino == inode:
+            path.unlink()
+    except OSError:
+        pass
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable (POSIX); a no-op where directories cannot be opened (Windows)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)

@@ -2,10 +2,11 @@
 shares the same token prefix, and its prefilled state can be reused (`gali chat`, the document cache).
 
 Prompts are tokenized piece by piece: the chat template is rendered around placeholders, and each message's text is
-tokenized with the template text before it, which is how the template's own tokenization cuts them. Two things
-follow. A message that spells a control token such as "<|eot_id|>" keeps it as characters: its text is then
-tokenized apart, so only the template can end a turn. And the tokens up to the end of the document never depend on
-what comes after it: `document_end` marks a prefix every question about the document shares.
+tokenized with the template text before it, which is how the template's own tokenization cuts them (for ordinary
+text the ids are exactly the template's). Two things follow. A message that spells a control token such as
+"<|eot_id|>" keeps it as characters: its text is then tokenized apart, so only the template can end a turn. And the
+first `document_end` tokens depend only on the system prompt and the document, never on what follows: a prefix
+every question about the document shares, whose prefilled state can be reused.
 """
 
 from typing import NamedTuple
@@ -56,36 +57,62 @@ def conversation_ids(
     if len(answers) != len(questions) - 1:
         raise ValueError(f"{len(questions)} questions need {len(questions) - 1} answers, got {len(answers)}")
     document = document.strip()
-    # (role, text or generated ids); the first user text is split so that the document ends a piece of its own.
-    turns: list[tuple[str, str | list[int]]] = [("system", system)] if system else []
+    turns: list[tuple[str, str | list[int]]] = [("system", system)] if system else []  # (role, text or ids)
     for index, question in enumerate(questions):
         turns.append(("user", question))
         if index < len(answers):
             turns.append(("assistant", answers[index]))
     first_user = 1 if system else 0
+    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
 
     if not tokenizer.chat_template:
         ids = text_ids(tokenizer, f"{system}\n\n" if system else "", add_special_tokens=True)
-        ids += text_ids(tokenizer, document)
-        document_end = len(ids)
-        for role, content in turns[first_user:]:
+        document_ids, document_end = _document_turn(tokenizer, "", document, f"\n\n{questions[0]}\n", specials)
+        ids, document_end = ids + document_ids, len(ids) + document_end
+        for role, content in turns[first_user + 1:]:
             ids += content if role == "assistant" else text_ids(tokenizer, f"\n\n{content}\n")
         return Prompt(ids, document_end)
 
     slotted = [{"role": role, "content": _SLOT.format(index)} for index, (role, _) in enumerate(turns)]
     rendered = tokenizer.apply_chat_template(slotted, add_generation_prompt=True, tokenize=False)
-    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
     ids, document_end = [], 0
     for index, (role, content) in enumerate(turns):
         template_part, rendered = rendered.split(_SLOT.format(index), 1)
-        text = document if index == first_user else content
         if role == "assistant":
             ids += tokenizer(template_part, add_special_tokens=False).input_ids + content
-        elif any(special in text for special in specials):
-            ids += tokenizer(template_part, add_special_tokens=False).input_ids + text_ids(tokenizer, text)
-        else:  # together, as the template's own tokenization would cut them
-            ids += tokenizer(template_part + text, add_special_tokens=False).input_ids
-        if index == first_user:
-            document_end = len(ids)
-            ids += text_ids(tokenizer, f"\n\n{content}")
+        elif index == first_user:
+            turn_ids, turn_end = _document_turn(tokenizer, template_part, document, f"\n\n{content}", specials)
+            ids, document_end = ids + turn_ids, len(ids) + turn_end
+        elif any(special in content for special in specials):
+            ids += tokenizer(template_part, add_special_tokens=False).input_ids + text_ids(tokenizer, content)
+        else:  # together, as the template's own tokenization cuts them
+            ids += tokenizer(template_part + content, add_special_tokens=False).input_ids
     return Prompt(ids + tokenizer(rendered, add_special_tokens=False).input_ids, document_end)
+
+
+def _document_turn(tokenizer, template_part: str, document: str, after: str, specials: list[str]
+                   ) -> tuple[list[int], int]:
+    """Ids of template text, document and what follows it in the same turn, and how many of them depend on the
+    template text and the document alone.
+
+    Ordinary text is tokenized as one, as the template's own tokenization would; the shared part ends where that
+    and the document's own tokens part (a pre-token may span the document's end, as ".\n\n" does in Llama 3).
+    Text that spells a special token is tokenized apart, as characters.
+    """
+    template_ids = tokenizer(template_part, add_special_tokens=False).input_ids if template_part else []
+    if any(special in text for special in specials for text in (document, after)):
+        document_ids = template_ids + text_ids(tokenizer, document)
+        return document_ids + text_ids(tokenizer, after), len(document_ids)
+    together = tokenizer(template_part + document + after, add_special_tokens=False).input_ids
+    alone = tokenizer(template_part + document, add_special_tokens=False).input_ids
+    return together, _common_prefix(together, alone)
+
+
+def _common_prefix(first: list[int], second: list[int]) -> int:
+    """How many leading tokens two tokenizations share."""
+    shared = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        shared += 1
+    return shared

@@ -324,3 +324,11 @@ def test_chat_answers_each_question_in_turn(gali, doc):
     plain = gali("chat", str(doc), "--max-new-tokens", "5", input=questions)
     assert plain.stdout.splitlines() == [turn["answer"] for turn in turns]
     assert gali("chat", "-", input=questions).exit_code == 2
+
+
+def test_cache_list_shows_names_as_they_are(gali, doc, tmp_path):
+    odd = tmp_path / "notes[draft].txt"
+    odd.write_text(DOCUMENT)
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    assert gali("summarize", str(odd), "--max-new-tokens", "2", env=env).exit_code == 0
+    assert "notes[draft].txt" in gali("cache", "list", env=env, model=False).stdout

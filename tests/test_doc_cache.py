@@ -193,7 +193,7 @@ def test_least_recently_used_entries_go_first(loaded, tmp_path):
 def test_sizes_and_directories(monkeypatch, tmp_path):
     assert parse_size("20G") == parse_size("20 GiB") == 20 * 2**30
     assert parse_size("512m") == 512 * 2**20 and parse_size("1000") == 1000 and parse_size("1.5k") == 1536
-    for bad in ("lots", "-1G", "5X"):
+    for bad in ("lots", "-1G", "5X", "nan", "inf"):
         with pytest.raises(ConfigError, match="GALI_CACHE_LIMIT"):
             parse_size(bad)
     monkeypatch.setenv("GALI_CACHE_DIR", str(tmp_path / "mine"))
@@ -210,3 +210,37 @@ def test_the_state_is_stored_once_the_answer_is_complete(loaded, store):
         if isinstance(event, Finished):
             break  # a consumer that stops at the last event, without exhausting the generator
     assert len(store.entries()) == 1 and conversation.questions == [SUMMARIZE]
+
+
+def test_odd_files_in_the_directory_are_listed_or_skipped_never_fatal(loaded, store):
+    import json
+
+    store.directory.mkdir(parents=True)
+    header = json.dumps({"__metadata__": {"tokens": "abc", "document": "[odd]"}}).encode()
+    (store.directory / "bad-tokens.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    listed = json.dumps([1, 2]).encode()
+    (store.directory / "list.safetensors").write_bytes(len(listed).to_bytes(8, "little") + listed)
+    (store.directory / "dangling.safetensors").symlink_to(store.directory / "nowhere")
+    (store.directory / "folder.safetensors").mkdir()
+    entries = {entry.path.name: entry for entry in store.entries()}
+    assert set(entries) == {"bad-tokens.safetensors", "list.safetensors"}
+    assert entries["bad-tokens.safetensors"].tokens == 0 and entries["bad-tokens.safetensors"].document == "?"
+    ids, cache = filled_cache(loaded, 6)
+    store.save(entry_key({}, ids), ids, cache, {"document": "[notes] draft.txt"})  # eviction reads them all
+    assert store.load(entry_key({}, ids), ids, loaded.model) is not None and store.warnings == []
+    remaining = store.entries()
+    assert len(remaining) == 3 and store.clear() == (3, sum(entry.size for entry in remaining))
+    assert store.entries() == []
+
+
+def test_an_interrupted_write_leaves_no_file(loaded, store, monkeypatch):
+    ids, cache = filled_cache(loaded, 6)
+
+    def interrupted(tensors, filename, metadata):
+        Path(filename).write_bytes(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(doc_cache, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.save(entry_key({}, ids), ids, cache, {})
+    assert list(store.directory.iterdir()) == []

@@ -60,3 +60,42 @@ def test_a_conversation_needs_an_answer_per_earlier_question(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="2 questions need 1 answers"):
         conversation_ids(tokenizer, "Doc.", ["a", "b"], [])
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def llama3_style_tokenizer():
+    """Llama 3's pre-tokenizer, where ".\n\n" is one piece: the document's last token can reach past its end."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import CHAT_TEMPLATE
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["The roof leaks.\n\nWhen? It ends.\n\nWho pays?"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|begin_of_text|>",
+                                   eos_token="<|eot_id|>", chat_template=CHAT_TEMPLATE)
+
+
+def test_a_pre_token_across_the_documents_end_keeps_the_templates_tokens():
+    tokenizer = llama3_style_tokenizer()
+    assert len(tokenizer(".\n\n", add_special_tokens=False).input_ids) == 1  # the case that matters
+    questions = [ask_instruction("When?"), SUMMARIZE]
+    prompts = [prompt_ids(tokenizer, "The roof leaks.", question) for question in questions]
+    for prompt, question in zip(prompts, questions):
+        expected = tokenizer.apply_chat_template(chat_messages("The roof leaks.", question),
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert prompt.ids == list(expected)  # exactly what the model was trained on
+    first, second = prompts
+    assert first.document_end == second.document_end
+    assert first.ids[: first.document_end] == second.ids[: second.document_end]
+    assert tokenizer.decode(first.ids[: first.document_end]).endswith("The roof leaks")  # "." goes with "\n\n"
