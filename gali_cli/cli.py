@@ -26,6 +26,16 @@ from .config import MethodSettings
 from .display import err, fail, print_json, say, warn
 from .documents import Document, read_document
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
+from .batch import (
+    Outcome,
+    Rank,
+    ResultsFile,
+    batch_summary,
+    corpus_perplexities,
+    expand_documents,
+    run_batch,
+    wait_for_all,
+)
 from .conversation import Conversation, model_spans
 from .doc_cache import DocumentCache, default_directory, default_limit
 from .generate import Finished, TextPiece, make_sampler, peak_memory_bytes, reset_peak_memory
@@ -146,6 +156,11 @@ def _with_model_options(command: Callable) -> Callable:
 
 
 File = Annotated[str, typer.Argument(help="A text file (any encoding), a PDF, or - for standard input.")]
+Files = Annotated[list[str], typer.Argument(help="Documents: text files (any encoding), PDFs, or - for standard "
+                                                 "input; with --out also directories, globs and @manifests.",
+                                            show_default=False)]
+Out = Annotated[str | None, typer.Option(help="Batch mode: append one JSON line per document here; a rerun skips "
+                                              "the documents already done (see docs/batch.md).")]
 Password = Annotated[str | None, typer.Option(help="Password of an encrypted PDF.")]
 JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr: tokens, speed, peak memory.")]
@@ -181,45 +196,53 @@ class Answering:
 @app.command()
 @_with_model_options
 def summarize(
-    file: File, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
-    top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False,
-    choice: ModelChoice = None,
+    files: Files, out: Out = None, password: Password = None, max_new_tokens: MaxNewTokens = 512,
+    temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0, system: System = None,
+    no_stream: NoStream = False, cache_dir: CacheDir = None, no_cache: NoCache = False,
+    json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
-    """Summarize FILE; the summary streams to stdout.
+    """Summarize a document; the summary streams to stdout. With --out, summarize many into a JSON-lines file.
 
     Example: gali summarize report.pdf --quantize 4bit > summary.txt
+    Example: gali summarize reports/ --out summaries.jsonl
     """
     answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
                           cache_dir, no_cache)
-    _answer(file, SUMMARIZE, choice, password, answering)
+    if out or len(files) > 1:
+        _answer_batch(files, out, "summarize", SUMMARIZE, None, choice, password, answering)
+    else:
+        _answer(files[0], SUMMARIZE, choice, password, answering)
 
 
 @app.command()
 @_with_model_options
 def ask(
-    file: File, question: Annotated[str, typer.Argument(help="The question about the document.")],
-    password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
+    files: Files, question: Annotated[str, typer.Argument(help="The question about the document(s).")],
+    out: Out = None, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
     top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
     cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False,
     choice: ModelChoice = None,
 ) -> None:
-    """Answer QUESTION about FILE; the answer streams to stdout. The document's prefilled state is cached, so
-    the next question about it starts at once.
+    """Answer QUESTION about a document; the answer streams to stdout. The document's prefilled state is cached,
+    so the next question about it starts at once. With --out, ask it of many documents.
 
     Example: gali ask contract.txt "When does the lease end?"
+    Example: gali ask contracts/*.pdf "When does the lease end?" --out leases.jsonl
     """
     if not question.strip():
         raise ConfigError("QUESTION is empty")
     answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
                           cache_dir, no_cache)
-    _answer(file, ask_instruction(question), choice, password, answering)
+    if out or len(files) > 1:
+        _answer_batch(files, out, "ask", ask_instruction(question), question, choice, password, answering)
+    else:
+        _answer(files[0], ask_instruction(question), choice, password, answering)
 
 
 @app.command()
 @_with_model_options
 def ppl(
-    file: File, password: Password = None,
+    files: Files, out: Out = None, password: Password = None,
     max_tokens: Annotated[int | None, typer.Option(min=2, help="Evaluate the first N tokens only.")] = None,
     lengths: Annotated[str | None, typer.Option(help="PPL over the first l tokens for each l, e.g. 1k,2k,4k "
                                                      "(k = 1024).")] = None,
@@ -228,10 +251,11 @@ def ppl(
                                                   "(needs gali-cli[plot]).")] = None,
     json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
-    """Perplexity of FILE: exp(mean NLL of tokens 2..N), each predicted from its whole prefix, in one pass per
-    method.
+    """Perplexity of a document: exp(mean NLL of tokens 2..N), each predicted from its whole prefix, in one pass
+    per method. With --out, of many documents, with the corpus's token-weighted perplexity at the end.
 
     Example: gali ppl book.txt --method gali,yarn,original --lengths 2k,4k,8k,16k
+    Example: gali ppl corpus/ --out ppl.jsonl --method gali,yarn --max-tokens 16384
     """
     wanted = _parse_lengths(lengths)
     if wanted and max_tokens and wanted[-1] > max_tokens:
@@ -240,7 +264,10 @@ def ppl(
         raise ConfigError("--json and --csv both print on stdout: choose one")
     if plot:
         display.check_plotting()
-    _perplexity(file, choice, password, max_tokens, wanted, json_output, csv, plot, verbose)
+    if out or len(files) > 1:
+        _perplexity_batch(files, out, choice, password, max_tokens, wanted, json_output, csv, plot, verbose)
+    else:
+        _perplexity(files[0], choice, password, max_tokens, wanted, json_output, csv, plot, verbose)
 
 
 @app.command()
@@ -414,45 +441,160 @@ def _perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens
     _check(choice)
     document = _read(file, password)
     loaded = _load(choice)
-    ids = text_ids(loaded.tokenizer, document.text, add_special_tokens=True)
-    limit = lengths[-1] if lengths else max_tokens
-    if limit and len(ids) > limit:
-        say(f"Evaluating the first {limit} of {len(ids)} tokens ({'--lengths' if lengths else '--max-tokens'}).")
-        ids = ids[:limit]
-    if len(ids) < 2:
-        raise InputError(f"{document.name} has {len(ids)} token(s); perplexity needs at least 2")
-    device = loaded.model.get_input_embeddings().weight.device
-    tensor = torch.tensor([ids], device=device)
+    ids = _ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens,
+                   "--lengths" if lengths else "--max-tokens", say)
     rows, settings = [], {}
     for method in choice.methods:
-        settings[method] = apply_method(loaded.model, method, choice.settings, len(ids))
         _say_input(loaded, method, document, len(ids))
-        spans = model_spans(loaded, method, settings[method], 0, len(ids))
-        boundaries = METHODS[method].boundaries(loaded.model, 0, len(ids)) if METHODS[method].boundaries else None
-        reset_peak_memory(device)
-        started = time.perf_counter()
-        with display.progress_bar(method) as bar:
-            results = perplexities(loaded.model, tensor, lengths or [len(ids)], spans, bar.with_figure("ppl"),
-                                   boundaries)
+        settings[method], results = _method_perplexities(loaded, ids, method, choice, lengths or [len(ids)], verbose)
         rows += [{"method": method, "length": result.length, "ppl": result.ppl} for result in results]
-        if verbose:
-            seconds = time.perf_counter() - started
-            say(f"{method}: {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.0f} tokens/s); "
-                f"peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB")
     single = len(rows) == 1 and not lengths
     if json_output:
         facts = _facts(choice.model, ",".join(choice.methods), settings, document)
         print_json({"ppl": rows[0]["ppl"], "tokens": len(ids), **facts} if single else
                    {"results": rows, "tokens": len(ids), **facts})
-    elif csv:
+    else:
+        _print_ppl_rows(rows, csv, single)
+    if plot:
+        display.plot_ppl(rows, plot, f"{os.path.basename(document.name)}, {choice.model}")
+        say(f"Saved {plot}.")
+
+
+def _ppl_ids(loaded: LoadedModel, document: Document, limit: int | None, flag: str, report) -> list[int]:
+    """The document's tokens (the tokenizer's default special tokens), the first `limit` of them."""
+    ids = text_ids(loaded.tokenizer, document.text, add_special_tokens=True)
+    if limit and len(ids) > limit:
+        report(f"Evaluating the first {limit} of {len(ids)} tokens ({flag}).")
+        ids = ids[:limit]
+    if len(ids) < 2:
+        raise InputError(f"{document.name} has {len(ids)} token(s); perplexity needs at least 2")
+    return ids
+
+
+def _method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice: ModelChoice, lengths: list[int],
+                         verbose: bool, show_progress: bool = True) -> tuple[dict, list]:
+    """Apply `method` for these tokens and measure PPL at `lengths` in one pass; returns its settings and results."""
+    device = loaded.model.get_input_embeddings().weight.device
+    settings = apply_method(loaded.model, method, choice.settings, len(ids))
+    spans = model_spans(loaded, method, settings, 0, len(ids))
+    boundaries = METHODS[method].boundaries(loaded.model, 0, len(ids)) if METHODS[method].boundaries else None
+    reset_peak_memory(device)
+    started = time.perf_counter()
+    with display.progress_bar(method) as bar:
+        results = perplexities(loaded.model, torch.tensor([ids], device=device), lengths, spans,
+                               bar.with_figure("ppl") if show_progress else None, boundaries)
+    if verbose:
+        seconds = time.perf_counter() - started
+        say(f"{method}: {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.0f} tokens/s); "
+            f"peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB")
+    return settings, results
+
+
+def _print_ppl_rows(rows: list[dict], csv: bool, single: bool) -> None:
+    if csv:
         display.print_ppl_csv(rows)
     elif single:
         sys.stdout.write(f"{rows[0]['ppl']:.4f}\n")
     else:
         display.print_ppl_table(rows)
-    if plot:
-        display.plot_ppl(rows, plot, f"{os.path.basename(document.name)}, {choice.model}")
-        say(f"Saved {plot}.")
+
+
+def _batch_setup(specs: list[str], out: str | None, choice: ModelChoice) -> tuple[list, ResultsFile, Rank]:
+    """Everything checked before the model loads: the documents, the results file, this process's rank."""
+    if not out:
+        raise ConfigError("several documents need --out FILE.jsonl for their results")
+    _check(choice)
+    rank = Rank.from_environment()
+    documents = expand_documents(specs)
+    return documents, ResultsFile(Path(out).expanduser(), rank), rank
+
+
+def _batch_job(command: str, choice: ModelChoice, **details) -> dict:
+    """What decides a document's output besides its content: a rerun with another job does every document again."""
+    return {"command": command, "model": choice.model, "quantize": choice.quantize, "dtype": choice.dtype,
+            "method": ",".join(choice.methods), "settings": asdict(choice.settings), **details}
+
+
+def _run_batch(documents: list, results: ResultsFile, job: dict, work, rank: Rank) -> Outcome:
+    """Run the batch with a progress bar (and a line per document when distributed), then merge on rank 0."""
+    label = f"[rank {rank.rank}/{rank.world}] " if rank.distributed else ""
+    started = time.perf_counter()
+    with display.progress_bar(f"{label}documents") as bar:
+        def progress(outcome: Outcome, path: Path | None) -> None:
+            finished = outcome.done + outcome.skipped + outcome.failed
+            bar(finished, outcome.documents)
+            if rank.distributed and path is not None:
+                say(f"{label}{finished + 1}/{outcome.documents} {path}", style="dim")
+
+        outcome = run_batch(documents, results, job, work, rank, progress)
+    seconds = time.perf_counter() - started
+    say(f"{label}{outcome.documents} documents: {outcome.done} done ({outcome.tokens / seconds:.0f} tokens/s), "
+        f"{outcome.skipped} already done, {outcome.failed} failed -> {results.part}")
+    if rank.distributed:
+        wait_for_all(rank)
+        if rank.rank == 0:
+            results.merge()
+            say(f"merged the {rank.world} parts into {results.path}")
+    return outcome
+
+
+def _answer_batch(specs: list[str], out: str | None, command: str, instruction: str, question: str | None,
+                  choice: ModelChoice, password: str | None, answering: Answering) -> None:
+    documents, results, rank = _batch_setup(specs, out, choice)
+    store = None if answering.no_cache else _store(answering.cache_dir)
+    job = _batch_job(command, choice, question=question, system=answering.system,
+                     generation={"max_new_tokens": answering.max_new_tokens, "temperature": answering.temperature,
+                                 "top_p": answering.top_p, "top_k": answering.top_k})
+    loaded = _load(choice, rank)
+
+    def work(path: Path) -> list[dict]:
+        document = read_document(str(path), password=password)
+        conversation = _conversation(loaded, choice, document, answering.system, store)
+        sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
+        events = list(conversation.ask(instruction, sampler, answering.max_new_tokens))
+        answer = "".join(event.text for event in events if isinstance(event, TextPiece)).strip()
+        return [{"output": answer, "settings": conversation.resolved, "tokens": events[-1].prompt_tokens,
+                 "warnings": document.warnings, **_finished_facts(events[-1])}]
+
+    outcome = _run_batch(documents, results, job, work, rank)
+    if answering.json_output and rank.rank == 0:
+        print_json({"out": str(results.path), **batch_summary(results.records(), job, documents)})
+    if outcome.failed:
+        raise typer.Exit(1)
+
+
+def _perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, password: str | None,
+                      max_tokens: int | None, lengths: list[int], json_output: bool, csv: bool, plot: str | None,
+                      verbose: bool) -> None:
+    documents, results, rank = _batch_setup(specs, out, choice)
+    job = _batch_job("ppl", choice, max_tokens=max_tokens, lengths=lengths)
+    loaded = _load(choice, rank)
+
+    def work(path: Path) -> list[dict]:
+        document = read_document(str(path), password=password)
+        ids = _ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens, "", lambda message: None)
+        reachable = [length for length in lengths if length <= len(ids)] or [len(ids)]
+        records = []
+        for method in choice.methods:
+            settings, found = _method_perplexities(loaded, ids, method, choice, reachable, verbose,
+                                                   show_progress=False)  # the batch has its own bar
+            records.append({"method": method, "settings": settings, "tokens": len(ids),
+                            "results": [asdict(result) for result in found], "warnings": document.warnings})
+        return records
+
+    outcome = _run_batch(documents, results, job, work, rank)
+    if rank.rank == 0:
+        rows = corpus_perplexities(results.records(), job, documents, by_length=bool(lengths))
+        if json_output:
+            print_json({"corpus": rows, "out": str(results.path),
+                        **batch_summary(results.records(), job, documents)})
+        elif rows:
+            _print_ppl_rows(rows, csv, single=len(rows) == 1)
+        if plot and lengths and rows:
+            display.plot_ppl(rows, plot, f"{len(documents)} documents, {choice.model}")
+            say(f"Saved {plot}.")
+    if outcome.failed:
+        raise typer.Exit(1)
 
 
 def _print_info(choice: ModelChoice, json_output: bool) -> None:
@@ -484,9 +626,11 @@ def _read(file: str, password: str | None) -> Document:
     return document
 
 
-def _load(choice: ModelChoice) -> LoadedModel:
+def _load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
+    """The model; under a launcher, on this process's own GPU."""
+    gpu = rank.local_rank if rank and rank.distributed else None
     with err.status(f"Loading {choice.model}"):
-        return load_model(choice.model, choice.quantize, choice.device, choice.dtype)
+        return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu)
 
 
 def _say_input(loaded: LoadedModel, method: str, document: Document, tokens: int) -> None:
@@ -539,6 +683,8 @@ def _run(action: Callable[[], None]) -> None:
     _quiet_libraries()
     try:
         action()
+    except typer.Exit:
+        raise
     except KeyboardInterrupt:
         say("interrupted")
         raise typer.Exit(130)

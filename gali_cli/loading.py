@@ -83,9 +83,12 @@ def load_config(name: str):
     return config
 
 
-def load_model(name: str, quantize: str = "none", device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(
+    name: str, quantize: str = "none", device: str = "auto", dtype: str = "auto", gpu: int | None = None
+) -> LoadedModel:
     """Load a Llama for inference: bf16 on CUDA and fp32 on CPU by default, spread over all GPUs with
-    device_map="auto"; bitsandbytes 8-bit, or 4-bit NF4 computing in bf16."""
+    device_map="auto" (or all on GPU `gpu`: one process per GPU under a launcher); bitsandbytes 8-bit, or 4-bit
+    NF4 computing in bf16."""
     if quantize not in QUANTIZATIONS:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")
     target = resolve_device(device)
@@ -104,7 +107,7 @@ def load_model(name: str, quantize: str = "none", device: str = "auto", dtype: s
             source,
             config=config,
             dtype=torch_dtype,
-            device_map="auto" if target.type == "cuda" else "cpu",
+            device_map=("auto" if gpu is None else {"": gpu}) if target.type == "cuda" else "cpu",
             quantization_config=quantization,
             trust_remote_code=False,
         )

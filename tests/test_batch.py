@@ -1,0 +1,197 @@
+"""Batch mode: which documents, resuming, failures, corpus perplexity, and two processes under torchrun."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import gali_cli.cli as cli
+from gali_cli.batch import Rank, ResultsFile, corpus_perplexities, expand_documents, job_hash, run_batch
+from gali_cli.errors import ConfigError, InputError
+
+TEXT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n"
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    for index, name in enumerate(["a.txt", "b.md", "sub/c.txt"]):
+        (tmp_path / "docs" / name).write_text(TEXT * (4 + 2 * index))
+    (tmp_path / "docs" / "image.png").write_bytes(b"\x89PNG")
+    (tmp_path / "docs" / ".hidden.txt").write_text(TEXT)
+    return tmp_path
+
+
+def test_documents_from_files_directories_globs_and_manifests(folder, monkeypatch):
+    monkeypatch.chdir(folder)
+    docs = folder / "docs"
+    expected = [docs / "a.txt", docs / "b.md", docs / "sub" / "c.txt"]
+    assert expand_documents(["docs"]) == expected  # recursive, documents only, hidden skipped
+    assert expand_documents(["docs/**/*.txt"]) == [docs / "a.txt", docs / "sub" / "c.txt"]
+    assert expand_documents(["docs/b.md", "docs", "docs/a.txt"]) == [docs / "b.md", docs / "a.txt",
+                                                                     docs / "sub" / "c.txt"]  # each once
+    (folder / "lists").mkdir()
+    (folder / "lists" / "inner.txt").write_text("../docs/sub\n")
+    (folder / "lists" / "all.txt").write_text("# the corpus\n\n../docs/a.txt\n@inner.txt\n")
+    assert expand_documents(["@lists/all.txt"]) == [docs / "a.txt", docs / "sub" / "c.txt"]
+
+
+@pytest.mark.parametrize("specs, error, message", [
+    (["missing.txt"], InputError, "missing.txt: no such file or directory"),
+    (["docs/*.pdf"], InputError, "no file matches"),
+    (["@nowhere.txt"], InputError, "cannot read manifest"),
+    (["-"], ConfigError, "not from standard input"),
+    (["empty"], InputError, "no documents"),
+])
+def test_documents_that_are_not_there(folder, monkeypatch, specs, error, message):
+    monkeypatch.chdir(folder)
+    (folder / "empty").mkdir()
+    with pytest.raises(error, match=message):
+        expand_documents(specs)
+    (folder / "loop.txt").write_text("@loop.txt\n")
+    with pytest.raises(InputError, match="includes itself"):
+        expand_documents(["@loop.txt"])
+
+
+def test_ranks_split_the_documents_deterministically(monkeypatch):
+    documents = [Path(f"{index}.txt") for index in range(7)]
+    shares = [Rank(rank, 3).shard(documents) for rank in range(3)]
+    assert sorted(sum(shares, [])) == sorted(documents) and [len(share) for share in shares] == [3, 2, 2]
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert Rank.from_environment() == Rank(1, 2, 0)
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ConfigError, match="not within WORLD_SIZE"):
+        Rank.from_environment()
+
+
+def test_a_batch_resumes_retries_failures_and_redoes_changed_documents(folder):
+    documents = expand_documents([str(folder / "docs")])
+    results = ResultsFile(folder / "out.jsonl", Rank())
+    calls = []
+
+    def work(path: Path) -> list[dict]:
+        calls.append(path.name)
+        if path.name == "b.md" and calls.count("b.md") == 1:
+            raise RuntimeError("flaky")
+        return [{"output": path.read_text()[:10], "tokens": 5}]
+
+    first = run_batch(documents, results, {"command": "test"}, work, Rank())
+    assert (first.done, first.failed, first.skipped, first.tokens) == (2, 1, 0, 10)
+    error, = [record for record in results.records() if record["status"] == "error"]
+    assert error["path"].endswith("b.md") and error["error"] == "RuntimeError: flaky"
+    again = run_batch(documents, results, {"command": "test"}, work, Rank())
+    assert (again.done, again.skipped, again.failed) == (1, 2, 0) and calls[-1] == "b.md"
+    (folder / "docs" / "a.txt").write_text("edited")
+    edited = run_batch(documents, results, {"command": "test"}, work, Rank())
+    assert (edited.done, edited.skipped) == (1, 2)
+    other = run_batch(documents, results, {"command": "test", "seed": 1}, work, Rank())
+    assert other.done == 3  # other settings: everything again
+    assert all(record["job"] in (job_hash({"command": "test"}), job_hash({"command": "test", "seed": 1}))
+               for record in results.records())
+
+
+def test_a_line_cut_by_a_kill_is_dropped_and_parts_merge(folder):
+    path = folder / "out.jsonl"
+    results = ResultsFile(path, Rank())
+    results.append({"status": "ok", "path": "a", "sha256": "1", "job": "j"})
+    with open(path, "a") as file:
+        file.write('{"status": "ok", "path": "b", "sha')  # killed mid-line
+    assert len(results.records()) == 1
+    results.append({"status": "ok", "path": "c", "sha256": "3", "job": "j"})
+    assert [record["path"] for record in results.records()] == ["a", "c"]
+    for rank in range(2):
+        ResultsFile(path, Rank(rank, 2)).append({"status": "ok", "path": f"part{rank}", "sha256": "x", "job": "j"})
+    assert {done[0] for done in ResultsFile(path, Rank(0, 2)).finished()} == {"a", "c", "part0", "part1"}
+    ResultsFile(path, Rank(0, 2)).merge()
+    assert [record["path"] for record in results.records()] == ["a", "c", "part0", "part1"]
+    assert sorted(p.name for p in folder.iterdir() if p.suffix == ".part") == []
+
+
+def test_corpus_perplexity_weighs_documents_by_tokens():
+    job = {"command": "ppl"}
+    records = [{"job": job_hash(job), "status": "ok", "path": path, "method": "gali",
+                "results": [{"length": length, "ppl": math.exp(nll), "mean_nll": nll}]}
+               for path, length, nll in [("a", 11, 1.0), ("b", 31, 2.0), ("old", 5, 9.0)]]
+    rows = corpus_perplexities(records, job, [Path("a"), Path("b")], by_length=False)
+    assert rows == [{"method": "gali", "length": "document", "ppl": pytest.approx(math.exp((10 + 60) / 40)),
+                     "documents": 2, "tokens": 42}]
+
+
+@pytest.fixture
+def gali(tiny_model_dir):
+    def run(*args: str, env: dict | None = None):
+        return CliRunner().invoke(cli.app, [*args, "-m", str(tiny_model_dir)], env={"COLUMNS": "200", **(env or {})})
+
+    return run
+
+
+def test_summarize_a_folder_then_resume(gali, folder):
+    out = folder / "summaries.jsonl"
+    first = gali("summarize", str(folder / "docs"), "--out", str(out), "--max-new-tokens", "4")
+    assert first.exit_code == 0, first.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [Path(record["path"]).name for record in records] == ["a.txt", "b.md", "c.txt"]
+    assert all(record["status"] == "ok" and record["output"] and record["generated_tokens"] == 4
+               and record["settings"]["train_len"] == 32 and len(record["sha256"]) == 64 for record in records)
+    assert first.stdout == "" and "3 documents: 3 done" in first.stderr
+    again = gali("summarize", str(folder / "docs"), "--out", str(out), "--max-new-tokens", "4", "--json")
+    assert json.loads(again.stdout) == {"out": str(out), "documents": 3, "ok": 3, "failed": 0, "missing": 0}
+    assert "3 already done" in again.stderr and len(out.read_text().splitlines()) == 3
+    single = gali("summarize", str(folder / "docs" / "a.txt"), "--max-new-tokens", "4")
+    assert single.stdout.strip() == records[0]["output"]  # the same answer as one document alone
+
+
+def test_ask_many_records_failures_and_exits_1(gali, folder):
+    (folder / "docs" / "broken.txt").write_bytes(b"\x00\x01\x02" * 100)
+    out = folder / "answers.jsonl"
+    result = gali("ask", str(folder / "docs"), "When?", "--out", str(out), "--max-new-tokens", "3")
+    assert result.exit_code == 1
+    records = {Path(record["path"]).name: record for record in map(json.loads, out.read_text().splitlines())}
+    assert records["broken.txt"]["status"] == "error" and "binary" in records["broken.txt"]["error"]
+    assert records["a.txt"]["status"] == "ok" and records["a.txt"]["question"] == "When?"
+    assert gali("ask", str(folder / "docs" / "a.txt"), str(folder / "docs" / "b.md"), "When?").exit_code == 2
+
+
+def test_corpus_perplexity_from_a_batch(gali, folder):
+    out = folder / "ppl.jsonl"
+    result = gali("ppl", str(folder / "docs"), "--out", str(out), "--method", "gali,original", "--json")
+    assert result.exit_code == 0, result.stderr
+    corpus = {row["method"]: row for row in json.loads(result.stdout)["corpus"]}
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for method in ("gali", "original"):
+        mine = [record for record in records if record["method"] == method]
+        nll = sum(record["results"][0]["mean_nll"] * (record["tokens"] - 1) for record in mine)
+        predicted = sum(record["tokens"] - 1 for record in mine)
+        assert corpus[method]["ppl"] == pytest.approx(math.exp(nll / predicted))
+        assert corpus[method]["documents"] == 3
+    alone = json.loads(gali("ppl", str(folder / "docs" / "a.txt"), "--json").stdout)["ppl"]
+    first_gali = next(record for record in records if record["method"] == "gali")
+    assert first_gali["results"][0]["ppl"] == pytest.approx(alone)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+                    reason="torchrun is not installed")
+def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    gali_command = str(Path(sys.executable).with_name("gali"))
+    out = folder / "ppl.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", gali_command, "ppl", str(folder / "docs"),
+         "--out", str(out), "-m", str(tiny_model_dir), "--json"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[rank 0/2]" in result.stderr and "[rank 1/2]" in result.stderr
+    assert sorted(Path(json.loads(line)["path"]).name for line in out.read_text().splitlines()) == \
+        ["a.txt", "b.md", "c.txt"]
+    assert not list(folder.glob("*.part"))
+    corpus = json.loads(result.stdout.strip().splitlines()[-1])["corpus"]  # rank 0 prints it, once merged
+    assert corpus[0]["documents"] == 3
