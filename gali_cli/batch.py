@@ -71,8 +71,9 @@ def _expand(spec: str, base: Path, manifests_seen: set[Path]) -> Iterator[Path]:
             raise InputError(f"{spec}: no documents ({', '.join(DOCUMENT_SUFFIXES)}) in this directory")
         yield from sorted(found.resolve() for found in files)
     elif _GLOB_CHARACTERS & set(spec):
-        matches = sorted(Path(match).resolve() for match in glob.glob(str(path), recursive=True)
-                         if Path(match).is_file())
+        matches = sorted((base / match).resolve() for match in glob.glob(os.path.expanduser(spec), root_dir=base,
+                                                                          recursive=True)
+                         if (base / match).is_file())
         if not matches:
             raise InputError(f"{spec}: no file matches")
         yield from matches
@@ -128,49 +129,90 @@ class ResultsFile:
     """The results file `path` (JSON lines) and, when distributed, this process's part file next to it."""
 
     def __init__(self, path: Path, rank: Rank) -> None:
-        self.path = path
+        self.path = path.expanduser().resolve()  # the same file for every process, whatever its folder
         self.rank = rank
-        self.part = path.with_name(f"{path.name}.rank{rank.rank}-of-{rank.world}.part") if rank.distributed else path
-        if path.exists() and not path.is_file():
-            raise ConfigError(f"--out {path}: not a file")
+        self.part = (self.path.with_name(f"{self.path.name}.rank{rank.rank}-of-{rank.world}.part")
+                     if rank.distributed else self.path)
+
+    def prepare(self) -> None:
+        """Before any work: refuse a file that is not ours (it is never touched), and make sure ours can be
+        written, so that a bad --out fails at once rather than after the first document."""
+        for file in [self.path, *self._parts()]:
+            _check_ours(file)
+        try:
+            self.part.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+        except OSError as error:
+            raise ConfigError(f"--out {self.path}: cannot write there ({error.strerror})") from None
+
+    def is_output(self, document: Path) -> bool:
+        """Whether `document` is the results file or a part of it (never a document of the batch)."""
+        return document == self.path or (document.parent == self.path.parent and document.name.startswith(
+            f"{self.path.name}.rank") and document.suffix == ".part")
 
     def finished(self) -> set[tuple[str, str, str]]:
         """(path, content hash, job) of every document some earlier run (or process) finished without error."""
-        done = set()
-        for file in [self.path, *self._parts()]:
-            for record in _records(file):
-                if record.get("status") == "ok":
-                    done.add((record.get("path"), record.get("sha256"), record.get("job")))
-        return done
+        return {(record.get("path"), record.get("sha256"), record.get("job"))
+                for record in self.records(parts=True) if record.get("status") == "ok"}
 
-    def records(self) -> list[dict]:
-        """Every whole line of the results file."""
-        return list(_records(self.path))
+    def records(self, parts: bool = False) -> list[dict]:
+        """Every whole line of the results file (and with `parts`, of the part files beside it)."""
+        return [record for file in [self.path, *(self._parts() if parts else [])] for record in _records(file)]
 
-    def append(self, record: dict) -> None:
-        """Add one line, whole: a single write, then flushed to disk."""
-        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        self.part.parent.mkdir(parents=True, exist_ok=True)
-        _drop_cut_line(self.part)
-        descriptor = os.open(self.part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    def append(self, records: list[dict]) -> None:
+        """Add a document's lines, whole: one write call, then flushed to disk. A line a killed run left without
+        its newline is closed first (and skipped when read), never cut away."""
+        data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode()
         try:
-            os.write(descriptor, line)
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+            descriptor = os.open(self.part, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                size = os.fstat(descriptor).st_size
+                if size and os.pread(descriptor, 1, size - 1) != b"\n":
+                    data = b"\n" + data
+                os.write(descriptor, data)
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        except OSError as error:
+            raise GaliError(f"cannot write results to {self.part}: {error.strerror}") from None
 
     def merge(self) -> None:
-        """Rank 0, once every process is done: move the part files' lines into the results file."""
-        seen = {json.dumps(record, sort_keys=True) for record in _records(self.path)}
-        for part in self._parts():
-            for record in _records(part):
-                if json.dumps(record, sort_keys=True) not in seen:
-                    ResultsFile(self.path, Rank()).append(record)
-                    seen.add(json.dumps(record, sort_keys=True))
-            part.unlink()
+        """Move the part files' lines (this run's, or those an interrupted run left) into the results file."""
+        if not self.rank.distributed or self.rank.rank == 0:
+            seen = {json.dumps(record, sort_keys=True) for record in _records(self.path)}
+            main = ResultsFile(self.path, Rank())
+            for part in self._parts():
+                new = [record for record in _records(part) if json.dumps(record, sort_keys=True) not in seen]
+                if new:
+                    main.append(new)
+                    seen.update(json.dumps(record, sort_keys=True) for record in new)
+                part.unlink()
 
     def _parts(self) -> list[Path]:
         return sorted(self.path.parent.glob(f"{glob.escape(self.path.name)}.rank*-of-*.part"))
+
+
+def _check_ours(path: Path) -> None:
+    """ConfigError unless `path` is absent, empty, or JSON lines of gali records (a last line may be cut)."""
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise ConfigError(f"--out {path}: not a file")
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as error:
+        raise ConfigError(f"--out {path}: cannot read it ({error.strerror})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            ours = isinstance(record, dict) and "job" in record and "path" in record
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            ours = number == len(lines) and line.startswith(b'{"path": ')  # our line, cut by a kill
+        if not ours:
+            raise ConfigError(f"--out {path} exists and is not a gali results file (line {number}); it was left "
+                              "untouched: choose another name")
 
 
 def _records(path: Path) -> Iterator[dict]:
@@ -180,7 +222,7 @@ def _records(path: Path) -> Iterator[dict]:
     except FileNotFoundError:
         return
     except OSError as error:
-        raise InputError(f"cannot read results file {path}: {error}") from error
+        raise GaliError(f"cannot read results file {path}: {error.strerror}") from None
     for line in text.splitlines():
         try:
             record = json.loads(line)
@@ -190,31 +232,33 @@ def _records(path: Path) -> Iterator[dict]:
             yield record
 
 
-def _drop_cut_line(path: Path) -> None:
-    """Cut a last line that a killed run left without its newline, so the next line starts on its own."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return
-    if size == 0:
-        return
-    with open(path, "rb+") as file:
-        file.seek(-1, os.SEEK_END)
-        if file.read(1) == b"\n":
-            return
-        file.seek(0)
-        content = file.read()
-        file.truncate(content.rfind(b"\n") + 1)
+class Collective:
+    """The processes of a distributed batch, over torch.distributed's gloo backend (CPU or GPU machines alike)."""
 
+    def __init__(self, rank: Rank, hours: float = 72.0) -> None:
+        import torch.distributed as dist
 
-def wait_for_all(rank: Rank, hours: float = 72.0) -> None:
-    """Block until every process has reached this point (torch.distributed over gloo, on CPU or GPU machines)."""
-    import torch.distributed as dist
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise ConfigError(f"WORLD_SIZE is {rank.world} but {' and '.join(missing)} are not set: start gali "
+                              "with torchrun or accelerate launch")
+        self.dist = dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=rank.rank, world_size=rank.world, timeout=timedelta(hours=hours))
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=rank.rank, world_size=rank.world, timeout=timedelta(hours=hours))
-    dist.barrier()
-    dist.destroy_process_group()
+    def total(self, value: int) -> int:
+        """The sum of `value` over all processes; returns when every process has called it."""
+        import torch
+
+        tensor = torch.tensor([value])
+        self.dist.all_reduce(tensor)
+        return int(tensor.item())
+
+    def wait(self) -> None:
+        self.dist.barrier()
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
 
 
 @dataclass
@@ -258,11 +302,10 @@ def run_batch(
             raise
         except Exception as error:  # noqa: BLE001 - one document's failure must not stop the batch
             message = str(error) if isinstance(error, GaliError) else f"{type(error).__name__}: {error}"
-            results.append({**base, "status": "error", "error": message, **job})
+            results.append([{**base, "status": "error", "error": message, **job}])
             outcome.failed += 1
             continue
-        for record in records:
-            results.append({**base, "status": "ok", **job, **record, "seconds": seconds})
+        results.append([{**base, "status": "ok", **job, **record, "seconds": seconds} for record in records])
         outcome.done += 1
         outcome.tokens += sum(record.get("tokens", 0) for record in records)
     progress(outcome, None)

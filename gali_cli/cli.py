@@ -27,6 +27,7 @@ from .display import err, fail, print_json, say, warn
 from .documents import Document, read_document
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
 from .batch import (
+    Collective,
     Outcome,
     Rank,
     ResultsFile,
@@ -34,12 +35,20 @@ from .batch import (
     corpus_perplexities,
     expand_documents,
     run_batch,
-    wait_for_all,
 )
 from .conversation import Conversation, model_spans
 from .doc_cache import DocumentCache, default_directory, default_limit
 from .generate import Finished, TextPiece, make_sampler, peak_memory_bytes, reset_peak_memory
-from .loading import DEFAULT_MODEL, LoadedModel, environment_facts, load_config, load_model, model_facts
+from .loading import (
+    DEFAULT_MODEL,
+    LoadedModel,
+    environment_facts,
+    load_config,
+    load_model,
+    model_facts,
+    resolve_device,
+    resolve_dtype,
+)
 from .methods import METHODS, apply_method, get_method
 from .perplexity import perplexities
 from .prompts import SUMMARIZE, ask_instruction, text_ids
@@ -499,53 +508,79 @@ def _print_ppl_rows(rows: list[dict], csv: bool, single: bool) -> None:
         display.print_ppl_table(rows)
 
 
-def _batch_setup(specs: list[str], out: str | None, choice: ModelChoice) -> tuple[list, ResultsFile, Rank]:
-    """Everything checked before the model loads: the documents, the results file, this process's rank."""
+@dataclass
+class Batch:
+    """A batch ready to run: its documents, results file, this process's rank, and the other processes."""
+
+    documents: list
+    results: ResultsFile
+    rank: Rank
+    collective: Collective | None
+
+
+def _batch_setup(specs: list[str], out: str | None, choice: ModelChoice) -> Batch:
+    """Everything checked before the model loads: the documents, the results file, the launcher's processes."""
     if not out:
         raise ConfigError("several documents need --out FILE.jsonl for their results")
     _check(choice)
     rank = Rank.from_environment()
-    documents = expand_documents(specs)
-    return documents, ResultsFile(Path(out).expanduser(), rank), rank
+    results = ResultsFile(Path(out), rank)
+    documents = [document for document in expand_documents(specs) if not results.is_output(document)]
+    if not documents:
+        raise InputError(f"no documents in {' '.join(specs)} besides --out")
+    results.prepare()
+    collective = Collective(rank) if rank.distributed else None
+    if not rank.distributed:
+        results.merge()  # part files an interrupted distributed run left behind
+    return Batch(documents, results, rank, collective)
 
 
 def _batch_job(command: str, choice: ModelChoice, **details) -> dict:
     """What decides a document's output besides its content: a rerun with another job does every document again."""
-    return {"command": command, "model": choice.model, "quantize": choice.quantize, "dtype": choice.dtype,
+    device = resolve_device(choice.device)
+    return {"command": command, "model": choice.model, "quantize": choice.quantize, "device": device.type,
+            "dtype": str(resolve_dtype(choice.dtype, device)).removeprefix("torch."),
             "method": ",".join(choice.methods), "settings": asdict(choice.settings), **details}
 
 
-def _run_batch(documents: list, results: ResultsFile, job: dict, work, rank: Rank) -> Outcome:
-    """Run the batch with a progress bar (and a line per document when distributed), then merge on rank 0."""
-    label = f"[rank {rank.rank}/{rank.world}] " if rank.distributed else ""
+def _run_batch(batch: Batch, job: dict, work) -> int:
+    """Run this process's share (a bar with tokens/s alone, a line per document when distributed), then merge on
+    rank 0; returns how many documents failed in all processes."""
+    rank, label = batch.rank, f"[rank {batch.rank.rank}/{batch.rank.world}] " if batch.rank.distributed else ""
     started = time.perf_counter()
-    with display.progress_bar(f"{label}documents") as bar:
+    with display.progress_bar("documents") as bar:
         def progress(outcome: Outcome, path: Path | None) -> None:
             finished = outcome.done + outcome.skipped + outcome.failed
+            if rank.distributed:
+                if path is not None:
+                    say(f"{label}{finished + 1}/{outcome.documents} {path}", style="dim")
+                return
             bar(finished, outcome.documents)
-            if rank.distributed and path is not None:
-                say(f"{label}{finished + 1}/{outcome.documents} {path}", style="dim")
+            bar.describe(f"documents ({outcome.tokens / (time.perf_counter() - started):.0f} tokens/s)")
 
-        outcome = run_batch(documents, results, job, work, rank, progress)
+        outcome = run_batch(batch.documents, batch.results, job, work, rank, progress)
     seconds = time.perf_counter() - started
     say(f"{label}{outcome.documents} documents: {outcome.done} done ({outcome.tokens / seconds:.0f} tokens/s), "
-        f"{outcome.skipped} already done, {outcome.failed} failed -> {results.part}")
-    if rank.distributed:
-        wait_for_all(rank)
-        if rank.rank == 0:
-            results.merge()
-            say(f"merged the {rank.world} parts into {results.path}")
-    return outcome
+        f"{outcome.skipped} already done, {outcome.failed} failed -> {batch.results.part}")
+    if batch.collective is None:
+        return outcome.failed
+    failed = batch.collective.total(outcome.failed)  # every process is done
+    batch.results.merge()
+    batch.collective.wait()  # no process exits (and so no launcher stops the others) before the merge is done
+    batch.collective.close()
+    if rank.rank == 0:
+        say(f"merged the {rank.world} parts into {batch.results.path}")
+    return failed
 
 
 def _answer_batch(specs: list[str], out: str | None, command: str, instruction: str, question: str | None,
                   choice: ModelChoice, password: str | None, answering: Answering) -> None:
-    documents, results, rank = _batch_setup(specs, out, choice)
+    batch = _batch_setup(specs, out, choice)
     store = None if answering.no_cache else _store(answering.cache_dir)
     job = _batch_job(command, choice, question=question, system=answering.system,
                      generation={"max_new_tokens": answering.max_new_tokens, "temperature": answering.temperature,
                                  "top_p": answering.top_p, "top_k": answering.top_k})
-    loaded = _load(choice, rank)
+    loaded = _load(choice, batch.rank)
 
     def work(path: Path) -> list[dict]:
         document = read_document(str(path), password=password)
@@ -554,46 +589,49 @@ def _answer_batch(specs: list[str], out: str | None, command: str, instruction: 
         events = list(conversation.ask(instruction, sampler, answering.max_new_tokens))
         answer = "".join(event.text for event in events if isinstance(event, TextPiece)).strip()
         return [{"output": answer, "settings": conversation.resolved, "tokens": events[-1].prompt_tokens,
-                 "warnings": document.warnings, **_finished_facts(events[-1])}]
+                 "warnings": [*document.warnings], **_finished_facts(events[-1])}]
 
-    outcome = _run_batch(documents, results, job, work, rank)
-    if answering.json_output and rank.rank == 0:
-        print_json({"out": str(results.path), **batch_summary(results.records(), job, documents)})
-    if outcome.failed:
+    failed = _run_batch(batch, job, work)
+    if answering.json_output and batch.rank.rank == 0:
+        print_json({"out": str(batch.results.path), **batch_summary(batch.results.records(), job, batch.documents)})
+    if failed:
         raise typer.Exit(1)
 
 
 def _perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, password: str | None,
                       max_tokens: int | None, lengths: list[int], json_output: bool, csv: bool, plot: str | None,
                       verbose: bool) -> None:
-    documents, results, rank = _batch_setup(specs, out, choice)
+    batch = _batch_setup(specs, out, choice)
     job = _batch_job("ppl", choice, max_tokens=max_tokens, lengths=lengths)
-    loaded = _load(choice, rank)
+    loaded = _load(choice, batch.rank)
 
     def work(path: Path) -> list[dict]:
         document = read_document(str(path), password=password)
         ids = _ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens, "", lambda message: None)
-        reachable = [length for length in lengths if length <= len(ids)] or [len(ids)]
+        reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
         records = []
         for method in choice.methods:
-            settings, found = _method_perplexities(loaded, ids, method, choice, reachable, verbose,
-                                                   show_progress=False)  # the batch has its own bar
+            settings, found = (_method_perplexities(loaded, ids, method, choice, reachable, verbose,
+                                                    show_progress=False)  # the batch has its own bar
+                               if reachable else ({}, []))
             records.append({"method": method, "settings": settings, "tokens": len(ids),
-                            "results": [asdict(result) for result in found], "warnings": document.warnings})
+                            "results": [asdict(result) for result in found], "warnings": [*document.warnings]
+                            + ([] if reachable else [f"{len(ids)} tokens: shorter than every --lengths value"])})
         return records
 
-    outcome = _run_batch(documents, results, job, work, rank)
-    if rank.rank == 0:
-        rows = corpus_perplexities(results.records(), job, documents, by_length=bool(lengths))
+    failed = _run_batch(batch, job, work)
+    if batch.rank.rank == 0:
+        records = batch.results.records()
+        rows = corpus_perplexities(records, job, batch.documents, by_length=bool(lengths))
         if json_output:
-            print_json({"corpus": rows, "out": str(results.path),
-                        **batch_summary(results.records(), job, documents)})
+            print_json({"corpus": rows, "out": str(batch.results.path),
+                        **batch_summary(records, job, batch.documents)})
         elif rows:
             _print_ppl_rows(rows, csv, single=len(rows) == 1)
         if plot and lengths and rows:
-            display.plot_ppl(rows, plot, f"{len(documents)} documents, {choice.model}")
+            display.plot_ppl(rows, plot, f"{len(batch.documents)} documents, {choice.model}")
             say(f"Saved {plot}.")
-    if outcome.failed:
+    if failed:
         raise typer.Exit(1)
 
 
@@ -627,8 +665,8 @@ def _read(file: str, password: str | None) -> Document:
 
 
 def _load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
-    """The model; under a launcher, on this process's own GPU."""
-    gpu = rank.local_rank if rank and rank.distributed else None
+    """The model; under a launcher, on this process's own GPU (local rank, modulo the GPUs it can see)."""
+    gpu = rank.local_rank % max(1, torch.cuda.device_count()) if rank and rank.distributed else None
     with err.status(f"Loading {choice.model}"):
         return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu)
 

@@ -75,6 +75,9 @@ class Bar:
 
         return update
 
+    def describe(self, label: str) -> None:
+        self.progress.update(self.task, description=label)
+
     def hide(self) -> None:
         self.progress.update(self.task, visible=False)
 
@@ -90,15 +93,16 @@ def progress_bar(label: str):
 
 
 def ppl_table(rows: list[dict]) -> Table:
-    """Methods down, lengths across, the best (lowest) perplexity of each length in bold, as the paper's Table 3."""
+    """Methods down, lengths across, the best (lowest) perplexity of each length in bold, as the paper's Table 3
+    ("-" where a method has no figure, e.g. no document of a batch reached that length)."""
     lengths = sorted({row["length"] for row in rows})
     methods = list(dict.fromkeys(row["method"] for row in rows))
     value = {(row["method"], row["length"]): row["ppl"] for row in rows}
-    best = {length: min(value[(method, length)] for method in methods) for length in lengths}
+    best = {length: min(ppl for (_, n), ppl in value.items() if n == length) for length in lengths}
     table = Table("method", *(str(length) for length in lengths))
     for method in methods:
-        cells = [f"[bold]{value[(method, n)]:.3f}[/]" if value[(method, n)] == best[n] else f"{value[(method, n)]:.3f}"
-                 for n in lengths]
+        cells = ["-" if (method, n) not in value else f"[bold]{value[(method, n)]:.3f}[/]"
+                 if value[(method, n)] == best[n] else f"{value[(method, n)]:.3f}" for n in lengths]
         table.add_row(method, *cells)
     return table
 

@@ -98,21 +98,52 @@ def test_a_batch_resumes_retries_failures_and_redoes_changed_documents(folder):
                for record in results.records())
 
 
-def test_a_line_cut_by_a_kill_is_dropped_and_parts_merge(folder):
+def test_a_line_cut_by_a_kill_is_skipped_never_cut_away_and_parts_merge(folder):
     path = folder / "out.jsonl"
     results = ResultsFile(path, Rank())
-    results.append({"status": "ok", "path": "a", "sha256": "1", "job": "j"})
+    results.append([{"path": "a", "status": "ok", "sha256": "1", "job": "j"}])
     with open(path, "a") as file:
-        file.write('{"status": "ok", "path": "b", "sha')  # killed mid-line
-    assert len(results.records()) == 1
-    results.append({"status": "ok", "path": "c", "sha256": "3", "job": "j"})
-    assert [record["path"] for record in results.records()] == ["a", "c"]
+        file.write('{"path": "b", "status": "ok", "sha')  # killed mid-line
+    results.prepare()  # still ours
+    assert [record["path"] for record in results.records()] == ["a"]
+    results.append([{"path": "c", "status": "ok", "sha256": "3", "job": "j"},
+                    {"path": "c2", "status": "ok", "sha256": "3", "job": "j"}])  # one document's lines, one write
+    assert [record["path"] for record in results.records()] == ["a", "c", "c2"]
+    assert '"sha\n{"path": "c"' in path.read_text()  # the cut line is closed, not deleted
     for rank in range(2):
-        ResultsFile(path, Rank(rank, 2)).append({"status": "ok", "path": f"part{rank}", "sha256": "x", "job": "j"})
-    assert {done[0] for done in ResultsFile(path, Rank(0, 2)).finished()} == {"a", "c", "part0", "part1"}
-    ResultsFile(path, Rank(0, 2)).merge()
-    assert [record["path"] for record in results.records()] == ["a", "c", "part0", "part1"]
-    assert sorted(p.name for p in folder.iterdir() if p.suffix == ".part") == []
+        ResultsFile(path, Rank(rank, 2)).append([{"path": f"part{rank}", "status": "ok", "sha256": "x", "job": "j"}])
+    assert {done[0] for done in ResultsFile(path, Rank(0, 2)).finished()} == {"a", "c", "c2", "part0", "part1"}
+    ResultsFile(path, Rank()).merge()  # a plain run takes over what an interrupted distributed run left
+    assert [record["path"] for record in results.records()] == ["a", "c", "c2", "part0", "part1"]
+    assert not list(folder.glob("*.part"))
+
+
+def test_a_file_that_is_not_ours_is_refused_and_left_alone(folder):
+    notes = folder / "notes.txt"
+    notes.write_text("my important notes")
+    with pytest.raises(ConfigError, match="not a gali results file"):
+        ResultsFile(notes, Rank()).prepare()
+    assert notes.read_text() == "my important notes"
+    with pytest.raises(ConfigError, match="cannot write there"):
+        ResultsFile(notes / "out.jsonl", Rank()).prepare()
+
+
+def test_results_file_is_never_a_document(folder, monkeypatch):
+    monkeypatch.chdir(folder)
+    results = ResultsFile(Path("docs/out.txt"), Rank(0, 2))
+    assert results.is_output(folder / "docs" / "out.txt")
+    assert results.is_output(folder / "docs" / "out.txt.rank1-of-2.part")
+    assert not results.is_output(folder / "docs" / "a.txt")
+
+
+def test_globs_inside_folders_with_brackets(tmp_path, monkeypatch):
+    odd = tmp_path / "br[1]"
+    odd.mkdir()
+    (odd / "a.txt").write_text(TEXT)
+    monkeypatch.chdir(odd)
+    assert expand_documents(["*.txt"]) == [odd / "a.txt"]
+    (odd / "list.txt").write_text("*.txt\n")
+    assert expand_documents(["@list.txt"]) == [odd / "a.txt", odd / "list.txt"]
 
 
 def test_corpus_perplexity_weighs_documents_by_tokens():
@@ -184,10 +215,9 @@ def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):
     gali_command = str(Path(sys.executable).with_name("gali"))
     out = folder / "ppl.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", gali_command, "ppl", str(folder / "docs"),
-         "--out", str(out), "-m", str(tiny_model_dir), "--json"],
-        capture_output=True, text=True, env=env, timeout=300)
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", gali_command, "ppl",
+               str(folder / "docs"), "--out", str(out), "-m", str(tiny_model_dir), "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "[rank 0/2]" in result.stderr and "[rank 1/2]" in result.stderr
     assert sorted(Path(json.loads(line)["path"]).name for line in out.read_text().splitlines()) == \
@@ -195,3 +225,30 @@ def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):
     assert not list(folder.glob("*.part"))
     corpus = json.loads(result.stdout.strip().splitlines()[-1])["corpus"]  # rank 0 prints it, once merged
     assert corpus[0]["documents"] == 3
+    (folder / "docs" / "broken.txt").write_bytes(b"\x00\x01\x02" * 100)  # 3rd of 4: rank 0's, and it fails
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode != 0  # every process knows a document failed, after the merge
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 4 and [line["status"] for line in lines].count("error") == 1
+    assert not list(folder.glob("*.part"))
+    assert "[rank 0/2] 2 documents: 0 done" in again.stderr and "1 already done, 1 failed" in again.stderr
+    assert "[rank 1/2] 2 documents: 0 done" in again.stderr and "2 already done, 0 failed" in again.stderr
+
+
+def test_batch_usage_errors_come_before_the_model(gali, folder):
+    notes = folder / "notes.txt"
+    notes.write_text("keep me")
+    refused = gali("summarize", str(folder / "docs" / "a.txt"), "--out", str(notes))
+    assert refused.exit_code == 2 and "not a gali results file" in refused.stderr and notes.read_text() == "keep me"
+    assert gali("summarize", str(folder / "docs"), "--out", str(notes / "x.jsonl")).exit_code == 2
+
+
+def test_documents_shorter_than_every_length_do_not_make_a_column(gali, folder):
+    (folder / "docs" / "tiny.txt").write_text("Short.")
+    out = folder / "ppl.jsonl"
+    result = gali("ppl", str(folder / "docs"), "--out", str(out), "--lengths", "40,60", "--json")
+    assert result.exit_code == 0, result.stderr
+    corpus = json.loads(result.stdout)["corpus"]
+    assert sorted(row["length"] for row in corpus) == [40, 60]
+    tiny = next(json.loads(line) for line in out.read_text().splitlines() if "tiny.txt" in line)
+    assert tiny["results"] == [] and "shorter than every --lengths value" in tiny["warnings"][0]
