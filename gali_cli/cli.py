@@ -164,8 +164,9 @@ def _with_model_options(command: Callable) -> Callable:
     return run_command
 
 
-File = Annotated[str, typer.Argument(help="A text file (any encoding), a PDF, or - for standard input.")]
-Files = Annotated[list[str], typer.Argument(help="Documents: text files (any encoding), PDFs, or - for standard "
+File = Annotated[str, typer.Argument(metavar="FILE", help="A text file (any encoding), a PDF, or - for standard "
+                                                            "input.")]
+Files = Annotated[list[str], typer.Argument(metavar="DOCS", help="Documents: text files (any encoding), PDFs, or - for standard "
                                                  "input; with --out also directories, globs and @manifests.",
                                             show_default=False)]
 Out = Annotated[str | None, typer.Option(help="Batch mode: append one JSON line per document here; a rerun skips "
@@ -226,7 +227,7 @@ def summarize(
 @app.command()
 @_with_model_options
 def ask(
-    files: Files, question: Annotated[str, typer.Argument(help="The question about the document(s).")],
+    files: Files, question: Annotated[str, typer.Argument(metavar="QUESTION", help="The question about the document(s).")],
     out: Out = None, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
     top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
     cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False,
