@@ -289,7 +289,8 @@ def chat(
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per answer, a line each.")] = False,
     verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
-    """Read FILE once, then answer questions typed at the prompt, keeping the conversation (Ctrl-D to leave).
+    """Read FILE once, then answer questions typed at the prompt, keeping the conversation (Ctrl-C stops an
+    answer, Ctrl-D leaves).
 
     Answers stream to stdout, the prompt goes to stderr; questions may also be piped in, one a line.
 
@@ -316,7 +317,11 @@ def chat(
         if not question:
             continue
         instruction = question if conversation.questions else ask_instruction(question)
-        text, finished = _stream_answer(conversation, instruction, sampler, answering)
+        try:
+            text, finished = _stream_answer(conversation, instruction, sampler, answering)
+        except KeyboardInterrupt:  # stops this answer; Ctrl-C at the prompt leaves
+            say("(answer stopped; the question is forgotten)", style="dim")
+            continue
         if json_output:
             print_json({"question": question, "answer": text.strip(), "turn": len(conversation.questions),
                         **_finished_facts(finished)})
@@ -325,15 +330,21 @@ def chat(
 
 
 def _read_question(interactive: bool) -> str | None:
-    """The next question from stdin (the prompt on stderr when a person types), stripped; None at end of input."""
-    if interactive:
-        err.print("[bold]>[/bold] ", end="")
-    line = sys.stdin.readline()
-    if not line:
-        if interactive:
-            err.print()
+    """The next question from stdin (the prompt on stderr when a person types, with line editing and history
+    where the readline module exists), stripped; None at end of input."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line.strip() if line else None
+    try:
+        import readline  # noqa: F401 - importing it gives input() line editing
+    except ImportError:
+        pass
+    err.print("[bold]>[/bold] ", end="")
+    try:
+        return input().strip()
+    except EOFError:
+        err.print()
         return None
-    return line.strip()
 
 
 cache_app = typer.Typer(name="cache", no_args_is_help=True, help="The document cache: prefilled states of documents "

@@ -60,7 +60,8 @@ class Conversation:
         self, instruction: str, sampler: Sampler, max_new_tokens: int, progress: Progress | None = None
     ) -> Iterator[TextPiece | Finished]:
         """Answer `instruction` (the first one follows the document in the same user turn); yields the answer piece
-        by piece, then `Finished`. The question and answer join the conversation once the answer is complete."""
+        by piece, then `Finished`. The question and answer join the conversation once the answer is complete; an
+        answer cut short (Ctrl-C, or a consumer that stops early) leaves the conversation as it was before it."""
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         prompt = self.prompt(instruction)
         self.document_tokens = prompt.document_end
@@ -80,13 +81,28 @@ class Conversation:
             self.from_store = self.cache is not None
             self.cached_ids = document_ids if self.cache is not None else []
             self.cache = self.cache if self.cache is not None else DynamicCache(config=model.config)
-        start = len(self.cached_ids)
-        for event in stream_generate(model, tokenizer, prompt.ids, sampler, max_new_tokens,
-                                     stop_token_ids(model, tokenizer), self._spans(start, len(prompt.ids)),
-                                     progress, self.cache):
-            if isinstance(event, Finished):  # before yielding it: a consumer may stop at the last event
-                self._record(instruction, prompt.ids, list(event.answer_ids), key, document_ids, start)
-            yield event
+        start, recorded = len(self.cached_ids), False
+        try:
+            for event in stream_generate(model, tokenizer, prompt.ids, sampler, max_new_tokens,
+                                         stop_token_ids(model, tokenizer), self._spans(start, len(prompt.ids)),
+                                         progress, self.cache):
+                if isinstance(event, Finished):  # before yielding it: a consumer may stop at the last event
+                    self._record(instruction, prompt.ids, list(event.answer_ids), key, document_ids, start)
+                    recorded = True
+                yield event
+        finally:
+            if not recorded:
+                self._roll_back()
+
+    def _roll_back(self) -> None:
+        """Forget what an unfinished turn added to the cache. A forward stopped midway may have extended some
+        layers and not others: every layer goes back to the tokens of the turns before."""
+        kept = len(self.cached_ids)
+        if kept == 0:
+            self.cache, self.from_store = None, False
+            return
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :kept], layer.values[:, :, :kept]
 
     def _record(self, instruction: str, ids: list[int], answer: list[int], key: str | None, document_ids: list[int],
                 start: int) -> None:

@@ -332,3 +332,18 @@ def test_cache_list_shows_names_as_they_are(gali, doc, tmp_path):
     env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
     assert gali("summarize", str(odd), "--max-new-tokens", "2", env=env).exit_code == 0
     assert "notes[draft].txt" in gali("cache", "list", env=env, model=False).stdout
+
+
+def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):
+    real_ask, calls = conversation.Conversation.ask, []
+
+    def ask(self, instruction, *args, **kwargs):
+        calls.append(instruction)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        yield from real_ask(self, instruction, *args, **kwargs)
+
+    monkeypatch.setattr(conversation.Conversation, "ask", ask)
+    result = gali("chat", str(doc), "--max-new-tokens", "3", input="First?\nSecond?\n")
+    assert result.exit_code == 0 and "answer stopped" in result.stderr
+    assert len(result.stdout.splitlines()) == 1 and calls[1] == cli.ask_instruction("Second?")

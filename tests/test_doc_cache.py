@@ -244,3 +244,37 @@ def test_an_interrupted_write_leaves_no_file(loaded, store, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         store.save(entry_key({}, ids), ids, cache, {})
     assert list(store.directory.iterdir()) == []
+
+
+@pytest.mark.parametrize("stop_at", [None, 1, 3])  # in the second turn's prefill; after its 2nd / 4th answer piece
+def test_an_interrupted_turn_leaves_the_conversation_as_it_was(loaded, stop_at):
+    def interrupt(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    def conversation_with_interruption(interrupt_it: bool) -> list[int]:
+        conversation = Conversation(loaded, "gali", MethodSettings(chunk_size=4, local_window=8), DOCUMENT, "doc")
+        answer(conversation, SUMMARIZE, 5)
+        if interrupt_it:
+            events = conversation.ask("Who repairs the roof?", make_sampler(), 5,
+                                      progress=interrupt if stop_at is None else None)
+            with pytest.raises(KeyboardInterrupt):
+                for index, _ in enumerate(events):
+                    if index == stop_at:
+                        events.throw(KeyboardInterrupt)
+            assert conversation.questions == [SUMMARIZE]
+        return answer(conversation, "Who repairs the roof?", 5)[0]
+
+    assert conversation_with_interruption(True) == conversation_with_interruption(False)
+
+
+def test_an_interrupted_first_prefill_reads_the_document_again(loaded):
+    conversation = Conversation(loaded, "gali", MethodSettings(), DOCUMENT, "doc")
+
+    def interrupt(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        list(conversation.ask(SUMMARIZE, make_sampler(), 3, progress=interrupt))
+    assert conversation.cache is None
+    _, finished = answer(conversation, SUMMARIZE, 3)
+    assert finished.prefilled_tokens == finished.prompt_tokens
