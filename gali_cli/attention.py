@@ -98,12 +98,7 @@ def chunk_context(
     """
     interp = interpolate(keys, train_len, local_window, table.cos.device, first=reuse)
     query_rows = interp.ceil[-queries:]
-    if not interp.grouped:  # integer positions: plain RoPE, straight from the model's own table
-        key_cos, key_sin = table.cos[interp.ceil], table.sin[interp.ceil]
-    else:  # mix in float32, so that c survives; one rounding to the model's dtype at the end
-        c = interp.weight.to(table.cos32.dtype).unsqueeze(-1)  # (rows, 1)
-        key_cos = ((1 - c) * table.cos32[interp.ceil] + c * table.cos32[interp.floor]).to(table.cos.dtype)
-        key_sin = ((1 - c) * table.sin32[interp.ceil] + c * table.sin32[interp.floor]).to(table.sin.dtype)
+    key_cos, key_sin = mixed_tables(table, interp, interp.grouped > 0)
     return ChunkContext(
         queries=queries,
         keys=keys,
@@ -115,6 +110,18 @@ def chunk_context(
         key_cos=key_cos,
         key_sin=key_sin,
     )
+
+
+def mixed_tables(table: RopeTable, interp: Interpolation, mix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the interpolated rotation of the keys `interp` covers, in the model's dtype. Mixed in float32, so
+    that c survives, with one rounding at the end; without `mix` (integer positions) straight from the model's
+    own table."""
+    if not mix:
+        return table.cos[interp.ceil], table.sin[interp.ceil]
+    c = interp.weight.to(table.cos32.dtype).unsqueeze(-1)  # (rows, 1)
+    key_cos = ((1 - c) * table.cos32[interp.ceil] + c * table.cos32[interp.floor]).to(table.cos.dtype)
+    key_sin = ((1 - c) * table.sin32[interp.ceil] + c * table.sin32[interp.floor]).to(table.sin.dtype)
+    return key_cos, key_sin
 
 
 def chunk_contexts(
@@ -313,3 +320,104 @@ def reference_gali_attention(
     mask_future(logits, query_index)
     probs = torch.softmax(logits, dim=-1)
     return torch.matmul(probs, value.float().repeat_interleave(heads_per_kv, dim=1)).to(value.dtype)
+
+
+@dataclass
+class DecodeState:
+    """One layer's keys as decoding needs them, kept from token to token (see docs/engine.md, "Decoding").
+
+    Rows [0, grouped) hold the keys rotated by their interpolated positions for group size `group` (GALI's frame,
+    where the query sits at its own position p_q); rows [grouped, keys) hold the keys rotated at their own token
+    index (the absolute frame, where the query sits at its token index): an exact-tail key's distance to the query
+    is the same in both frames, so it is rotated once, when its token arrives.
+    """
+
+    group: int
+    grouped: int
+    keys: int
+    rotated: torch.Tensor  # (B, Hkv, capacity >= keys, D), model dtype
+
+
+AbsoluteTable = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # token indices -> cos, sin (n, D)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    state: DecodeState | None,
+    table: RopeTable,
+    absolute: AbsoluteTable,
+    train_len: int,
+    local_window: int,
+    scale: float,
+    noise: Noise | None = None,
+) -> tuple[torch.Tensor, DecodeState]:
+    """GALI attention of one new token (the last of the T keys) without re-rotating the cache.
+
+    From one step to the next only a key or two leave the exact tail for the grouped part (and every grouped key
+    moves when g changes, rarely): those are rotated again, the new token's key once, nothing else. `state` is
+    what the previous step returned for the same cache and layer (None, or another T: rebuilt from scratch).
+
+    Args:
+        query: (B, H, 1, D) un-rotated query of token T - 1.
+        key, value: (B, Hkv, T, D) un-rotated keys and values.
+        table: the model's cos/sin at positions 0..train_len - 1.
+        absolute: cos/sin at any token index (positions beyond the window, for the absolute frame).
+
+    Returns:
+        (B, H, 1, D) attention output, and the state for the next step.
+    """
+    keys = key.shape[2]
+    interp = interpolate(keys, train_len, local_window, key.device, first=keys - 1)  # the query's row
+    group, grouped = interp.group, interp.grouped
+    if state is None or state.keys != keys - 1 or state.group != group or state.rotated.shape[0] != key.shape[0]:
+        state = DecodeState(group, 0, 0, key.new_empty(*key.shape[:2], _capacity(keys), key.shape[-1]))
+    elif state.rotated.shape[2] < keys:
+        grown = key.new_empty(*key.shape[:2], _capacity(keys), key.shape[-1])
+        grown[:, :, : state.keys] = state.rotated[:, :, : state.keys]
+        state.rotated = grown
+    # Rows that joined the grouped part since the last step (all of them after a rebuild): GALI's frame.
+    if grouped > state.grouped:
+        moved = interpolate(keys, train_len, local_window, key.device, first=state.grouped)
+        moved = Interpolation(moved.ceil[: grouped - state.grouped], moved.floor[: grouped - state.grouped],
+                              moved.weight[: grouped - state.grouped], group, grouped)
+        cos, sin = mixed_tables(table, moved)
+        rotate_fused(key[:, :, state.grouped : grouped], cos, sin, out=state.rotated[:, :, state.grouped : grouped])
+    # Rows of the exact tail not rotated yet (the new token; the whole tail after a rebuild): absolute frame.
+    fresh = max(grouped, state.keys)
+    if keys > fresh:
+        cos, sin = absolute(torch.arange(fresh, keys, device=key.device))
+        rotate_fused(key[:, :, fresh:keys], cos, sin, out=state.rotated[:, :, fresh:keys])
+    state = DecodeState(group, grouped, keys, state.rotated)
+
+    query_index = torch.tensor([keys - 1], device=key.device)
+    in_gali = rotate(query, table.cos[interp.ceil], table.sin[interp.ceil])
+    logits = [grouped_logits(in_gali, state.rotated[:, :, :grouped], scale)]
+    if keys > grouped:
+        cos, sin = absolute(query_index)
+        in_absolute = rotate(query, cos, sin)
+        logits.append(grouped_logits(in_absolute, state.rotated[:, :, grouped:keys], scale))
+    scores = torch.cat(logits, dim=-1)
+    if noise is not None:
+        add_noise(scores, query_index, group, grouped, noise)
+    output = tiled_attention(lambda rows: scores, value[:, :, :keys], query.shape[1], 1)
+    return output, state
+
+
+def _capacity(keys: int) -> int:
+    """Room for the rotated keys: grown by a quarter at a time, so that appending is amortised O(1) per token."""
+    return keys + max(64, keys // 4)
+
+
+def absolute_table(inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype) -> AbsoluteTable:
+    """cos/sin at any token index, as the model's rotary embedding computes them (cat(freqs, freqs), times its
+    attention scaling), but with angles in float64: token indices far beyond the window lose no precision."""
+    frequencies = inv_freq.double()
+
+    def lookup(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.double().unsqueeze(-1) * frequencies.to(positions.device)
+        angles = torch.cat((angles, angles), dim=-1)
+        return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)
+
+    return lookup

@@ -63,9 +63,10 @@ class Installed:
 class Forward:
     """One forward over tokens [start, stop): what all its layers share, built once on first use."""
 
-    def __init__(self, installed: Installed, start: int, stop: int) -> None:
+    def __init__(self, installed: Installed, start: int, stop: int, cache: Any = None) -> None:
         self.installed = installed
         self.start, self.stop = start, stop
+        self.cache = cache  # the model's KV cache object, if it was given one
         self._memo: dict[tuple, Any] = {}
 
     def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
@@ -180,7 +181,7 @@ def _plan_forward(installed: Installed, module: nn.Module, args: tuple, kwargs: 
                 f"{installed.method.name} computes positions itself: position_ids must be omitted or count up from "
                 "the cache length"
             )
-    kwargs["rope_forward"] = Forward(installed, start, start + new_tokens)
+    kwargs["rope_forward"] = Forward(installed, start, start + new_tokens, cache)
     return args, kwargs
 
 

@@ -4,7 +4,8 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Static
 
 import gali_cli.patch as patch
 from gali_cli import ConfigError, GaliConfig, GaliError, UnsupportedModelError, apply_gali, gali_settings, remove_gali
-from gali_cli.attention import chunk_contexts
+from gali_cli.attention import absolute_table, chunk_contexts
+from gali_cli.methods.gali import Gali
 from gali_cli.positions import chunk_plan, interpolate
 from conftest import VOCAB
 from naive import NaiveGali
@@ -319,3 +320,82 @@ def test_smaller_train_len_than_the_model(make_llama):
     expected = NaiveGali(model, 16, 5, 3).prefill(ids[0].tolist())
     apply_gali(model, GaliConfig(train_len=16, chunk_size=5, local_window=3, noise=False))
     torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def _decode_logits(model, cache, steps: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    logits = []
+    for _ in range(steps):
+        token = torch.randint(0, VOCAB, (2, 1), generator=generator)
+        logits.append(model(input_ids=token, past_key_values=cache).logits[:, -1])
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("kv_heads, local_window, noise", [(2, 2, False), (4, 0, False), (1, 5, True), (2, 15, True)])
+def test_decoding_without_re_rotation_matches_re_chunking(make_llama, monkeypatch, kv_heads, local_window, noise):
+    """60 one-token steps from 21 to 80 keys: g changes several times, keys leave the tail one or two a step."""
+    model = apply_gali(make_llama(train_len=16, kv_heads=kv_heads), GaliConfig(chunk_size=4, local_window=local_window,
+                                                                                noise=noise))
+    prompt = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for fast in (True, False):
+        monkeypatch.setattr(Gali, "fast_decode", fast)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompt, past_key_values=cache)
+        runs[fast] = _decode_logits(model, cache, 60)
+    torch.testing.assert_close(runs[True], runs[False], rtol=0, atol=1e-5)
+
+
+def test_decode_states_follow_their_cache(make_llama, monkeypatch):
+    """Two caches decoded in turn, and a cache that is cut back and refilled, decode as if each were alone."""
+    model = apply_gali(make_llama(train_len=16), GaliConfig(chunk_size=4, local_window=2, noise=False))
+    prompts = [torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+               for length in (20, 27)]
+
+    def decoded(interleave: bool) -> list[torch.Tensor]:
+        caches = [DynamicCache(config=model.config) for _ in prompts]
+        for cache, prompt in zip(caches, prompts):
+            model(input_ids=prompt, past_key_values=cache)
+        if not interleave:
+            return [_decode_logits(model, cache, 8, seed) for seed, cache in enumerate(caches)]
+        halves = [[_decode_logits(model, cache, 4, seed)] for seed, cache in enumerate(caches)]
+        for seed, cache in enumerate(caches):  # the same tokens: seeded streams, continued
+            generator = torch.Generator().manual_seed(seed)
+            torch.randint(0, VOCAB, (4, 2, 1), generator=generator)
+            steps = [model(input_ids=torch.randint(0, VOCAB, (2, 1), generator=generator),
+                           past_key_values=cache).logits[:, -1] for _ in range(4)]
+            halves[seed].append(torch.stack(steps))
+        return [torch.cat(half) for half in halves]
+
+    monkeypatch.setattr(Gali, "fast_decode", False)
+    expected = decoded(interleave=False)
+    monkeypatch.setattr(Gali, "fast_decode", True)
+    for got, want in zip(decoded(interleave=True), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompts[0], past_key_values=cache)
+    _decode_logits(model, cache, 5)
+    for layer in cache.layers:  # cut back to the prompt, as a cancelled chat turn does
+        layer.keys, layer.values = layer.keys[:, :, :20], layer.values[:, :, :20]
+    after_cut = _decode_logits(model, cache, 6, seed=3)
+    fresh = DynamicCache(config=model.config)
+    model(input_ids=prompts[0], past_key_values=fresh)
+    torch.testing.assert_close(after_cut, _decode_logits(model, fresh, 6, seed=3), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0},
+                                  {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8},
+                                  {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16}])
+def test_absolute_table_is_the_models_rotary(make_llama, rope):
+    model = make_llama(train_len=64, rope_parameters=rope)
+    rotary = model.model.rotary_emb
+    positions = torch.arange(64)
+    cos, sin = rotary(torch.empty(0), positions.unsqueeze(0))
+    lookup = absolute_table(rotary.inv_freq, rotary.attention_scaling, torch.float32)
+    ours = lookup(positions)
+    torch.testing.assert_close(ours[0], cos[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ours[1], sin[0], rtol=0, atol=2e-5)

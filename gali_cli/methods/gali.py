@@ -1,10 +1,12 @@
 """GALI (paper §3, Algorithms 1-3) as a position-remapping attention, and its public apply / remove functions."""
 
+import weakref
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..attention import chunk_contexts, gali_attention
+from ..attention import absolute_table, chunk_contexts, decode_attention, gali_attention
 from ..config import GaliConfig
 from ..errors import GaliError
 from ..noise import Noise
@@ -13,13 +15,19 @@ from ..positions import chunk_plan
 
 
 class Gali(PositionalAttention):
-    """Each forward is cut into GALI chunks; each chunk attends with positions recomputed for all its keys."""
+    """Each forward is cut into GALI chunks; each chunk attends with positions recomputed for all its keys.
+
+    Decoding (one-token forwards on a cache, outside autograd) keeps each layer's rotated keys from token to token
+    (attention.decode_attention), per cache object: any longer forward on that cache starts them again.
+    """
 
     name = "gali"
+    fast_decode = True  # False: decode like any other chunk, re-rotating every key (the reference in tests)
 
     def __init__(self, config: GaliConfig) -> None:
         self.config = config  # resolved: no None left
         self.exact_until = config.train_len
+        self._decode_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer: state}
 
     def table_rows(self, start: int, stop: int) -> int:
         # Positions reach train_len - 1, or train_len itself when there is no local window (Alg. 2's edge).
@@ -28,6 +36,11 @@ class Gali(PositionalAttention):
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         config = self.config
+        noise = Noise(config.seed, module.layer_idx, config.noise_scale) if config.noise else None
+        if forward.cache is not None:
+            if self.fast_decode and forward.stop - forward.start == 1 and not torch.is_grad_enabled():
+                return self._decode(forward, module, query, key, value, scaling, noise)
+            self._decode_states.pop(forward.cache, None)  # the cache grew by more than a token
 
         def build_chunks():
             pieces = chunk_plan(forward.start, forward.stop, config.train_len, config.chunk_size)
@@ -39,10 +52,22 @@ class Gali(PositionalAttention):
         if not chunks[0].interpolated:  # only the first piece can lie inside the training window
             window, chunks = chunks[0], chunks[1:]
             outputs.append(forward.exact_attention(module, query, key, value, window.keys, scaling, dropout, **kwargs))
-        noise = Noise(config.seed, module.layer_idx, config.noise_scale) if config.noise else None
         beyond = query[:, :, query.shape[2] - sum(chunk.queries for chunk in chunks) :]
         outputs.append(gali_attention(beyond, key, value, chunks, scaling, dropout, noise).transpose(1, 2))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+    def _decode(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, scaling: float, noise: Noise | None) -> torch.Tensor:
+        rotary = forward.installed.rotary
+        table = forward.table(query.device, query.dtype)
+        absolute = forward.memo(("absolute", query.device, query.dtype),
+                                lambda: absolute_table(rotary.inv_freq, rotary.attention_scaling, query.dtype))
+        states = self._decode_states.setdefault(forward.cache, {})
+        output, states[module.layer_idx] = decode_attention(
+            query, key[:, :, : forward.stop], value[:, :, : forward.stop], states.get(module.layer_idx), table,
+            absolute, self.config.train_len, self.config.local_window, scaling, noise)
+        return output.transpose(1, 2)
 
 
 def apply_gali(model: PreTrainedModel, config: GaliConfig | None = None) -> PreTrainedModel:
