@@ -5,7 +5,8 @@ torch.cuda.max_memory_allocated on CUDA); rounds interleave the variants, and th
 and ratios to the unpatched model measured in the same run.
 
     python benchmarks/bench_engine.py                      # CPU, small Llama, train_len 256, 16x = 4096 tokens
-    python benchmarks/bench_engine.py --device cuda --shape llama3-8b --train-len 8192 --factor 4 --dtype bfloat16
+    python benchmarks/bench_engine.py --factors 1,4,16,32 --variants sdpa,gali,gali-noise,anchor --decode-factors ""
+    python benchmarks/bench_engine.py --device cuda --shape llama3-8b --train-len 8192 --factors 1,4 --dtype bfloat16
 """
 
 import argparse
@@ -31,6 +32,8 @@ VARIANTS = {
     "gali-noise": "GALI, noise on, one forward",
     "gali-pieces": "GALI, noise off, one forward per chunk",
     "sdpa-pieces": "the unpatched model, one forward per GALI chunk",
+    "anchor": "two-matmul GALI as the authors compute it (noise on): per chunk, keys rotated at ceil and at floor "
+              "and repeated per head, two float32 logit matrices",
 }
 
 
@@ -68,17 +71,45 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def two_matmul_gali(settings):
+    """GALI computed the straightforward way, as the anchor: Alg. 3 literally, per chunk (the tests' oracle)."""
+    from gali_cli.attention import reference_gali_attention
+    from gali_cli.methods.gali import Gali
+    from gali_cli.noise import Noise
+    from gali_cli.positions import chunk_plan, interpolate
+
+    class TwoMatmulGali(Gali):
+        def attend(self, forward, module, query, key, value, scaling, dropout, **kwargs):
+            config, outputs = self.config, []
+            noise = Noise(config.seed, module.layer_idx, config.noise_scale) if config.noise else None
+            table = forward.table(query.device, query.dtype)
+            for first, last in chunk_plan(forward.start, forward.stop, config.train_len, config.chunk_size):
+                if last <= config.train_len:
+                    outputs.append(forward.exact_attention(module, query, key, value, last, scaling, dropout))
+                    continue
+                rows = slice(first - forward.start, last - forward.start)
+                interp = interpolate(last, config.train_len, config.local_window, query.device)
+                outputs.append(reference_gali_attention(query[:, :, rows], key[:, :, :last], value[:, :, :last],
+                                                        table, interp, scaling, noise).transpose(1, 2))
+            return torch.cat(outputs, dim=1)
+
+    return TwoMatmulGali(settings)
+
+
 def worker(args: argparse.Namespace) -> dict:
     """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
     from gali_cli import GaliConfig, apply_gali
+    from gali_cli.patch import install
     from gali_cli.positions import chunk_plan
     from transformers import DynamicCache
 
     model = build_model(args)
-    settings = GaliConfig(noise=args.variant == "gali-noise").resolved(args.train_len)
+    settings = GaliConfig(noise=args.variant in ("gali-noise", "anchor")).resolved(args.train_len)
     if args.variant.startswith("gali"):
         apply_gali(model, settings)
-    length = args.factor * args.train_len
+    elif args.variant == "anchor":
+        install(model, two_matmul_gali(settings))
+    length = int(args.factors) * args.train_len  # a worker gets one factor
     ids = torch.randint(0, model.config.vocab_size, (1, length + args.decode_tokens), device=args.device)
     prompt = ids[:, :length]
     pieces = chunk_plan(0, length, args.train_len, settings.chunk_size) if args.variant.endswith("pieces") else None
@@ -120,7 +151,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def run_worker(args: argparse.Namespace, variant: str, factor: int, decode_tokens: int, repeats: int) -> dict:
-    command = [sys.executable, __file__, "--worker", variant, "--factor", str(factor), "--decode-tokens",
+    command = [sys.executable, __file__, "--worker", variant, "--factors", str(factor), "--decode-tokens",
                str(decode_tokens), "--device", args.device, "--dtype", args.dtype, "--shape", args.shape,
                "--train-len", str(args.train_len), "--repeats", str(repeats)]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -135,7 +166,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--shape", choices=SHAPES, default="small")
     parser.add_argument("--train-len", type=int, default=256)
-    parser.add_argument("--factor", type=int, default=16, help="prefill length as a multiple of train_len")
+    parser.add_argument("--factors", default="16", help="prefill lengths as multiples of train_len, e.g. 1,4,16,32")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--rounds", type=int, default=3, help="worker processes per variant, interleaved")
     parser.add_argument("--repeats", type=int, default=2, help="prefills per worker; the fastest counts")
@@ -150,46 +181,47 @@ def main() -> None:
         return
 
     variants = args.variants.split(",")
-    prefill: dict[str, list[dict]] = {variant: [] for variant in variants}
+    factors = [int(factor) for factor in args.factors.split(",")]
+    prefill: dict[tuple[str, int], list[dict]] = {(variant, factor): [] for variant in variants for factor in factors}
     for _ in range(args.rounds):
-        for variant in variants:
-            prefill[variant].append(run_worker(args, variant, args.factor, 0, args.repeats))
+        for factor in factors:
+            for variant in variants:
+                prefill[(variant, factor)].append(run_worker(args, variant, factor, 0, args.repeats))
     decode_variants = [v for v in ("sdpa", "gali") if v in variants]
-    decode = {
-        (variant, factor): run_worker(args, variant, factor, args.decode_tokens, 1)["decode_ms"]
-        for factor in map(int, args.decode_factors.split(","))
-        for variant in decode_variants
-    }
+    decode_factors = [int(factor) for factor in args.decode_factors.split(",") if factor]
+    decode = {(variant, factor): run_worker(args, variant, factor, args.decode_tokens, 1)["decode_ms"]
+              for factor in decode_factors for variant in decode_variants}
 
-    tokens = args.factor * args.train_len
     print(f"# {date.today()} - {platform.node()} - {platform.processor() or platform.machine()} - "
           f"torch {torch.__version__} - {torch.get_num_threads()} threads")
     print(f"# python {' '.join(sys.argv)}")
-    print(f"\nPrefill of {tokens} tokens ({args.factor}x train_len {args.train_len}), {args.shape} Llama, "
-          f"{args.dtype} on {args.device}; best of {args.repeats} per worker, median of {args.rounds} workers\n")
-    # "prefill MiB" is the peak during prefill minus the peak before it (weights, warm-up): the activations.
-    print("| variant | prefill s | x sdpa | tokens/s | peak MiB | x sdpa | prefill MiB | x sdpa |")
-    print("|---|---|---|---|---|---|---|---|")
-    median = {v: {k: statistics.median(r[k] for r in runs) for k in ("prefill_s", "peak_mib", "prefill_mib")}
-              for v, runs in prefill.items()}
-    base = median.get("sdpa")
-    for variant in variants:
-        m = median[variant]
-        ratio = (lambda key: f"{m[key] / base[key]:.2f}") if base else (lambda key: "-")
-        print(f"| {variant}: {VARIANTS[variant]} | {m['prefill_s']:.2f} | {ratio('prefill_s')} | "
-              f"{tokens / m['prefill_s']:.0f} | {m['peak_mib']:.0f} | {ratio('peak_mib')} | "
-              f"{m['prefill_mib']:.0f} | {ratio('prefill_mib')} |")
+    for factor in factors:
+        tokens = factor * args.train_len
+        print(f"\nPrefill of {tokens} tokens ({factor}x train_len {args.train_len}), {args.shape} Llama, "
+              f"{args.dtype} on {args.device}; best of {args.repeats} per worker, median of {args.rounds} workers\n")
+        # "prefill MiB" is the peak during prefill minus the peak before it (weights, warm-up): the activations.
+        print("| variant | prefill s | x sdpa | tokens/s | peak MiB | x sdpa | prefill MiB | x sdpa |")
+        print("|---|---|---|---|---|---|---|---|")
+        median = {v: {k: statistics.median(r[k] for r in prefill[(v, factor)])
+                      for k in ("prefill_s", "peak_mib", "prefill_mib")} for v in variants}
+        base = median.get("sdpa")
+        for variant in variants:
+            m = median[variant]
+            ratio = (lambda key: f"{m[key] / base[key]:.2f}") if base else (lambda key: "-")
+            print(f"| {variant}: {VARIANTS[variant]} | {m['prefill_s']:.2f} | {ratio('prefill_s')} | "
+                  f"{tokens / m['prefill_s']:.0f} | {m['peak_mib']:.0f} | {ratio('peak_mib')} | "
+                  f"{m['prefill_mib']:.0f} | {ratio('prefill_mib')} |")
     if decode:
         print(f"\nDecode, ms per token (median of {args.decode_tokens}) after a prompt of factor x train_len\n")
         print("| prompt tokens | x train_len | " + " | ".join(decode_variants) + " |")
         print("|---|---|" + "---|" * len(decode_variants))
-        for factor in map(int, args.decode_factors.split(",")):
+        for factor in decode_factors:
             cells = " | ".join(f"{decode[(v, factor)]:.1f}" for v in decode_variants)
             print(f"| {factor * args.train_len} | {factor} | {cells} |")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"args": vars(args), "prefill": prefill, "decode": {f"{v}@{f}": ms for (v, f), ms in
-                                                                           decode.items()}}, handle, indent=1)
+            json.dump({"args": vars(args), "prefill": {f"{v}@{f}": runs for (v, f), runs in prefill.items()},
+                       "decode": {f"{v}@{f}": ms for (v, f), ms in decode.items()}}, handle, indent=1)
 
 
 if __name__ == "__main__":
