@@ -371,7 +371,8 @@ def decode_attention(
     keys = key.shape[2]
     interp = interpolate(keys, train_len, local_window, key.device, first=keys - 1)  # the query's row
     group, grouped = interp.group, interp.grouped
-    if state is None or state.keys != keys - 1 or state.group != group or state.rotated.shape[0] != key.shape[0]:
+    if (state is None or state.keys != keys - 1 or state.group != group or state.rotated.shape[0] != key.shape[0]
+            or state.rotated.is_inference() != torch.is_inference_mode_enabled()):  # written in place below
         state = DecodeState(group, 0, 0, key.new_empty(*key.shape[:2], _capacity(keys), key.shape[-1]))
     elif state.rotated.shape[2] < keys:
         grown = key.new_empty(*key.shape[:2], _capacity(keys), key.shape[-1])

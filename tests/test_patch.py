@@ -399,3 +399,13 @@ def test_absolute_table_is_the_models_rotary(make_llama, rope):
     ours = lookup(positions)
     torch.testing.assert_close(ours[0], cos[0], rtol=0, atol=2e-5)
     torch.testing.assert_close(ours[1], sin[0], rtol=0, atol=2e-5)
+
+
+def test_decoding_may_switch_between_inference_mode_and_no_grad(make_llama):
+    model = apply_gali(make_llama(train_len=16), GaliConfig(chunk_size=4, local_window=2, noise=False))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, VOCAB, (2, 20)), past_key_values=cache)
+        model(input_ids=torch.randint(0, VOCAB, (2, 1)), past_key_values=cache)
+    with torch.no_grad():
+        assert model(input_ids=torch.randint(0, VOCAB, (2, 1)), past_key_values=cache).logits.isfinite().all()
