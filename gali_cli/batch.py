@@ -312,16 +312,22 @@ def run_batch(
     return outcome
 
 
+def latest_records(records: list[dict], job: dict, documents: list[Path], ok_only: bool = False) -> dict:
+    """Each document's (and method's) last line of this job, by (path, method), for the documents given; in the
+    order they were written, the most recent last."""
+    key, wanted, latest = job_hash(job), {str(path) for path in documents}, {}
+    for record in records:
+        if record.get("job") == key and record.get("path") in wanted and (record.get("status") == "ok" or not ok_only):
+            latest.pop((record["path"], record.get("method")), None)
+            latest[(record["path"], record.get("method"))] = record
+    return latest
+
+
 def corpus_perplexities(records: list[dict], job: dict, documents: list[Path], by_length: bool) -> list[dict]:
     """Token-weighted perplexity over the documents, per method (and length with `by_length`): exp of the summed
     NLL over the summed predicted tokens, from each document's latest finished record of this job."""
-    key, wanted = job_hash(job), {str(path) for path in documents}
-    latest = {}
-    for record in records:
-        if record.get("job") == key and record.get("status") == "ok" and record.get("path") in wanted:
-            latest[(record["path"], record.get("method"))] = record
     sums: dict[tuple[str, int | str], list[float]] = {}
-    for record in latest.values():
+    for record in latest_records(records, job, documents, ok_only=True).values():
         for result in record.get("results", []):
             group = (record["method"], result["length"] if by_length else "document")
             predicted = result["length"] - 1
@@ -336,10 +342,8 @@ def corpus_perplexities(records: list[dict], job: dict, documents: list[Path], b
 
 def batch_summary(records: list[dict], job: dict, documents: list[Path]) -> dict:
     """Where every document stands after a run (its latest line of this job): done, failed, or not reached."""
-    key, latest = job_hash(job), {}
-    for record in records:
-        if record.get("job") == key:
-            latest[record.get("path")] = record.get("status")
-    statuses = [latest.get(str(path)) for path in documents]
+    status = {path: record.get("status")  # the most recent line of a path wins
+              for (path, _), record in latest_records(records, job, documents).items()}
+    statuses = [status.get(str(path)) for path in documents]
     return {"documents": len(documents), "ok": statuses.count("ok"), "failed": statuses.count("error"),
             "missing": statuses.count(None)}

@@ -166,9 +166,9 @@ def _with_model_options(command: Callable) -> Callable:
 
 File = Annotated[str, typer.Argument(metavar="FILE", help="A text file (any encoding), a PDF, or - for standard "
                                                             "input.")]
-Files = Annotated[list[str], typer.Argument(metavar="DOCS", help="Documents: text files (any encoding), PDFs, or - for standard "
-                                                 "input; with --out also directories, globs and @manifests.",
-                                            show_default=False)]
+Files = Annotated[list[str], typer.Argument(metavar="DOCS", show_default=False,
+                                            help="Documents: text files (any encoding), PDFs, or - for standard "
+                                                 "input; with --out also directories, globs and @manifests.")]
 Out = Annotated[str | None, typer.Option(help="Batch mode: append one JSON line per document here; a rerun skips "
                                               "the documents already done (see docs/batch.md).")]
 Password = Annotated[str | None, typer.Option(help="Password of an encrypted PDF.")]
@@ -227,7 +227,8 @@ def summarize(
 @app.command()
 @_with_model_options
 def ask(
-    files: Files, question: Annotated[str, typer.Argument(metavar="QUESTION", help="The question about the document(s).")],
+    files: Files,
+    question: Annotated[str, typer.Argument(metavar="QUESTION", help="The question about the document(s).")],
     out: Out = None, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
     top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
     cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False,
@@ -462,8 +463,10 @@ def _perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens
     _check(choice)
     document = _read(file, password)
     loaded = _load(choice)
-    ids = _ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens,
-                   "--lengths" if lengths else "--max-tokens", say)
+    limit = lengths[-1] if lengths else max_tokens
+    ids, total = _ppl_ids(loaded, document, limit)
+    if total > len(ids):
+        say(f"Evaluating the first {limit} of {total} tokens ({'--lengths' if lengths else '--max-tokens'}).")
     rows, settings = [], {}
     for method in choice.methods:
         _say_input(loaded, method, document, len(ids))
@@ -481,15 +484,12 @@ def _perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens
         say(f"Saved {plot}.")
 
 
-def _ppl_ids(loaded: LoadedModel, document: Document, limit: int | None, flag: str, report) -> list[int]:
-    """The document's tokens (the tokenizer's default special tokens), the first `limit` of them."""
+def _ppl_ids(loaded: LoadedModel, document: Document, limit: int | None) -> tuple[list[int], int]:
+    """The document's first `limit` tokens (the tokenizer's default special tokens), and how many it has."""
     ids = text_ids(loaded.tokenizer, document.text, add_special_tokens=True)
-    if limit and len(ids) > limit:
-        report(f"Evaluating the first {limit} of {len(ids)} tokens ({flag}).")
-        ids = ids[:limit]
     if len(ids) < 2:
         raise InputError(f"{document.name} has {len(ids)} token(s); perplexity needs at least 2")
-    return ids
+    return ids[:limit] if limit else ids, len(ids)
 
 
 def _method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice: ModelChoice, lengths: list[int],
@@ -619,7 +619,7 @@ def _perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, pa
 
     def work(path: Path) -> list[dict]:
         document = read_document(str(path), password=password)
-        ids = _ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens, "", lambda message: None)
+        ids, _ = _ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens)
         reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
         records = []
         for method in choice.methods:

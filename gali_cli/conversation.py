@@ -7,6 +7,7 @@ and each later turn only runs its own new tokens (the question, and the chat tem
 """
 
 from collections.abc import Callable, Iterator
+
 import torch
 import transformers
 from transformers import DynamicCache
@@ -74,9 +75,9 @@ class Conversation:
         if not reusable or prompt.ids[: len(self.cached_ids)] != self.cached_ids:
             self.cache, self.cached_ids = None, []
         self.resolved = resolved
-        document_ids = prompt.ids[: prompt.document_end]
-        key = entry_key(self.identity(), document_ids) if self.store else None
-        if self.cache is None:
+        document_ids, key = prompt.ids[: prompt.document_end], None
+        if self.cache is None:  # the document's state: from the store, or read in this turn (and stored after it)
+            key = entry_key(self.identity(), document_ids) if self.store else None
             self.cache = self.store.load(key, document_ids, model) if self.store else None
             self.from_store = self.cache is not None
             self.cached_ids = document_ids if self.cache is not None else []

@@ -108,7 +108,7 @@ class DocumentCache:
             return None
         try:
             with safe_open(path, framework="pt") as file:  # one handle: a concurrent replace cannot mix two files
-                _check_metadata(file.metadata(), key, prefix_ids)
+                _check_metadata(file.metadata() or {}, key, prefix_ids)
                 tensors = {name: file.get_tensor(name) for name in file.keys()}
             _check_tensors(tensors, len(prefix_ids), model)
         except FileNotFoundError:
@@ -189,10 +189,9 @@ class DocumentCache:
         return count, size
 
     def _files(self, partial: bool = False) -> list[Path]:
-        """The regular files in the directory that look like entries (and with `partial`, unfinished ones)."""
+        """The regular files in the directory that look like entries (and with `partial`, unfinished ones too)."""
         try:
-            paths = list(self.directory.glob(f"*{SUFFIX}")) + (list(self.directory.glob(f".partial-*{SUFFIX}"))
-                                                               if partial else [])
+            paths = list(self.directory.glob(f"*{SUFFIX}"))  # pathlib's glob includes dot files
         except OSError:
             return []
         return [path for path in paths if path.is_file() and (partial or not path.name.startswith(".partial-"))]
@@ -216,21 +215,13 @@ class DocumentCache:
 
 
 def _metadata(path: Path) -> dict[str, str]:
-    """The safetensors header's metadata, read without loading the tensors."""
-    with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        if not 0 < length <= 100 * 2**20:
-            raise ValueError("not a safetensors file")
-        header = json.loads(file.read(length))
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(metadata, dict):
-        raise ValueError("no gali metadata")
-    return metadata
+    """The entry's metadata, from the safetensors header (the tensors are not read)."""
+    with safe_open(path, framework="pt") as file:
+        return file.metadata() or {}
 
 
-def _check_metadata(metadata: dict[str, str] | None, key: str, prefix_ids: list[int]) -> None:
+def _check_metadata(metadata: dict[str, str], key: str, prefix_ids: list[int]) -> None:
     """Raise ValueError unless the entry says it holds the K/V of exactly `prefix_ids` under `key`."""
-    metadata = metadata or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format {metadata.get('format')!r}, expected {FORMAT}")
     if metadata.get("key") != key or metadata.get("ids_sha256") != _ids_digest(prefix_ids):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..attention import absolute_table, chunk_contexts, decode_attention, gali_attention
+from ..attention import DecodeStep, absolute_table, chunk_contexts, decode_attention, decode_step, gali_attention
 from ..config import GaliConfig
 from ..errors import GaliError
 from ..noise import Noise
@@ -59,14 +59,19 @@ class Gali(PositionalAttention):
 
     def _decode(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, scaling: float, noise: Noise | None) -> torch.Tensor:
-        rotary = forward.installed.rotary
-        table = forward.table(query.device, query.dtype)
-        absolute = forward.memo(("absolute", query.device, query.dtype),
-                                lambda: absolute_table(rotary.inv_freq, rotary.attention_scaling, query.dtype))
         states = self._decode_states.setdefault(forward.cache, {})
+        state = states.get(module.layer_idx)
+        origin = state.origin(query.shape[0]) if state is not None else None
+
+        def build_step() -> DecodeStep:
+            rotary = forward.installed.rotary
+            absolute = absolute_table(rotary.inv_freq, rotary.attention_scaling, query.dtype)
+            return decode_step(origin, forward.stop, forward.table(query.device, query.dtype), absolute,
+                               self.config.train_len, self.config.local_window)
+
+        step = forward.memo(("decode", query.device, query.dtype, origin), build_step)  # shared by the layers
         output, states[module.layer_idx] = decode_attention(
-            query, key[:, :, : forward.stop], value[:, :, : forward.stop], states.get(module.layer_idx), table,
-            absolute, self.config.train_len, self.config.local_window, scaling, noise)
+            query, key[:, :, : forward.stop], value[:, :, : forward.stop], state, step, scaling, noise)
         return output.transpose(1, 2)
 
 
