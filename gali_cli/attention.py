@@ -9,6 +9,10 @@ explicit logits, and those are built a tile of queries at a time.
 Shapes: B batch, H query heads, Hkv key/value heads (GQA when Hkv < H), q queries, T keys, D head dim.
 """
 
+import functools
+import importlib.util
+import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from .errors import ConfigError, GaliWarning
 from .noise import Noise, standard_normal
-from .positions import Interpolation, group_size, interpolate
+from .positions import Interpolation, group_size, grouping, interpolate
 
 # Explicit logits held at once (a tile of queries): 1M float32, 4 MiB; noise or extra position sets take a few
 # times that.
@@ -96,14 +101,14 @@ def chunk_context(
 
     `reuse` > 0 promises that the previous chunk of the same forward had the same group size and `reuse` grouped keys.
     """
-    interp = interpolate(keys, train_len, local_window, table.cos.device, first=reuse)
-    query_rows = interp.ceil[-queries:]
-    key_cos, key_sin = mixed_tables(table, interp, interp.grouped > 0)
+    group, grouped = grouping(keys, train_len, local_window)
+    query_rows = interpolate(keys, train_len, local_window, table.cos.device, first=keys - queries).ceil
+    key_cos, key_sin = key_rotation(table, keys, reuse, keys, train_len, group, grouped)
     return ChunkContext(
         queries=queries,
         keys=keys,
-        group=interp.group,
-        grouped=interp.grouped,
+        group=group,
+        grouped=grouped,
         reuse=reuse,
         query_cos=table.cos[query_rows],
         query_sin=table.sin[query_rows],
@@ -112,16 +117,38 @@ def chunk_context(
     )
 
 
-def mixed_tables(table: RopeTable, interp: Interpolation, mix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the interpolated rotation of the keys `interp` covers, in the model's dtype. Mixed in float32, so
-    that c survives, with one rounding at the end; without `mix` (integer positions) straight from the model's
-    own table."""
-    if not mix:
-        return table.cos[interp.ceil], table.sin[interp.ceil]
-    c = interp.weight.to(table.cos32.dtype).unsqueeze(-1)  # (rows, 1)
-    key_cos = ((1 - c) * table.cos32[interp.ceil] + c * table.cos32[interp.floor]).to(table.cos.dtype)
-    key_sin = ((1 - c) * table.sin32[interp.ceil] + c * table.sin32[interp.floor]).to(table.sin.dtype)
-    return key_cos, key_sin
+def key_rotation(
+    table: RopeTable, keys: int, first: int, last: int, train_len: int, group: int, grouped: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (last - first, D), model dtype, of the interpolated rotation of keys [first, last) among `keys`.
+
+    A grouped key k = m g + r sits at p = m + r / g, between the integer positions m and m + 1 with c = 1 - r / g,
+    so its mixed rotation is (1 - c) R(m + 1) + c R(m) = R(m) + (r / g) (R(m + 1) - R(m)): a (blocks, g) outer
+    product of table rows and fractions, mixed in float32 so that c survives, rounded once. Exact-tail keys keep
+    integer positions, k - (keys - train_len) (k itself within the window): a slice of the model's own table.
+    """
+    end = min(grouped, last)  # rows [first, end) are grouped, [max(first, grouped), last) exact
+    low, high = first // group, -(-end // group)  # the blocks m that the grouped rows fall in
+    start = low * group if first < end else first  # the buffer starts at a block boundary
+    size = max(high * group, last) - start
+    fraction = torch.arange(group, dtype=torch.float32, device=table.cos.device).div_(group).unsqueeze(-1)
+    shift = max(keys - train_len, 0)  # inside the window every key keeps its own position
+    tables = []
+    for full32, full in ((table.cos32, table.cos), (table.sin32, table.sin)):
+        out = full.new_empty(size, full.shape[-1])
+        if first < end:
+            below, above = full32[low:high].unsqueeze(1), full32[low + 1 : high + 1].unsqueeze(1)  # (blocks, 1, D)
+            if above.shape[0] < below.shape[0]:  # m + 1 past the table: only r = 0 rows of the last block remain
+                above = torch.cat((above, below[-1:]))
+            blocks = out[: (high - low) * group].view(high - low, group, -1)  # row k - start = (m - low) g + r
+            if full.dtype == torch.float32:
+                torch.lerp(below, above, fraction, out=blocks)
+            else:
+                blocks.copy_(torch.lerp(below, above, fraction))
+        if last > max(first, grouped):  # written after the blocks: it may overwrite rows past `grouped`
+            out[max(first, grouped) - start : last - start] = full[max(first, grouped) - shift : last - shift]
+        tables.append(out[first - start : last - start])
+    return tables[0], tables[1]
 
 
 def chunk_contexts(
@@ -172,12 +199,13 @@ def gali_attention(
             mixed = rotated if not chunk.reuse else torch.cat((mixed[:, :, : chunk.reuse], rotated), dim=2)
         else:
             rotate_fused(key[:, :, moved], chunk.key_cos, chunk.key_sin, out=mixed[:, :, moved])
-        chunk_query = rotate(query[:, :, row : row + chunk.queries], chunk.query_cos, chunk.query_sin)
+        chunk_query = rotate_fused(query[:, :, row : row + chunk.queries], chunk.query_cos, chunk.query_sin)
         chunk_key, chunk_value = mixed[:, :, : chunk.keys], value[:, :, : chunk.keys]
         if noise is None or not chunk.interpolated:
             outputs.append(causal_attention(chunk_query, chunk_key, chunk_value, scale, dropout))
         else:
-            outputs.append(_noisy_attention(chunk_query, chunk_key, chunk_value, chunk, scale, dropout, noise))
+            outputs.append(noisy_attention(chunk_query, chunk_key, chunk_value, chunk.group, chunk.grouped, scale,
+                                           noise, dropout))
         row += chunk.queries
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
@@ -194,11 +222,38 @@ def causal_attention(
         )
     if query.device.type == "cuda":
         return lower_right_causal_attention(query, key, value, scale, dropout)
-    # Elsewhere a (q, T) bool mask: the CPU flash kernel takes it with GQA and never forms the logits.
+    cpu_float32 = query.device.type == "cpu" and query.dtype == torch.float32
+    if cpu_float32 and dropout == 0.0 and _CPU_FLASH_WITH_LSE is not None:  # bfloat16: the mask is faster
+        return _split_causal_attention(query, key, value, scale)
+    # Elsewhere a (q, T) bool mask: the flash kernel takes it with GQA and never forms the logits.
     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
     )
+
+
+# torch's CPU flash attention, which also returns the log-sum-exp of each query's logits (an aten op, not public API:
+# without it, causal_attention passes a mask instead).
+_CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """The CPU route of `causal_attention`, without a mask: the keys every query sees in full (all but the last q),
+    then the causal square of the last q, merged by their log-sum-exps. A (q, T) mask would be built, converted and
+    added to every logit, about a fifth of the attention's time in GALI's chunks."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, past = key.shape[1], key.shape[2] - q_len
+    per_kv = heads // kv_heads
+    # Query heads sharing a key head, stacked as rows: no query row needs a mask against the past keys.
+    stacked = query.reshape(batch, kv_heads, per_kv * q_len, dim)
+    past_out, past_lse = _CPU_FLASH_WITH_LSE(stacked, key[:, :, :past], value[:, :, :past], 0.0, False, scale=scale)
+    own_key, own_value = key[:, :, past:], value[:, :, past:]
+    if per_kv > 1:
+        own_key, own_value = own_key.repeat_interleave(per_kv, dim=1), own_value.repeat_interleave(per_kv, dim=1)
+    own_out, own_lse = _CPU_FLASH_WITH_LSE(query, own_key, own_value, 0.0, True, scale=scale)
+    # softmax over both parts = their outputs weighted by exp(lse) / (exp(lse_past) + exp(lse_own))
+    own_share = torch.sigmoid(own_lse.reshape(batch, heads, q_len, 1) - past_lse.reshape(batch, heads, q_len, 1))
+    return torch.lerp(past_out.reshape(batch, heads, q_len, dim), own_out, own_share)
 
 
 def lower_right_causal_attention(
@@ -213,26 +268,108 @@ def lower_right_causal_attention(
     return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scale)
 
 
-def _noisy_attention(
+def noisy_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    chunk: ChunkContext,
+    group: int,
+    grouped: int,
     scale: float,
-    dropout: float,
     noise: Noise,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
-    """GALI with logit noise: explicit float32 logits, one tile of queries at a time."""
+    """Causal GALI attention with logit noise of rotated queries (B, H, q, D), the last q of the mixed keys
+    (B, Hkv, T, D): the fused Triton kernel where it applies (see `fused_kernel_applies`), else explicit float32
+    logits one tile of queries at a time. Both give the same noise."""
+    if dropout == 0.0 and fused_kernel_applies(query, key):
+        from .triton_attention import noisy_gali_attention
+
+        return noisy_gali_attention(query, key, value, group, grouped, noise, scale)
+    return tiled_noisy_attention(query, key, value, group, grouped, scale, noise, dropout)
+
+
+def tiled_noisy_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: int,
+    grouped: int,
+    scale: float,
+    noise: Noise,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """The PyTorch path of `noisy_attention`, and the kernel's reference: explicit logits, a tile at a time."""
     first = key.shape[2] - query.shape[2]  # token index of the first query
 
     def logits(rows: slice) -> torch.Tensor:
         scores = grouped_logits(query[:, :, rows], key, scale)
         query_index = torch.arange(first + rows.start, first + rows.stop, device=key.device)
-        add_noise(scores, query_index, chunk.group, chunk.grouped, noise)
+        add_noise(scores, query_index, group, grouped, noise)
         mask_future(scores, query_index)
         return scores
 
     return tiled_attention(logits, value, query.shape[1], query.shape[2], dropout)
+
+
+_KERNEL_CHOICES = ("auto", "triton", "torch")
+
+
+def kernel_choice() -> str:
+    """$GALI_KERNEL (auto, triton or torch; auto when unset), checked."""
+    choice = os.environ.get("GALI_KERNEL", "auto").strip().lower() or "auto"
+    if choice not in _KERNEL_CHOICES:
+        raise ConfigError(f"GALI_KERNEL must be one of {', '.join(_KERNEL_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether noisy attention runs the fused Triton kernel, as $GALI_KERNEL says.
+
+    auto (default): on CUDA, when triton is installed, the shapes suit it, and the kernel passed its check on this
+    device (`kernel_verified`). triton: always (errors if it cannot; on the CPU only under TRITON_INTERPRET=1, which
+    the tests use). torch: never, the PyTorch path.
+    """
+    choice = kernel_choice()
+    if choice == "torch" or (choice == "auto" and query.device.type != "cuda"):
+        return False
+    if importlib.util.find_spec("triton") is None:
+        if choice == "triton":
+            raise ConfigError("GALI_KERNEL=triton, but triton is not installed (pip install triton)")
+        return False
+    from .triton_attention import supports
+
+    if choice == "triton":
+        if not supports(query, key):
+            raise ConfigError(f"GALI_KERNEL=triton: the kernel needs a power-of-two head dim of 16..256 and "
+                              f"float16/bfloat16/float32, got {query.shape[-1]} and {query.dtype}")
+        return True
+    return supports(query, key) and kernel_verified(query.device, query.dtype)
+
+
+@functools.cache
+def kernel_verified(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the kernel once on a small problem and compare it with the PyTorch path, so that a GPU, driver or triton
+    version the kernel was never tried on falls back to the PyTorch path (with a warning) instead of failing or
+    answering wrongly."""
+    from .triton_attention import noisy_gali_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 4, n, 64, generator=generator).to(device, dtype) for n in (70, 200, 200))
+    noise = Noise(seed=1, layer=0, scale=1.0)
+    try:
+        fused = noisy_gali_attention(query, key, value, 3, 96, noise, 0.125).float()
+    except Exception as error:  # compilation or launch failures of every kind
+        warnings.warn(f"the fused GALI kernel does not run here ({type(error).__name__}: {error}); noisy attention "
+                      f"uses the slower PyTorch path", GaliWarning, stacklevel=2)
+        return False
+    reference = tiled_noisy_attention(query, key, value, 3, 96, 0.125, noise).float()
+    error = (fused - reference).abs().max().item()
+    tolerance = (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, reference.abs().max().item())
+    if not error <= tolerance:  # also catches NaN
+        warnings.warn(f"the fused GALI kernel disagrees with the PyTorch path on this device (max error {error:.2g}); "
+                      f"noisy attention uses the PyTorch path", GaliWarning, stacklevel=2)
+        return False
+    return True
 
 
 def grouped_logits(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
@@ -391,10 +528,7 @@ def decode_step(
     fresh = grouped if rebuild else max(grouped, origin[2])
     moved_cos = moved_sin = fresh_cos = fresh_sin = absolute_cos = absolute_sin = None
     if grouped > moved:
-        rows = interpolate(keys, train_len, local_window, device, first=moved)
-        count = grouped - moved
-        moved_cos, moved_sin = mixed_tables(table, Interpolation(rows.ceil[:count], rows.floor[:count],
-                                                                 rows.weight[:count], group, grouped))
+        moved_cos, moved_sin = key_rotation(table, keys, moved, grouped, train_len, group, grouped)
     if keys > fresh:
         fresh_cos, fresh_sin = absolute(torch.arange(fresh, keys, device=device))
     if keys > grouped:

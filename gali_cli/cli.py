@@ -22,10 +22,11 @@ import transformers
 import typer
 
 from . import display
+from .attention import kernel_choice
 from .config import MethodSettings
 from .display import err, fail, print_json, say, warn
 from .documents import Document, read_document
-from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
+from .errors import ConfigError, GaliError, GaliWarning, InputError, ModelLoadError, UnsupportedModelError
 from .batch import (
     Collective,
     Outcome,
@@ -679,6 +680,7 @@ def _read(file: str, password: str | None) -> Document:
 def _load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
     """The model; under a launcher, on this process's own GPU (local rank, modulo the GPUs it can see)."""
     gpu = rank.local_rank % max(1, torch.cuda.device_count()) if rank and rank.distributed else None
+    kernel_choice()  # a mistyped GALI_KERNEL fails now, not after the model has loaded
     with err.status(f"Loading {choice.model}"):
         return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu)
 
@@ -761,6 +763,18 @@ def _quiet_libraries() -> None:
     for name in ("huggingface_hub", "pypdf", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="bitsandbytes")
+    warnings.showwarning = _show_warning
+
+
+_show_library_warning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    """gali's own warnings (GaliWarning) as one "warning:" line on stderr; other libraries' as Python shows them."""
+    if issubclass(category, GaliWarning):
+        warn(str(message))
+    else:
+        _show_library_warning(message, category, filename, lineno, file, line)
 
 
 def _version(value: bool) -> None:

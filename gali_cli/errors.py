@@ -19,3 +19,7 @@ class InputError(GaliError):
 
 class ModelLoadError(GaliError):
     """A model that cannot be found or loaded, or that does not fit in memory."""
+
+
+class GaliWarning(UserWarning):
+    """Something the user should know that does not stop the run (the CLI prints it as one line on stderr)."""

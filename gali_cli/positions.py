@@ -40,6 +40,16 @@ def group_size(total_len: int, train_len: int, local_window: int) -> int:
     return -(-(total_len - local_window) // (train_len - local_window))
 
 
+def grouping(total_len: int, train_len: int, local_window: int) -> tuple[int, int]:
+    """(g, G): the group size, and how many of the first keys are grouped (at positions k / g); the other
+    total_len - G keep exact integer positions ending at train_len - 1. (1, 0) within the window."""
+    g = group_size(total_len, train_len, local_window)
+    if g == 1:
+        return 1, 0
+    blocks = -(-(total_len - train_len) // (g - 1))  # i when Alg. 2's loop stops
+    return g, total_len - train_len + blocks
+
+
 class Interpolation(NamedTuple):
     """Positions of keys [first, total_len) of a chunk, split for attention logit interpolation (Alg. 3).
 
@@ -66,11 +76,9 @@ def interpolate(
     (except with local_window = 0 and total_len a multiple of train_len, where Alg. 2 leaves no exact tail).
     """
     keys = torch.arange(first, total_len, device=device)
-    g = group_size(total_len, train_len, local_window)
+    g, grouped = grouping(total_len, train_len, local_window)
     if g == 1:
         return Interpolation(keys, keys, torch.zeros(len(keys), dtype=torch.float64, device=device), 1, 0)
-    blocks = -(-(total_len - train_len) // (g - 1))  # i when Alg. 2's loop stops
-    grouped = total_len - train_len + blocks
     remainder = torch.remainder(keys, g)
     fractional = (keys < grouped) & (remainder > 0)
     floor = torch.where(keys < grouped, keys // g, keys - (total_len - train_len))

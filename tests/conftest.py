@@ -1,6 +1,11 @@
 """Shared fixtures: tiny random Llamas and tokenizers built at test time (nothing is ever downloaded)."""
 
+import os
 from pathlib import Path
+
+# Triton kernels run on the CPU through Triton's interpreter. It must be chosen before torch imports triton (triton
+# decorates its own library when imported); TRITON_INTERPRET=0 tests the compiled kernels on a GPU instead.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

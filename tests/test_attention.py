@@ -10,8 +10,8 @@ from gali_cli.attention import (
     lower_right_causal_attention,
     chunk_contexts,
     gali_attention,
+    key_rotation,
     reference_gali_attention,
-    rotate,
 )
 from gali_cli.noise import Noise
 from gali_cli.positions import chunk_plan, interpolate
@@ -154,3 +154,19 @@ def test_bf16_keeps_the_interpolation_weight():
     fractional = interp.weight != 0
     off_ceil = (chunk.key_cos.float() - table.cos32[interp.ceil]).abs().amax(dim=1)
     assert (off_ceil[fractional] > 2**-7).float().mean() > 0.9  # really interpolated, not rounded to a neighbour
+
+
+@pytest.mark.parametrize("train_len, local_window", [(16, 0), (16, 1), (16, 5), (16, 15), (32, 8)])
+def test_key_rotation_is_the_interpolated_rotation_of_alg_2_positions(train_len, local_window):
+    """(1 - c) R(ceil p) + c R(floor p) for every key, from the positions of Alg. 2, for whole chunks and row ranges."""
+    table = rope_table(train_len + 1)
+    for keys in range(train_len + 1, 6 * train_len, 7):
+        interp = interpolate(keys, train_len, local_window)
+        c = interp.weight.float().unsqueeze(-1)
+        cos = (1 - c) * table.cos32[interp.ceil] + c * table.cos32[interp.floor]
+        sin = (1 - c) * table.sin32[interp.ceil] + c * table.sin32[interp.floor]
+        ranges = [(0, keys), (interp.grouped // 2, keys), (1, interp.grouped), (interp.grouped, keys), (keys - 1, keys)]
+        for first, last in [(first, last) for first, last in ranges if first < last]:
+            got_cos, got_sin = key_rotation(table, keys, first, last, train_len, interp.group, interp.grouped)
+            torch.testing.assert_close(got_cos, cos[first:last], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got_sin, sin[first:last], rtol=0, atol=1e-6)

@@ -347,3 +347,28 @@ def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):
     result = gali("chat", str(doc), "--max-new-tokens", "3", input="First?\nSecond?\n")
     assert result.exit_code == 0 and "answer stopped" in result.stderr
     assert len(result.stdout.splitlines()) == 1 and calls[1] == cli.ask_instruction("Second?")
+
+
+def test_a_mistyped_gali_kernel_fails_before_the_model_loads(gali, doc):
+    result = gali("summarize", str(doc), env={"GALI_KERNEL": "fastest"})
+    assert result.exit_code == 2 and not result.stdout
+    assert result.stderr.strip() == "gali: GALI_KERNEL must be one of auto, triton, torch, got 'fastest'"
+
+
+def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
+    """E.g. a fused kernel that failed its first-use check: the run goes on, the user is told once, in one line."""
+    import warnings
+
+    import gali_cli.attention as attention
+    from gali_cli.errors import GaliWarning
+
+    def fall_back(query, key):
+        warnings.warn("the fused GALI kernel does not run here (test); noisy attention uses the slower PyTorch path",
+                      GaliWarning, stacklevel=2)
+        return False
+
+    monkeypatch.setattr(attention, "fused_kernel_applies", fall_back)
+    result = gali("summarize", str(doc), "--max-new-tokens", "2")
+    assert result.exit_code == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "fused GALI kernel" in line]
+    assert lines and lines[0].startswith("warning: the fused GALI kernel does not run here (test)")

@@ -4,13 +4,17 @@ Each variant runs in its own worker process, so that peak memory is the variant'
 torch.cuda.max_memory_allocated on CUDA); rounds interleave the variants, and the tables report medians over rounds
 and ratios to the unpatched model measured in the same run.
 
-    python benchmarks/bench_engine.py                      # CPU, small Llama, train_len 256, 16x = 4096 tokens
-    python benchmarks/bench_engine.py --factors 1,4,16,32 --variants sdpa,gali,gali-noise,anchor --decode-factors ""
-    python benchmarks/bench_engine.py --device cuda --shape llama3-8b --train-len 8192 --factors 1,4 --dtype bfloat16
+    python benchmarks/bench_speed.py                      # CPU, small Llama, train_len 256, 16x = 4096 tokens
+    python benchmarks/bench_speed.py --factors 1,4,16,32 --variants sdpa,gali,gali-noise,anchor --decode-factors ""
+    python benchmarks/bench_speed.py --device cuda --shape llama3-8b --train-len 8192 --factors 1,4,8,16 \
+        --dtype bfloat16 --variants sdpa,gali,gali-noise,gali-noise-torch,anchor --rounds 1 --repeats 1
+
+A worker that fails (out of memory, typically the anchor at long lengths) is reported as such; the others go on.
 """
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -29,7 +33,8 @@ SHAPES = {  # hidden, heads, kv_heads, intermediate, layers, vocab
 VARIANTS = {
     "sdpa": "the unpatched model (SDPA), one forward",
     "gali": "GALI, noise off, one forward",
-    "gali-noise": "GALI, noise on, one forward",
+    "gali-noise": "GALI, noise on, one forward (the fused Triton kernel on CUDA)",
+    "gali-noise-torch": "GALI, noise on, one forward, PyTorch path (GALI_KERNEL=torch)",
     "gali-pieces": "GALI, noise off, one forward per chunk",
     "sdpa-pieces": "the unpatched model, one forward per GALI chunk",
     "anchor": "two-matmul GALI as the authors compute it (noise on): per chunk, keys rotated at ceil and at floor "
@@ -103,8 +108,11 @@ def worker(args: argparse.Namespace) -> dict:
     from gali_cli.positions import chunk_plan
     from transformers import DynamicCache
 
+    if args.variant == "gali-noise-torch":
+        os.environ["GALI_KERNEL"] = "torch"
     model = build_model(args)
-    settings = GaliConfig(noise=args.variant in ("gali-noise", "anchor")).resolved(args.train_len)
+    noise = args.variant.startswith("gali-noise") or args.variant == "anchor"
+    settings = GaliConfig(noise=noise).resolved(args.train_len)
     if args.variant.startswith("gali"):
         apply_gali(model, settings)
     elif args.variant == "anchor":
@@ -150,13 +158,16 @@ def worker(args: argparse.Namespace) -> dict:
     }
 
 
-def run_worker(args: argparse.Namespace, variant: str, factor: int, decode_tokens: int, repeats: int) -> dict:
+def run_worker(args: argparse.Namespace, variant: str, factor: int, decode_tokens: int, repeats: int) -> dict | None:
+    """One worker process; None (and its error on stderr) when it fails, e.g. out of memory."""
     command = [sys.executable, __file__, "--worker", variant, "--factors", str(factor), "--decode-tokens",
                str(decode_tokens), "--device", args.device, "--dtype", args.dtype, "--shape", args.shape,
                "--train-len", str(args.train_len), "--repeats", str(repeats)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
-        sys.exit(f"worker {variant} failed:\n{result.stderr[-3000:]}")
+        error = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
+        print(f"worker {variant} at {factor}x failed: {error}", file=sys.stderr)
+        return None
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -167,7 +178,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="small")
     parser.add_argument("--train-len", type=int, default=256)
     parser.add_argument("--factors", default="16", help="prefill lengths as multiples of train_len, e.g. 1,4,16,32")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", help="comma-separated, from: " + ", ".join(VARIANTS) + " (default: all; "
+                        "gali-noise-torch only on CUDA, elsewhere it is gali-noise)")
     parser.add_argument("--rounds", type=int, default=3, help="worker processes per variant, interleaved")
     parser.add_argument("--repeats", type=int, default=2, help="prefills per worker; the fastest counts")
     parser.add_argument("--decode-factors", default="1,2,4,8,16", help="context lengths (x train_len) for decode")
@@ -180,7 +192,8 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
 
-    variants = args.variants.split(",")
+    variants = args.variants.split(",") if args.variants else [
+        variant for variant in VARIANTS if args.device == "cuda" or variant != "gali-noise-torch"]
     factors = [int(factor) for factor in args.factors.split(",")]
     prefill: dict[tuple[str, int], list[dict]] = {(variant, factor): [] for variant in variants for factor in factors}
     for _ in range(args.rounds):
@@ -189,7 +202,7 @@ def main() -> None:
                 prefill[(variant, factor)].append(run_worker(args, variant, factor, 0, args.repeats))
     decode_variants = [v for v in ("sdpa", "gali") if v in variants]
     decode_factors = [int(factor) for factor in args.decode_factors.split(",") if factor]
-    decode = {(variant, factor): run_worker(args, variant, factor, args.decode_tokens, 1)["decode_ms"]
+    decode = {(variant, factor): run_worker(args, variant, factor, args.decode_tokens, 1)
               for factor in decode_factors for variant in decode_variants}
 
     print(f"# {date.today()} - {platform.node()} - {platform.processor() or platform.machine()} - "
@@ -202,10 +215,14 @@ def main() -> None:
         # "prefill MiB" is the peak during prefill minus the peak before it (weights, warm-up): the activations.
         print("| variant | prefill s | x sdpa | tokens/s | peak MiB | x sdpa | prefill MiB | x sdpa |")
         print("|---|---|---|---|---|---|---|---|")
-        median = {v: {k: statistics.median(r[k] for r in prefill[(v, factor)])
-                      for k in ("prefill_s", "peak_mib", "prefill_mib")} for v in variants}
+        median = {v: {k: statistics.median(r[k] for r in runs)
+                      for k in ("prefill_s", "peak_mib", "prefill_mib")}
+                  for v in variants if (runs := [r for r in prefill[(v, factor)] if r])}
         base = median.get("sdpa")
         for variant in variants:
+            if variant not in median:
+                print(f"| {variant}: {VARIANTS[variant]} | failed (see stderr) | | | | | | |")
+                continue
             m = median[variant]
             ratio = (lambda key: f"{m[key] / base[key]:.2f}") if base else (lambda key: "-")
             print(f"| {variant}: {VARIANTS[variant]} | {m['prefill_s']:.2f} | {ratio('prefill_s')} | "
@@ -216,12 +233,14 @@ def main() -> None:
         print("| prompt tokens | x train_len | " + " | ".join(decode_variants) + " |")
         print("|---|---|" + "---|" * len(decode_variants))
         for factor in decode_factors:
-            cells = " | ".join(f"{decode[(v, factor)]:.1f}" for v in decode_variants)
+            cells = " | ".join(f"{decode[(v, factor)]['decode_ms']:.1f}" if decode[(v, factor)] else "failed"
+                               for v in decode_variants)
             print(f"| {factor * args.train_len} | {factor} | {cells} |")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "prefill": {f"{v}@{f}": runs for (v, f), runs in prefill.items()},
-                       "decode": {f"{v}@{f}": ms for (v, f), ms in decode.items()}}, handle, indent=1)
+                       "decode": {f"{v}@{f}": run and run["decode_ms"] for (v, f), run in decode.items()}},
+                      handle, indent=1)
 
 
 if __name__ == "__main__":
