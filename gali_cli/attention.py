@@ -137,9 +137,8 @@ def key_rotation(
     for full32, full in ((table.cos32, table.cos), (table.sin32, table.sin)):
         out = full.new_empty(size, full.shape[-1])
         if first < end:
-            below, above = full32[low:high].unsqueeze(1), full32[low + 1 : high + 1].unsqueeze(1)  # (blocks, 1, D)
-            if above.shape[0] < below.shape[0]:  # m + 1 past the table: only r = 0 rows of the last block remain
-                above = torch.cat((above, below[-1:]))
+            # (blocks, 1, D); row m + 1 exists: grouped positions stay below the exact tail, which ends in the table
+            below, above = full32[low:high].unsqueeze(1), full32[low + 1 : high + 1].unsqueeze(1)
             blocks = out[: (high - low) * group].view(high - low, group, -1)  # row k - start = (m - low) g + r
             if full.dtype == torch.float32:
                 torch.lerp(below, above, fraction, out=blocks)
@@ -222,8 +221,9 @@ def causal_attention(
         )
     if query.device.type == "cuda":
         return lower_right_causal_attention(query, key, value, scale, dropout)
-    cpu_float32 = query.device.type == "cpu" and query.dtype == torch.float32
-    if cpu_float32 and dropout == 0.0 and _CPU_FLASH_WITH_LSE is not None:  # bfloat16: the mask is faster
+    cpu_float32 = query.device.type == "cpu" and query.dtype == torch.float32  # bfloat16: the mask is faster
+    # Forward only: autograd takes the log-sum-exp of that op as a constant, which would drop gradients.
+    if cpu_float32 and dropout == 0.0 and not _needs_grad(query, key, value) and _CPU_FLASH_WITH_LSE is not None:
         return _split_causal_attention(query, key, value, scale)
     # Elsewhere a (q, T) bool mask: the flash kernel takes it with GQA and never forms the logits.
     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
@@ -256,6 +256,10 @@ def _split_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return torch.lerp(past_out.reshape(batch, heads, q_len, dim), own_out, own_share)
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+
+
 def lower_right_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, dropout: float = 0.0
 ) -> torch.Tensor:
@@ -279,12 +283,13 @@ def noisy_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """Causal GALI attention with logit noise of rotated queries (B, H, q, D), the last q of the mixed keys
-    (B, Hkv, T, D): the fused Triton kernel where it applies (see `fused_kernel_applies`), else explicit float32
-    logits one tile of queries at a time. Both give the same noise."""
-    if dropout == 0.0 and fused_kernel_applies(query, key):
+    (B, Hkv, T, D): the fused Triton kernel where it applies (see `fused_kernel_applies`; forward only, so not
+    under autograd or dropout), else explicit float32 logits one tile of queries at a time. Both give the same
+    noise."""
+    if dropout == 0.0 and not _needs_grad(query, key, value) and fused_kernel_applies(query, key):
         from .triton_attention import noisy_gali_attention
 
-        return noisy_gali_attention(query, key, value, group, grouped, noise, scale)
+        return noisy_gali_attention(query, key, value, group, grouped, scale, noise)
     return tiled_noisy_attention(query, key, value, group, grouped, scale, noise, dropout)
 
 
@@ -339,25 +344,44 @@ def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     from .triton_attention import supports
 
     if choice == "triton":
+        if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(f"GALI_KERNEL=triton needs a CUDA device, the model is on {query.device.type}")
         if not supports(query, key):
             raise ConfigError(f"GALI_KERNEL=triton: the kernel needs a power-of-two head dim of 16..256 and "
                               f"float16/bfloat16/float32, got {query.shape[-1]} and {query.dtype}")
         return True
-    return supports(query, key) and kernel_verified(query.device, query.dtype)
+    heads_per_kv = query.shape[1] // key.shape[1]
+    return supports(query, key) and kernel_verified(query.device, query.dtype, query.shape[-1], heads_per_kv)
+
+
+def noisy_attention_path(device: torch.device) -> str:
+    """Which path noisy GALI attention would take on `device`, in words (for `gali info`)."""
+    choice = kernel_choice()
+    if choice == "torch":
+        return "PyTorch (GALI_KERNEL=torch)"
+    if importlib.util.find_spec("triton") is None:
+        return "PyTorch (triton is not installed)"
+    if device.type != "cuda" and choice == "auto":
+        return "PyTorch (the fused kernel needs CUDA)"
+    from triton import __version__ as triton_version
+
+    checked = ", checked against PyTorch on first use" if choice == "auto" else ""
+    return f"fused Triton kernel (triton {triton_version}{checked})"
 
 
 @functools.cache
-def kernel_verified(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run the kernel once on a small problem and compare it with the PyTorch path, so that a GPU, driver or triton
-    version the kernel was never tried on falls back to the PyTorch path (with a warning) instead of failing or
-    answering wrongly."""
+def kernel_verified(device: torch.device, dtype: torch.dtype, head_dim: int, heads_per_kv: int) -> bool:
+    """Run the kernel once on a small problem of the model's head dim (which picks the compiled variant and its tiles)
+    and head grouping, and compare it with the PyTorch path, so that a GPU, driver or triton version the kernel was
+    never tried on falls back to the PyTorch path (with a warning) instead of failing or answering wrongly."""
     from .triton_attention import noisy_gali_attention
 
     generator = torch.Generator().manual_seed(0)
-    query, key, value = (torch.randn(1, 4, n, 64, generator=generator).to(device, dtype) for n in (70, 200, 200))
+    shapes = ((1, 2 * heads_per_kv, 70, head_dim), (1, 2, 200, head_dim), (1, 2, 200, head_dim))
+    query, key, value = (torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
     noise = Noise(seed=1, layer=0, scale=1.0)
     try:
-        fused = noisy_gali_attention(query, key, value, 3, 96, noise, 0.125).float()
+        fused = noisy_gali_attention(query, key, value, 3, 96, 0.125, noise).float()
     except Exception as error:  # compilation or launch failures of every kind
         warnings.warn(f"the fused GALI kernel does not run here ({type(error).__name__}: {error}); noisy attention "
                       f"uses the slower PyTorch path", GaliWarning, stacklevel=2)

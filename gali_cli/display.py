@@ -44,12 +44,13 @@ def print_facts(facts: dict, json_output: bool) -> None:
     if json_output:
         print_json(facts)
         return
+    width = max(map(len, facts)) + 2
     for key, value in facts.items():
         if key == "cuda":
             value = "; ".join(f"{gpu['name']} ({gpu['memory_gib']} GiB)" for gpu in value) or "no GPU"
         elif isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items())
-        sys.stdout.write(f"{key:<14}{value}\n")
+        sys.stdout.write(f"{key:<{width}}{value}\n")
 
 
 class Bar:

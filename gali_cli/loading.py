@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
+from .attention import noisy_attention_path
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 DEMO = "demo"
@@ -158,7 +159,8 @@ def environment_facts(device: str, dtype: str) -> dict:
     except Exception as error:  # noqa: BLE001 - any import failure means "not usable", and we say why
         quantization = f"unavailable ({type(error).__name__}: {error})"
     return {"device": str(target), "dtype": str(resolve_dtype(dtype, target)).removeprefix("torch."),
-            "cuda": gpus, "bitsandbytes": quantization, "torch": torch.__version__,
+            "cuda": gpus, "bitsandbytes": quantization, "noisy_attention": noisy_attention_path(target),
+            "torch": torch.__version__,
             "transformers": transformers.__version__}
 
 

@@ -9,6 +9,7 @@ the reference path's (tests compare both under TRITON_INTERPRET=1, which runs th
 Importing this module needs triton; attention.py imports it only when the kernel is used.
 """
 
+import contextlib
 import math
 
 import torch
@@ -35,7 +36,9 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+# The per-chunk integers stay runtime values: specialising on them (== 1, multiples of 16) would compile new variants
+# as a long prefill walks through its chunks.
+@triton.jit(do_not_specialize=["queries", "first", "group", "grouped"])
 def _noisy_gali_forward(
     query, key, value, out, streams,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -47,8 +50,8 @@ def _noisy_gali_forward(
 ):
     block = tl.program_id(0)
     stream_index = tl.program_id(1)  # b * heads + h, as noise.head_streams numbers them
-    batch = stream_index // heads
-    head = stream_index % heads
+    batch = (stream_index // heads).to(tl.int64)  # 64-bit offsets: a long context's cache passes 2**31 elements
+    head = (stream_index % heads).to(tl.int64)
     kv_head = head // heads_per_kv
 
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,7 +80,7 @@ def _noisy_gali_forward(
             # Keys 2m and 2m + 1 share a hashed pair of uniforms: Box-Muller's cosine and sine branches.
             pairs = _mix32((start // 2 + tl.arange(0, BLOCK_N // 2)).to(tl.uint32) ^ _GOLDEN)
             bits = _mix32(row_hash[:, None] ^ pairs[None, :])
-            radius = tl.sqrt(-2.0 * tl.log(((bits >> 8).to(tl.float32) + 0.5) * _UNIT))
+            radius = tl.sqrt_rn(-2.0 * tl.log(((bits >> 8).to(tl.float32) + 0.5) * _UNIT))
             angle = (_mix32(bits ^ _GOLDEN) >> 8).to(tl.float32) * _TURN
             normal = tl.interleave(radius * tl.cos(angle), radius * tl.sin(angle))
             sigma = (query_index[:, None] - cols[None, :]).to(tl.float32) * sigma_per_index
@@ -106,8 +109,8 @@ def noisy_gali_attention(
     value: torch.Tensor,
     group: int,
     grouped: int,
-    noise: Noise,
     scale: float,
+    noise: Noise,
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -130,14 +133,16 @@ def noisy_gali_attention(
     out = torch.empty(query.shape, dtype=value.dtype, device=value.device)
     streams = head_streams(noise, batch, heads, query.device)
     grid = (triton.cdiv(queries, block_m), batch * heads)
-    _noisy_gali_forward[grid](
-        query, key, value, out, streams,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        heads, heads // kv_heads, queries, kv_len - queries, group, grouped, scale, noise.scale / kv_len,
-        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=2,
-    )
+    # Triton launches on the current device and stream: make them the tensors' (models split over GPUs).
+    with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+        _noisy_gali_forward[grid](
+            query, key, value, out, streams,
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+            heads, heads // kv_heads, queries, kv_len - queries, group, grouped, scale, noise.scale / kv_len,
+            HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            num_warps=warps, num_stages=2,
+        )
     return out
 
 

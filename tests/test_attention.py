@@ -170,3 +170,23 @@ def test_key_rotation_is_the_interpolated_rotation_of_alg_2_positions(train_len,
             got_cos, got_sin = key_rotation(table, keys, first, last, train_len, interp.group, interp.grouped)
             torch.testing.assert_close(got_cos, cos[first:last], rtol=0, atol=1e-6)
             torch.testing.assert_close(got_sin, sin[first:last], rtol=0, atol=1e-6)
+
+
+def test_causal_attention_matches_the_masked_formulation_with_and_without_gradients():
+    """Without gradients the CPU takes a mask-free route (two calls merged by log-sum-exp); with them, a route whose
+    backward is exact. Both must equal attention with an explicit lower-right mask."""
+    query, key, value = qkv(2, 4, 2, 5, 12)
+    mask = torch.ones(5, 12, dtype=torch.bool).tril(7)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3,
+                                                                enable_gqa=True)
+    torch.testing.assert_close(causal_attention(query, key, value, 0.3), expected, rtol=1e-5, atol=1e-6)
+
+    gradients = []
+    for attend in (causal_attention, lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)):
+        leaves = [x.clone().requires_grad_() for x in (query, key, value)]
+        with torch.enable_grad():
+            attend(*leaves, 0.3).square().sum().backward()
+        gradients.append([leaf.grad for leaf in leaves])
+    for got, want in zip(*gradients, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

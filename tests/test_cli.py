@@ -145,6 +145,10 @@ def test_info(gali, tiny_model_dir):
     assert facts["train_len"] == 32 and facts["architecture"] == "LlamaForCausalLM"
     assert facts["gali"]["chunk_size"] == 6 and facts["gali"]["local_window"] == 16
     assert facts["device"] in ("cpu", "cuda") and "bitsandbytes" in facts["bitsandbytes"]
+    if facts["device"] == "cpu":
+        assert facts["noisy_attention"].startswith("PyTorch (")
+    forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "torch"}).stdout)
+    assert forced["noisy_attention"] == "PyTorch (GALI_KERNEL=torch)"
     text = gali("info")
     assert text.exit_code == 0 and "train_len" in text.stdout
     assert gali("info", env={"GALI_MODEL": str(tiny_model_dir)}, model=False).exit_code == 0

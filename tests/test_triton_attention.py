@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gali_cli import GaliConfig, apply_gali
-from gali_cli.attention import fused_kernel_applies, kernel_verified, tiled_noisy_attention
+from gali_cli.attention import fused_kernel_applies, kernel_verified, noisy_attention, tiled_noisy_attention
 from gali_cli.errors import ConfigError, GaliWarning
 from gali_cli.noise import Noise
 
@@ -47,6 +47,7 @@ CASES = [  # batch, heads, kv_heads, queries, keys, group, grouped, block_m, blo
     (1, 4, 1, 1, 300, 5, 233, 16, 32),  # MQA, a single query (decode-sized)
     (1, 2, 2, 5, 300, 4, 300, 16, 32),  # every key grouped
     (1, 2, 1, 20, 90, 1, 0, 16, 16),  # nothing grouped: no noise at all
+    (1, 2, 1, 50, 120, 3, 61, 16, 32),  # key tiles wider than query tiles, several of each
 ]
 
 
@@ -55,7 +56,7 @@ def test_kernel_matches_the_pytorch_path_noise_included(kernel, device, batch, h
                                                          grouped, block_m, block_n):
     query, key, value = tensors(batch, heads, kv_heads, queries, keys, device=device)
     noise = Noise(seed=7, layer=3, scale=2.0)
-    fused = kernel.noisy_gali_attention(query, key, value, group, grouped, noise, 0.3, block_m, block_n)
+    fused = kernel.noisy_gali_attention(query, key, value, group, grouped, 0.3, noise, block_m, block_n)
     reference = tiled_noisy_attention(query, key, value, group, grouped, 0.3, noise)
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
     if grouped > group:  # the noise is there, and it is this seed's noise
@@ -69,7 +70,7 @@ def test_kernel_in_float16_and_on_strided_views(kernel, device):
     buffer = torch.cat((key, torch.full_like(key, float("nan"))), dim=2)  # rows past T must never be read
     query_view = query.transpose(1, 2).contiguous().transpose(1, 2)
     noise = Noise(seed=1, layer=0, scale=1.0)
-    fused = kernel.noisy_gali_attention(query_view, buffer[:, :, :130], value, 3, 70, noise, 0.25, 16, 32)
+    fused = kernel.noisy_gali_attention(query_view, buffer[:, :, :130], value, 3, 70, 0.25, noise, 16, 32)
     reference = tiled_noisy_attention(query.float(), key.float(), value.float(), 3, 70, 0.25, noise)
     assert fused.dtype == torch.float16
     torch.testing.assert_close(fused.float(), reference, rtol=2e-3, atol=2e-3)
@@ -89,12 +90,12 @@ def test_patched_model_gives_the_same_logits_with_the_kernel(kernel, device, mak
 
 def test_first_use_check_accepts_a_good_kernel_and_refuses_a_broken_one(kernel, device, monkeypatch):
     kernel_verified.cache_clear()
-    assert kernel_verified(torch.device(device), torch.float32)
+    assert kernel_verified(torch.device(device), torch.float32, 32, 2)
 
     kernel_verified.cache_clear()
     monkeypatch.setattr(kernel, "noisy_gali_attention", lambda query, *args: torch.zeros_like(query))
     with pytest.warns(GaliWarning, match="disagrees"):
-        assert not kernel_verified(torch.device(device), torch.float32)
+        assert not kernel_verified(torch.device(device), torch.float32, 32, 2)
 
     kernel_verified.cache_clear()
 
@@ -103,8 +104,24 @@ def test_first_use_check_accepts_a_good_kernel_and_refuses_a_broken_one(kernel, 
 
     monkeypatch.setattr(kernel, "noisy_gali_attention", fails)
     with pytest.warns(GaliWarning, match="does not run here"):
-        assert not kernel_verified(torch.device(device), torch.float32)
+        assert not kernel_verified(torch.device(device), torch.float32, 32, 2)
     kernel_verified.cache_clear()
+
+
+def test_under_autograd_noisy_attention_takes_the_differentiable_path(kernel, device, monkeypatch):
+    """The kernel has no backward: with gradients wanted, the PyTorch path runs, and gradients flow."""
+    monkeypatch.setenv("GALI_KERNEL", "triton")
+    query, key, value = (x.requires_grad_() for x in tensors(1, 4, 2, 20, 60, device=device))
+    noise = Noise(seed=2, layer=1, scale=1.0)
+    with torch.enable_grad():
+        noisy_attention(query, key, value, 3, 30, 0.3, noise).square().sum().backward()
+    fused_grad = query.grad.clone()
+    query.grad = None
+    monkeypatch.setenv("GALI_KERNEL", "torch")
+    with torch.enable_grad():
+        noisy_attention(query, key, value, 3, 30, 0.3, noise).square().sum().backward()
+    torch.testing.assert_close(fused_grad, query.grad)
+    assert query.grad.abs().sum() > 0
 
 
 def test_kernel_choice_follows_gali_kernel(monkeypatch):
@@ -120,6 +137,11 @@ def test_kernel_choice_follows_gali_kernel(monkeypatch):
 
 def test_forced_kernel_refuses_what_it_cannot_run(kernel, monkeypatch):
     monkeypatch.setenv("GALI_KERNEL", "triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ConfigError, match="needs a CUDA device"):
+            fused_kernel_applies(*tensors(1, 2, 1, 4, 8)[:2])
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     query, key, _ = tensors(1, 2, 1, 4, 8, dim=24)
     with pytest.raises(ConfigError, match="power-of-two head dim"):
         fused_kernel_applies(query, key)
@@ -144,18 +166,24 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gali_cli.triton_attention import _noisy_gali_forward, tiles
 short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+names = list(inspect.signature(_noisy_gali_forward.fn).parameters)
 results = []
 for capability, dtype, dim, _ in json.loads(sys.argv[1]):
     block_m, block_n, warps = tiles(dim, getattr(torch, dtype), tuple(capability))
+    # As a launch on contiguous tensors specialises it: unit strides become constants, pointers and the other
+    # strides are known multiples of 16 (which lets loads be vectorised and pipelined, using more shared memory).
     constants = {"HEAD_DIM": dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                 "PRECISION": "ieee" if dtype == "float32" else "tf32"}
+                 "PRECISION": "ieee" if dtype == "float32" else "tf32",
+                 "stride_qd": 1, "stride_kd": 1, "stride_vd": 1, "stride_od": 1}
     pointers = {"query": "*" + short[dtype], "key": "*" + short[dtype], "value": "*" + short[dtype],
                 "out": "*" + short[dtype], "streams": "*i64"}
     signature = {name: pointers.get(name) or ("constexpr" if name in constants else
                                               "fp32" if name in ("scale", "sigma_per_index") else "i32")
-                 for name in inspect.signature(_noisy_gali_forward.fn).parameters}
+                 for name in names}
+    aligned = [name for name in names if name in pointers or (name.startswith("stride") and name not in constants)]
+    attributes = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    kernel = triton.compile(ASTSource(_noisy_gali_forward, signature, constants), target=target,
+    kernel = triton.compile(ASTSource(_noisy_gali_forward, signature, constants, attributes), target=target,
                             options={"num_warps": warps, "num_stages": 2})
     results.append(kernel.metadata.shared)
 print(json.dumps(results))
