@@ -363,6 +363,8 @@ def noisy_attention_path(device: torch.device) -> str:
         return "PyTorch (triton is not installed)"
     if device.type != "cuda" and choice == "auto":
         return "PyTorch (the fused kernel needs CUDA)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "error: GALI_KERNEL=triton needs CUDA"
     from triton import __version__ as triton_version
 
     checked = ", checked against PyTorch on first use" if choice == "auto" else ""

@@ -149,6 +149,9 @@ def test_info(gali, tiny_model_dir):
         assert facts["noisy_attention"].startswith("PyTorch (")
     forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "torch"}).stdout)
     assert forced["noisy_attention"] == "PyTorch (GALI_KERNEL=torch)"
+    if facts["device"] == "cpu":
+        forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "triton", "TRITON_INTERPRET": "0"}).stdout)
+        assert forced["noisy_attention"] in ("error: GALI_KERNEL=triton needs CUDA", "PyTorch (triton is not installed)")
     text = gali("info")
     assert text.exit_code == 0 and "train_len" in text.stdout
     assert gali("info", env={"GALI_MODEL": str(tiny_model_dir)}, model=False).exit_code == 0
