@@ -337,7 +337,7 @@ def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     choice = kernel_choice()
     if choice == "torch" or (choice == "auto" and query.device.type != "cuda"):
         return False
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         if choice == "triton":
             raise ConfigError("GALI_KERNEL=triton, but triton is not installed (pip install triton)")
         return False
@@ -354,12 +354,18 @@ def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     return supports(query, key) and kernel_verified(query.device, query.dtype, query.shape[-1], heads_per_kv)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    """Looked up once: noisy attention asks for every chunk of every layer."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def noisy_attention_path(device: torch.device) -> str:
     """Which path noisy GALI attention would take on `device`, in words (for `gali info`)."""
     choice = kernel_choice()
     if choice == "torch":
         return "PyTorch (GALI_KERNEL=torch)"
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "PyTorch (triton is not installed)"
     if device.type != "cuda" and choice == "auto":
         return "PyTorch (the fused kernel needs CUDA)"

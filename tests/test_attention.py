@@ -26,12 +26,10 @@ def rope_table(rows: int, dtype: torch.dtype = torch.float32) -> RopeTable:
     return RopeTable(angles.cos().to(dtype), angles.sin().to(dtype), angles.cos(), angles.sin())
 
 
-def qkv(batch, heads, kv_heads, q_len, kv_len, dtype=torch.float32, seed=0):
+def qkv(batch, heads, kv_heads, q_len, kv_len, dtype=torch.float32, seed=0, dim=HEAD_DIM, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
-    query = torch.randn(batch, heads, q_len, HEAD_DIM, generator=generator).to(dtype)
-    key = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, generator=generator).to(dtype)
-    value = torch.randn(batch, kv_heads, kv_len, HEAD_DIM, generator=generator).to(dtype)
-    return query, key, value
+    shapes = ((batch, heads, q_len, dim), (batch, kv_heads, kv_len, dim), (batch, kv_heads, kv_len, dim))
+    return tuple(torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
 
 
 CASES = [  # heads, kv_heads, train_len, local_window, keys, queries

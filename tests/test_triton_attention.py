@@ -13,10 +13,12 @@ import sys
 import pytest
 import torch
 
+import gali_cli.attention as attention
 from gali_cli import GaliConfig, apply_gali
 from gali_cli.attention import fused_kernel_applies, kernel_verified, noisy_attention, tiled_noisy_attention
 from gali_cli.errors import ConfigError, GaliWarning
 from gali_cli.noise import Noise
+from test_attention import qkv
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +37,6 @@ def device():
     return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
-def tensors(batch, heads, kv_heads, queries, keys, dim=16, dtype=torch.float32, seed=0, device="cpu"):
-    generator = torch.Generator().manual_seed(seed)
-    shapes = ((batch, heads, queries, dim), (batch, kv_heads, keys, dim), (batch, kv_heads, keys, dim))
-    return tuple(torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
-
-
 CASES = [  # batch, heads, kv_heads, queries, keys, group, grouped, block_m, block_n
     (2, 4, 2, 37, 101, 3, 50, 16, 16),  # GQA, partial tiles everywhere, grouped ends inside a tile
     (1, 4, 4, 64, 64, 2, 20, 32, 16),  # MHA, one square chunk
@@ -54,7 +50,7 @@ CASES = [  # batch, heads, kv_heads, queries, keys, group, grouped, block_m, blo
 @pytest.mark.parametrize("batch, heads, kv_heads, queries, keys, group, grouped, block_m, block_n", CASES)
 def test_kernel_matches_the_pytorch_path_noise_included(kernel, device, batch, heads, kv_heads, queries, keys, group,
                                                          grouped, block_m, block_n):
-    query, key, value = tensors(batch, heads, kv_heads, queries, keys, device=device)
+    query, key, value = qkv(batch, heads, kv_heads, queries, keys, device=device)
     noise = Noise(seed=7, layer=3, scale=2.0)
     fused = kernel.noisy_gali_attention(query, key, value, group, grouped, 0.3, noise, block_m, block_n)
     reference = tiled_noisy_attention(query, key, value, group, grouped, 0.3, noise)
@@ -66,7 +62,7 @@ def test_kernel_matches_the_pytorch_path_noise_included(kernel, device, batch, h
 
 def test_kernel_in_float16_and_on_strided_views(kernel, device):
     """float16 inputs, and the views attention passes: keys a prefix of a longer buffer, queries transposed."""
-    query, key, value = tensors(1, 4, 2, 24, 130, dtype=torch.float16, seed=3, device=device)
+    query, key, value = qkv(1, 4, 2, 24, 130, dtype=torch.float16, seed=3, device=device)
     buffer = torch.cat((key, torch.full_like(key, float("nan"))), dim=2)  # rows past T must never be read
     query_view = query.transpose(1, 2).contiguous().transpose(1, 2)
     noise = Noise(seed=1, layer=0, scale=1.0)
@@ -111,7 +107,7 @@ def test_first_use_check_accepts_a_good_kernel_and_refuses_a_broken_one(kernel, 
 def test_under_autograd_noisy_attention_takes_the_differentiable_path(kernel, device, monkeypatch):
     """The kernel has no backward: with gradients wanted, the PyTorch path runs, and gradients flow."""
     monkeypatch.setenv("GALI_KERNEL", "triton")
-    query, key, value = (x.requires_grad_() for x in tensors(1, 4, 2, 20, 60, device=device))
+    query, key, value = (x.requires_grad_() for x in qkv(1, 4, 2, 20, 60, device=device))
     noise = Noise(seed=2, layer=1, scale=1.0)
     with torch.enable_grad():
         noisy_attention(query, key, value, 3, 30, 0.3, noise).square().sum().backward()
@@ -125,7 +121,7 @@ def test_under_autograd_noisy_attention_takes_the_differentiable_path(kernel, de
 
 
 def test_kernel_choice_follows_gali_kernel(monkeypatch):
-    query, key, _ = tensors(1, 2, 1, 4, 8)
+    query, key, _ = qkv(1, 2, 1, 4, 8)
     monkeypatch.delenv("GALI_KERNEL", raising=False)
     assert not fused_kernel_applies(query, key)  # auto: only on CUDA
     monkeypatch.setenv("GALI_KERNEL", "torch")
@@ -140,19 +136,19 @@ def test_forced_kernel_refuses_what_it_cannot_run(kernel, monkeypatch):
     if os.environ.get("TRITON_INTERPRET") == "1":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ConfigError, match="needs a CUDA device"):
-            fused_kernel_applies(*tensors(1, 2, 1, 4, 8)[:2])
+            fused_kernel_applies(*qkv(1, 2, 1, 4, 8)[:2])
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    query, key, _ = tensors(1, 2, 1, 4, 8, dim=24)
+    query, key, _ = qkv(1, 2, 1, 4, 8, dim=24)
     with pytest.raises(ConfigError, match="power-of-two head dim"):
         fused_kernel_applies(query, key)
-    query, key, _ = tensors(1, 2, 1, 4, 8)
+    query, key, _ = qkv(1, 2, 1, 4, 8)
     assert fused_kernel_applies(query, key)
 
 
 def test_forced_kernel_without_triton_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("GALI_KERNEL", "triton")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    query, key, _ = tensors(1, 2, 1, 4, 8)
+    monkeypatch.setattr(attention, "_triton_installed", lambda: False)
+    query, key, _ = qkv(1, 2, 1, 4, 8)
     with pytest.raises(ConfigError, match="triton is not installed"):
         fused_kernel_applies(query, key)
 
