@@ -208,6 +208,7 @@ def test_corpus_perplexity_from_a_batch(gali, folder):
     assert first_gali["results"][0]["ppl"] == pytest.approx(alone)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
                     reason="torchrun is not installed")
 def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):

@@ -254,6 +254,7 @@ def subprocess_gali(*args: str, env: dict | None = None, **kwargs) -> subprocess
                           env={**os.environ, **(env or {})}, **kwargs)
 
 
+@pytest.mark.slow
 def test_real_process_separates_stdout_and_stderr(tiny_model_dir, doc):
     result = subprocess_gali("summarize", str(doc), "-m", str(tiny_model_dir), "--max-new-tokens", "6", "--json")
     assert result.returncode == 0, result.stderr

@@ -62,6 +62,7 @@ def test_gali_reads_past_the_window_better_than_the_unpatched_model():
     assert gali_ppl[1024] < original[1024]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("gali") is None, reason="the console script is installed by pip install -e .")
 def test_console_script_runs_the_demo():
     module = held_out_file(3000)

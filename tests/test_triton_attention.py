@@ -186,6 +186,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_kernel_compiles_for_each_gpu_generation_within_its_shared_memory(tmp_path):
     """Compiled ahead of time, no GPU needed: catches what the interpreter cannot (types, layouts, tile sizes)."""
     pytest.importorskip("triton")
