@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from datetime import date
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -78,10 +79,12 @@ def synchronize(device: str) -> None:
 
 def two_matmul_gali(settings):
     """GALI computed the straightforward way, as the anchor: Alg. 3 literally, per chunk (the tests' oracle)."""
-    from gali_cli.attention import reference_gali_attention
+    from gali_cli.engine.noise import Noise
+    from gali_cli.engine.positions import chunk_plan, interpolate
     from gali_cli.methods.gali import Gali
-    from gali_cli.noise import Noise
-    from gali_cli.positions import chunk_plan, interpolate
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests hold the oracle
+    from reference_attention import reference_gali_attention
 
     class TwoMatmulGali(Gali):
         def attend(self, forward, module, query, key, value, scaling, dropout, **kwargs):
@@ -104,8 +107,8 @@ def two_matmul_gali(settings):
 def worker(args: argparse.Namespace) -> dict:
     """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
     from gali_cli import GaliConfig, apply_gali
-    from gali_cli.patch import install
-    from gali_cli.positions import chunk_plan
+    from gali_cli.engine.hooks import install
+    from gali_cli.engine.positions import chunk_plan
     from transformers import DynamicCache
 
     if args.variant == "gali-noise-torch":

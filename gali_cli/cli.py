@@ -22,7 +22,7 @@ import transformers
 import typer
 
 from . import display
-from .attention import kernel_choice
+from .engine.noisy_attention import kernel_choice
 from .config import MethodSettings
 from .display import err, fail, print_json, say, warn
 from .documents import Document, read_document

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
-from .attention import noisy_attention_path
+from .engine.noisy_attention import noisy_attention_path
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 DEMO = "demo"

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from gali_cli.noise import Noise, standard_normal
+from gali_cli.engine.noise import Noise, standard_normal
 
 
 def alg1_chunk_sizes(prefill_len: int, train_len: int, chunk_size: int) -> list[int]:

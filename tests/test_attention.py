@@ -1,20 +1,14 @@
 import pytest
 import torch
 
-import gali_cli.attention as attention
-from gali_cli.attention import (
-    RopeTable,
-    add_noise,
-    causal_attention,
-    chunk_context,
-    lower_right_causal_attention,
-    chunk_contexts,
-    gali_attention,
-    key_rotation,
-    reference_gali_attention,
-)
-from gali_cli.noise import Noise
-from gali_cli.positions import chunk_plan, interpolate
+import gali_cli.engine.dense as dense
+from gali_cli.engine.dense import causal_attention, lower_right_causal_attention
+from gali_cli.engine.gali_attention import chunk_context, chunk_contexts, gali_attention
+from gali_cli.engine.noise import Noise
+from gali_cli.engine.noisy_attention import add_noise
+from gali_cli.engine.positions import chunk_plan, interpolate
+from gali_cli.engine.rope import RopeTable, key_rotation
+from reference_attention import reference_gali_attention
 
 HEAD_DIM = 16
 
@@ -92,7 +86,7 @@ def test_noisy_path_is_the_same_in_any_tiling(monkeypatch):
     chunk = chunk_context(rope_table(17), 80, 12, 16, 2)
     noise = Noise(seed=0, layer=0, scale=1.0)
     whole = gali_attention(query, key, value, [chunk], 0.25, noise=noise)
-    monkeypatch.setattr(attention, "_LOGITS_TILE_ELEMENTS", 4 * 80 * 5)  # tiles of 5 queries
+    monkeypatch.setattr(dense, "_LOGITS_TILE_ELEMENTS", 4 * 80 * 5)  # tiles of 5 queries
     assert torch.equal(gali_attention(query, key, value, [chunk], 0.25, noise=noise), whole)
 
 

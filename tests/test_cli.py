@@ -367,7 +367,7 @@ def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
     """E.g. a fused kernel that failed its first-use check: the run goes on, the user is told once, in one line."""
     import warnings
 
-    import gali_cli.attention as attention
+    import gali_cli.engine.noisy_attention as noisy_attention
     from gali_cli.errors import GaliWarning
 
     def fall_back(query, key):
@@ -375,7 +375,7 @@ def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
                       GaliWarning, stacklevel=2)
         return False
 
-    monkeypatch.setattr(attention, "fused_kernel_applies", fall_back)
+    monkeypatch.setattr(noisy_attention, "fused_kernel_applies", fall_back)
     result = gali("summarize", str(doc), "--max-new-tokens", "2")
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "fused GALI kernel" in line]

@@ -14,7 +14,7 @@ from gali_cli.generate import (
     stream_generate,
 )
 from gali_cli.methods import METHODS
-from gali_cli.positions import chunk_plan
+from gali_cli.engine.positions import chunk_plan
 
 
 @pytest.fixture

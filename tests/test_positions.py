@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from gali_cli.positions import chunk_plan, gali_positions, group_size, interpolate
+from gali_cli.engine.positions import chunk_plan, gali_positions, group_size, interpolate
 from naive import alg1_chunk_sizes, alg2_positions
 
 

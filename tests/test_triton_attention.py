@@ -1,7 +1,7 @@
 """The fused Triton kernel against the PyTorch path, on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 
 The interpreter runs the kernel's own code with NumPy; its tl.dot mishandles bfloat16, so bfloat16 is left to the
-GPU (where attention.kernel_verified checks it on first use) and these tests use float32 and float16.
+GPU (where noisy_attention.kernel_verified checks it on first use) and these tests use float32 and float16.
 """
 
 import importlib
@@ -13,22 +13,23 @@ import sys
 import pytest
 import torch
 
-import gali_cli.attention as attention
+import gali_cli.engine.noisy_attention as noisy_attention_module
 from gali_cli import GaliConfig, apply_gali
-from gali_cli.attention import fused_kernel_applies, kernel_verified, noisy_attention, tiled_noisy_attention
+from gali_cli.engine.noise import Noise
+from gali_cli.engine.noisy_attention import (fused_kernel_applies, kernel_verified, noisy_attention,
+                                             tiled_noisy_attention)
 from gali_cli.errors import ConfigError, GaliWarning
-from gali_cli.noise import Noise
 from test_attention import qkv
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    """gali_cli.triton_attention, on the CPU under the interpreter (conftest sets TRITON_INTERPRET=1 before torch
+    """gali_cli.engine.triton_attention, on the CPU under the interpreter (conftest sets TRITON_INTERPRET=1 before torch
     loads triton) or, with TRITON_INTERPRET=0, compiled for the GPU."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET=0 needs a CUDA device")
-    yield importlib.import_module("gali_cli.triton_attention")
+    yield importlib.import_module("gali_cli.engine.triton_attention")
     kernel_verified.cache_clear()
 
 
@@ -147,7 +148,7 @@ def test_forced_kernel_refuses_what_it_cannot_run(kernel, monkeypatch):
 
 def test_forced_kernel_without_triton_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("GALI_KERNEL", "triton")
-    monkeypatch.setattr(attention, "_triton_installed", lambda: False)
+    monkeypatch.setattr(noisy_attention_module, "_triton_installed", lambda: False)
     query, key, _ = qkv(1, 2, 1, 4, 8)
     with pytest.raises(ConfigError, match="triton is not installed"):
         fused_kernel_applies(query, key)
@@ -160,7 +161,7 @@ COMPILE = """
 import inspect, json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gali_cli.triton_attention import _noisy_gali_forward, tiles
+from gali_cli.engine.triton_attention import _noisy_gali_forward, tiles
 short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 names = list(inspect.signature(_noisy_gali_forward.fn).parameters)
 results = []

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, replace
 from transformers import PreTrainedModel
 
 from ..config import MethodSettings
+from ..engine.hooks import install, installed_method, uninstall
+from ..engine.positions import chunk_plan
 from ..errors import ConfigError
-from ..patch import install, installed_method, uninstall
-from ..positions import chunk_plan
 from .chunk_llama import DualChunkAttention
 from .gali import apply_gali, gali_settings
 from .rope_scaling import rescale, restore

@@ -11,9 +11,10 @@ with c the pretraining window. Keys are cached without RoPE; positions depend on
 import torch
 from torch import nn
 
-from ..attention import grouped_logits, mask_future, rotate, tiled_attention
+from ..engine.dense import grouped_logits, mask_future, tiled_attention
+from ..engine.hooks import Forward, PositionalAttention
+from ..engine.rope import rotate
 from ..errors import ConfigError
-from ..patch import Forward, PositionalAttention
 
 
 class DualChunkAttention(PositionalAttention):

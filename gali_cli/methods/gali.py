@@ -6,19 +6,21 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..attention import DecodeStep, absolute_table, chunk_contexts, decode_attention, decode_step, gali_attention
 from ..config import GaliConfig
+from ..engine.decode import DecodeStep, decode_attention, decode_step
+from ..engine.gali_attention import attention_routes, chunk_contexts, gali_attention
+from ..engine.hooks import Forward, PositionalAttention, install, installed_method, llama_model, uninstall
+from ..engine.noise import Noise
+from ..engine.positions import chunk_plan
+from ..engine.rope import absolute_table
 from ..errors import GaliError
-from ..noise import Noise
-from ..patch import Forward, PositionalAttention, install, installed_method, llama_model, uninstall
-from ..positions import chunk_plan
 
 
 class Gali(PositionalAttention):
     """Each forward is cut into GALI chunks; each chunk attends with positions recomputed for all its keys.
 
     Decoding (one-token forwards on a cache, outside autograd) keeps each layer's rotated keys from token to token
-    (attention.decode_attention), per cache object: any longer forward on that cache starts them again.
+    (engine.decode.decode_attention), per cache object: any longer forward on that cache starts them again.
     """
 
     name = "gali"
@@ -52,8 +54,12 @@ class Gali(PositionalAttention):
         if not chunks[0].interpolated:  # only the first piece can lie inside the training window
             window, chunks = chunks[0], chunks[1:]
             outputs.append(forward.exact_attention(module, query, key, value, window.keys, scaling, dropout, **kwargs))
+        # The kernel and causal routes: decided by the forward's first layer on this device, then taken by every
+        # chunk of every layer.
+        routes = forward.memo(("routes", query.device, query.dtype),
+                              lambda: attention_routes(query, key, value, chunks, noise is not None, dropout))
         beyond = query[:, :, query.shape[2] - sum(chunk.queries for chunk in chunks) :]
-        outputs.append(gali_attention(beyond, key, value, chunks, scaling, dropout, noise).transpose(1, 2))
+        outputs.append(gali_attention(beyond, key, value, chunks, scaling, dropout, noise, routes).transpose(1, 2))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 

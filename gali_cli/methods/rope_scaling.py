@@ -10,8 +10,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from ..engine.hooks import llama_model
 from ..errors import ConfigError
-from ..patch import llama_model
 
 
 class RescaledRope(nn.Module):

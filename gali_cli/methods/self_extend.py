@@ -9,9 +9,10 @@ split of the input into forwards gives the same result.
 import torch
 from torch import nn
 
-from ..attention import grouped_logits, mask_future, rotate, tiled_attention
+from ..engine.dense import grouped_logits, mask_future, tiled_attention
+from ..engine.hooks import Forward, PositionalAttention
+from ..engine.rope import rotate
 from ..errors import ConfigError
-from ..patch import Forward, PositionalAttention
 
 
 def group_shift(group_size: int, neighbor_window: int) -> int:

@@ -26,8 +26,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from .attention import RopeTable, rotate
-from .errors import GaliError, UnsupportedModelError
+from ..errors import GaliError, UnsupportedModelError
+from .rope import RopeTable, rotate
 
 # Rope types whose frequencies do not depend on the sequence length: integer positions index them directly.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

@@ -2,11 +2,14 @@ import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, StaticCache
 
-import gali_cli.patch as patch
+import gali_cli.engine.gali_attention as gali_attention
+import gali_cli.engine.hooks as hooks
+import gali_cli.engine.noisy_attention as noisy_attention
 from gali_cli import ConfigError, GaliConfig, GaliError, UnsupportedModelError, apply_gali, gali_settings, remove_gali
-from gali_cli.attention import absolute_table, chunk_contexts
+from gali_cli.engine.gali_attention import chunk_contexts
+from gali_cli.engine.positions import chunk_plan, interpolate
+from gali_cli.engine.rope import absolute_table
 from gali_cli.methods.gali import Gali
-from gali_cli.positions import chunk_plan, interpolate
 from conftest import VOCAB
 from naive import NaiveGali
 
@@ -76,6 +79,28 @@ def test_one_forward_equals_plan_pieces_equals_naive(make_llama, noise):
     torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(coarse, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole[0].double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_routes_are_decided_once_per_forward(make_llama, monkeypatch):
+    """Kernel choice and causal route are fixed for a forward: its first layer decides, every chunk of every layer
+    takes them, and the next forward decides again (so a changed $GALI_KERNEL applies from the next forward)."""
+    decisions = []
+
+    def counted(name, decide):
+        def wrapper(*args, **kwargs):
+            decisions.append(name)
+            return decide(*args, **kwargs)
+
+        return wrapper
+
+    kernel_applies = noisy_attention.fused_kernel_applies
+    monkeypatch.setattr(gali_attention, "causal_route", counted("causal", gali_attention.causal_route))
+    monkeypatch.setattr(noisy_attention, "fused_kernel_applies", counted("kernel", kernel_applies))
+    model = apply_gali(make_llama(train_len=16, layers=3), GaliConfig(chunk_size=4, local_window=2))
+    model(prompt(60))  # 11 chunks beyond the window, 3 layers
+    assert sorted(decisions) == ["causal", "kernel"]
+    model(prompt(60))
+    assert sorted(decisions) == ["causal", "causal", "kernel", "kernel"]
 
 
 def test_noisy_decoding_matches_naive(make_llama):
@@ -246,7 +271,7 @@ def test_half_precision_keeps_interpolation_and_tracks_fp32(make_llama, dtype):
     error = (logits - reference).norm() / reference.norm()
     assert error < 0.05, f"relative error {error:.3f} against the fp32 engine"
     # The half-precision model runs the exact fp64 interpolation weights (the chunk tables prove it).
-    table = patch.Forward(model.model._positional, 0, length).table(ids.device, dtype)
+    table = hooks.Forward(model.model._positional, 0, length).table(ids.device, dtype)
     chunks = chunk_contexts(table, chunk_plan(0, length, train_len, 256), train_len, 16)
     interp = interpolate(length, train_len, 16)
     c = interp.weight.float().unsqueeze(1)

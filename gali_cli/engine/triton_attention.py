@@ -1,12 +1,12 @@
 """Noisy GALI attention as one fused Triton kernel: flash-style online softmax with the noise made in the kernel.
 
-The PyTorch path (attention.tiled_noisy_attention) has to materialise float32 logits, a tile of queries at a time, to
-add the noise. Here every program owns a block of queries of one (batch, head), walks the keys a block at a time,
-and computes the Gaussian noise of each (query, key) logit from the same counter-based hash as noise.py: the
+The PyTorch path (noisy_attention.tiled_noisy_attention) has to materialise float32 logits, a tile of queries at a
+time, to add the noise. Here every program owns a block of queries of one (batch, head), walks the keys a block at a
+time, and computes the Gaussian noise of each (query, key) logit from the same counter-based hash as noise.py: the
 logits exist only in registers, memory stays that of flash attention, and the noise is the very same numbers as
 the reference path's (tests compare both under TRITON_INTERPRET=1, which runs this file on the CPU).
 
-Importing this module needs triton; attention.py imports it only when the kernel is used.
+Importing this module needs triton; noisy_attention.py imports it only when the kernel is used.
 """
 
 import contextlib

@@ -1,0 +1,152 @@
+"""GALI's prefill attention (paper Alg. 3) on tensors, chunk by chunk; nothing here knows about transformers.
+
+The paper interpolates two logit matrices, logit = (1 - c) q.K(ceil) + c q.K(floor), with c = ceil(p_k) - p_k.
+c depends only on the key and RoPE is linear in the key, so this equals q.K_mix with one mixed key
+K_mix = (1 - c) K(ceil) + c K(floor) = K * cos_mix + rotate_half(K) * sin_mix: one ordinary attention call, which
+torch's scaled_dot_product_attention runs without ever forming the (queries x keys) logits. Only the noise needs
+explicit logits (noisy_attention.py).
+
+Shapes: B batch, H query heads, Hkv key/value heads (GQA when Hkv < H), q queries, T keys, D head dim.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .dense import CausalAttention, causal_attention, causal_route
+from .noise import Noise
+from .noisy_attention import NoisyAttention, noisy_route
+from .positions import group_size, grouping, interpolate
+from .rope import RopeTable, key_rotation, rotate_fused
+
+
+@dataclass(frozen=True)
+class ChunkContext:
+    """Everything one chunk's attention derives from its positions: built once per forward, shared by all layers.
+
+    Queries are rotated at ceil(p), keys by the interpolated rotation (ceil and floor mixed by c). Inside one forward,
+    keys [0, reuse) keep the mixed rotation the previous chunk gave them (same group size, so same positions), and
+    the key tables only cover keys [reuse, keys): re-rotating all T keys for every chunk would cost O(T) per chunk.
+    """
+
+    queries: int  # the chunk's tokens: the last `queries` of its `keys`
+    keys: int  # T, every token up to the end of the chunk
+    group: int  # g of Alg. 2; 1 when nothing is interpolated
+    grouped: int  # keys [0, grouped) have positions k / g
+    reuse: int
+    query_cos: torch.Tensor  # (queries, D), model dtype
+    query_sin: torch.Tensor
+    key_cos: torch.Tensor  # (keys - reuse, D), model dtype
+    key_sin: torch.Tensor
+
+    @property
+    def interpolated(self) -> bool:
+        return self.group > 1
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The attention routes of a forward's chunks: fixed by device, dtype, dropout, $GALI_KERNEL and the kernel's
+    first-use check, so decided once per forward (`attention_routes`) and shared by its chunks and layers."""
+
+    causal: CausalAttention  # chunks with fewer queries than keys
+    noisy: NoisyAttention | None  # interpolated chunks with noise; None when no chunk is noisy
+
+
+def attention_routes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: list[ChunkContext], noisy: bool,
+    dropout: float = 0.0,
+) -> Routes:
+    """The routes of `gali_attention` over these chunks, with noise when `noisy`.
+
+    The noisy route is chosen only when some chunk takes it: a forced kernel that cannot run (GALI_KERNEL=triton
+    without CUDA) then fails where it would run, not in a forward that never adds noise.
+    """
+    noisy = noisy and any(chunk.interpolated for chunk in chunks)
+    return Routes(causal_route(query, key, value, dropout), noisy_route(query, key, value, dropout) if noisy else None)
+
+
+def chunk_context(
+    table: RopeTable, keys: int, queries: int, train_len: int, local_window: int, reuse: int = 0
+) -> ChunkContext:
+    """The context of a chunk ending at token `keys` with `queries` tokens, its tables on the table's device.
+
+    `reuse` > 0 promises that the previous chunk of the same forward had the same group size and `reuse` grouped keys.
+    """
+    group, grouped = grouping(keys, train_len, local_window)
+    query_rows = interpolate(keys, train_len, local_window, table.cos.device, first=keys - queries).ceil
+    key_cos, key_sin = key_rotation(table, keys, reuse, keys, train_len, group, grouped)
+    return ChunkContext(
+        queries=queries,
+        keys=keys,
+        group=group,
+        grouped=grouped,
+        reuse=reuse,
+        query_cos=table.cos[query_rows],
+        query_sin=table.sin[query_rows],
+        key_cos=key_cos,
+        key_sin=key_sin,
+    )
+
+
+def chunk_contexts(
+    table: RopeTable, pieces: list[tuple[int, int]], train_len: int, local_window: int
+) -> list[ChunkContext]:
+    """Contexts of a forward's successive pieces (from `chunk_plan`). A piece with the same group size as the one
+    before it reuses that one's grouped keys: their positions k / g did not move."""
+    contexts: list[ChunkContext] = []
+    for first, last in pieces:
+        previous = contexts[-1] if contexts else None
+        group = group_size(last, train_len, local_window)
+        reuse = previous.grouped if previous is not None and previous.interpolated and previous.group == group else 0
+        contexts.append(chunk_context(table, last, last - first, train_len, local_window, reuse))
+    return contexts
+
+
+def gali_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    chunks: list[ChunkContext],
+    scale: float,
+    dropout: float = 0.0,
+    noise: Noise | None = None,
+    routes: Routes | None = None,
+) -> torch.Tensor:
+    """Causal GALI attention of the successive chunks of one forward.
+
+    Args:
+        query: (B, H, q, D) un-rotated queries of all the chunks, in order.
+        key, value: (B, Hkv, >= T, D) un-rotated keys and values of every token so far.
+        chunks: the chunks' contexts, from `chunk_contexts`; the first one must not reuse rows.
+        noise: the layer's noise settings, or None for noise-free GALI.
+        routes: from `attention_routes` (with noise when `noise` is given), decided once per forward; decided here
+            for these chunks when not given.
+
+    Returns:
+        (B, H, q, D) attention output.
+    """
+    if chunks[0].reuse:
+        raise ValueError("the first chunk of a forward has no previous chunk to reuse keys from")
+    routes = routes or attention_routes(query, key, value, chunks, noise is not None, dropout)
+    # K_mix, the interpolation folded into the keys, kept across chunks: only rows that moved are rotated again.
+    # Under autograd every chunk's keys must stay intact, so they are rebuilt without writing in place.
+    differentiable = torch.is_grad_enabled()
+    mixed = None if differentiable else key.new_empty(*key.shape[:2], chunks[-1].keys, key.shape[-1])
+    outputs, row = [], 0
+    for chunk in chunks:
+        moved = slice(chunk.reuse, chunk.keys)
+        if differentiable:
+            rotated = rotate_fused(key[:, :, moved], chunk.key_cos, chunk.key_sin)
+            mixed = rotated if not chunk.reuse else torch.cat((mixed[:, :, : chunk.reuse], rotated), dim=2)
+        else:
+            rotate_fused(key[:, :, moved], chunk.key_cos, chunk.key_sin, out=mixed[:, :, moved])
+        chunk_query = rotate_fused(query[:, :, row : row + chunk.queries], chunk.query_cos, chunk.query_sin)
+        chunk_key, chunk_value = mixed[:, :, : chunk.keys], value[:, :, : chunk.keys]
+        if noise is None or not chunk.interpolated:
+            outputs.append(causal_attention(chunk_query, chunk_key, chunk_value, scale, dropout, routes.causal))
+        else:
+            outputs.append(routes.noisy(chunk_query, chunk_key, chunk_value, chunk.group, chunk.grouped, scale, noise,
+                                        dropout))
+        row += chunk.queries
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
