@@ -1,6 +1,11 @@
-"""GALI's settings, validated once, with messages that name the CLI flag to change."""
+"""GALI's and the other methods' settings, validated once, with messages that name the CLI flag to change.
 
-from dataclasses import dataclass, replace
+This module imports neither torch nor transformers: the command line parses its options into these before anything
+heavy loads.
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .errors import ConfigError
 
@@ -70,21 +75,61 @@ def _check_int(flag: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{flag} must be >= {minimum}, got {value}")
 
 
+# The methods --method accepts, in the order gali lists them; gali_cli.methods implements each (tests/test_methods.py
+# keeps the two in step). Listed here so that a mistyped name is refused before torch loads.
+METHOD_NAMES = ("original", "ntk", "dynamic-ntk", "yarn", "self-extend", "chunk-llama", "gali")
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """'gali, yarn' -> ('gali', 'yarn'); 'all' -> every method; an unknown or missing name is a ConfigError."""
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    methods = METHOD_NAMES if names == ("all",) else names
+    for name in methods or ("",):
+        if name not in METHOD_NAMES:
+            raise ConfigError(f"--method must be one of {', '.join(METHOD_NAMES)} (or all); got {name!r}")
+    return methods
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a setting appears on the command line: every command that takes a model gets it as an option."""
+
+    help: str
+    panel: str  # the --help section it is listed in
+    declarations: tuple[str, ...] = ()  # e.g. ("--noise/--no-noise",); none: --field-name
+
+
+def _flag(default: Any, panel: str, help: str, *declarations: str) -> Any:
+    """A settings field that is also a command-line option (gali_cli.options derives the option from it)."""
+    return field(default=default, metadata={"flag": Flag(help, panel, declarations)})
+
+
+_GALI, _OTHER = "GALI (defaults follow the training window)", "Other methods"
+
+
 @dataclass(frozen=True)
 class MethodSettings:
     """The settings of every length-extrapolation method; each method reads its own. None means the method's
-    default, usually relative to train_len and to the input's length (see gali_cli.methods)."""
+    default, usually relative to train_len and to the input's length (see gali_cli.methods).
 
-    train_len: int | None = None
-    chunk_size: int | None = None  # gali
-    local_window: int | None = None  # gali, chunk-llama
-    noise: bool = True  # gali
-    noise_scale: float = 1.0  # gali
-    seed: int = 0  # gali's noise
-    factor: float | None = None  # ntk, dynamic-ntk, yarn
-    group_size: int | None = None  # self-extend
-    neighbor_window: int | None = None  # self-extend
-    dca_chunk_size: int | None = None  # chunk-llama
+    A field declared with `_flag` is an option of every command that takes a model, with that help text: a new
+    method setting is one field here (plus its check in __post_init__) and the method that reads it.
+    """
+
+    train_len: int | None = _flag(None, _GALI, "The training window to stay within (default: the model's).")
+    chunk_size: int | None = _flag(None, _GALI, "Tokens per chunk beyond it (default: train-len / 4).")
+    local_window: int | None = _flag(None, _GALI, "Newest tokens kept at exact positions (default: train-len / 2; "
+                                                  "chunk-llama: train-len - dca-chunk-size).")
+    noise: bool = _flag(True, _GALI, "The paper's Gaussian logit noise.", "--noise/--no-noise")
+    noise_scale: float = 1.0  # gali; the Python API's alone
+    seed: int = _flag(0, _GALI, "Seed of the noise and of sampling.")
+    factor: float | None = _flag(None, _OTHER, "ntk, dynamic-ntk, yarn: the scaling factor (default: input tokens / "
+                                               "train-len, rounded up).")
+    group_size: int | None = _flag(None, _OTHER, "self-extend: tokens per group (default: the smallest that reaches "
+                                                 "the input).")
+    neighbor_window: int | None = _flag(None, _OTHER, "self-extend: keys at exact distances (default: train-len / "
+                                                      "4).")
+    dca_chunk_size: int | None = _flag(None, _OTHER, "chunk-llama: chunk size (default: 3/4 of train-len).")
 
     def __post_init__(self) -> None:
         self.gali()  # validates the settings GALI shares

@@ -11,7 +11,6 @@ from .engine.noisy_attention import noisy_attention_path
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 DEMO = "demo"
-DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

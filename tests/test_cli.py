@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import gali_cli.cli as cli
 import gali_cli.conversation as conversation
 from gali_cli.generate import TextPiece
+from gali_cli.methods import METHODS
 from rich.console import Console
 from test_documents import make_pdf
 
@@ -103,7 +104,7 @@ def test_ppl(gali, doc):
 def test_every_method_side_by_side(gali, doc, tmp_path):
     lengths = ["--lengths", "8,32,128"]
     rows = json.loads(gali("ppl", str(doc), "--method", "all", *lengths, "--json").stdout)["results"]
-    assert [r["method"] for r in rows[::3]] == list(cli.METHODS) and {r["length"] for r in rows} == {8, 32, 128}
+    assert [r["method"] for r in rows[::3]] == list(METHODS) and {r["length"] for r in rows} == {8, 32, 128}
     by_method = {(r["method"], r["length"]): r["ppl"] for r in rows}
     # Each is exact where it promises: GALI up to train_len (32), SelfExtend within its neighbour window (32 / 4),
     # Dual Chunk Attention within one chunk (3/4 of 32). (Dynamic NTK rescales a whole forward from its longest

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig
-from gali_cli.config import MethodSettings
+from gali_cli.config import METHOD_NAMES, MethodSettings, parse_methods
 from gali_cli.methods import METHODS, apply_method, remove_method
 from gali_cli.methods.rope_scaling import ntk_theta
 from conftest import VOCAB
@@ -192,3 +192,12 @@ def test_dynamic_ntk_prefills_in_one_forward(make_llama):
     assert METHODS["gali"].boundaries(model, 0, 40) == [16, 21, 26, 31, 36, 40]
     assert math.isfinite(float(model(prompt(40)).logits.sum()))
     assert GaliConfig  # the public config still imports
+
+
+def test_the_command_line_knows_every_method_by_name():
+    """config.METHOD_NAMES lets the command line refuse a name before torch loads; it must list what METHODS has."""
+    assert METHOD_NAMES == tuple(METHODS)
+    assert parse_methods("all") == METHOD_NAMES and parse_methods(" yarn, gali,yarn ") == ("yarn", "gali")
+    for bad in ("magic", "gali,magic", ",", ""):
+        with pytest.raises(ConfigError, match="--method must be one of"):
+            parse_methods(bad)

@@ -1,0 +1,51 @@
+"""What each command does once its options are parsed: read, load, run, report (cli.py only parses and calls).
+
+answer.py (summarize, ask, chat), ppl.py (perplexity), batches.py (many documents into a JSON-lines file), info.py
+(gali info, gali cache), common.py (what they share). Those import torch; this file does not, so that the command
+line can build a ModelChoice, and refuse a bad option, before anything heavy loads.
+"""
+
+from dataclasses import dataclass
+
+from ..config import MethodSettings, parse_methods
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which model, which methods and their settings: everything needed before a document is read."""
+
+    model: str
+    quantize: str
+    device: str
+    dtype: str
+    methods: tuple[str, ...]
+    settings: MethodSettings
+
+    @classmethod
+    def parse(cls, model: str, quantize: str, device: str, dtype: str, method: str, **settings: object) -> "ModelChoice":
+        """From the command line's values (`settings`: MethodSettings' fields); a bad one raises ConfigError."""
+        return cls(model, quantize, device, dtype, parse_methods(method), MethodSettings(**settings))
+
+    @property
+    def method(self) -> str:
+        """The one method of an answering command."""
+        if len(self.methods) != 1:
+            raise ConfigError("--method takes one method here; lists and 'all' are for gali ppl")
+        return self.methods[0]
+
+
+@dataclass(frozen=True)
+class Answering:
+    """How an answer is generated and shown."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    system: str | None
+    stream: bool
+    json_output: bool
+    verbose: bool
+    cache_dir: str | None = None
+    no_cache: bool = False

@@ -1,0 +1,122 @@
+"""gali summarize, ask and chat on one document: the answer streams to stdout, everything else goes to stderr."""
+
+import sys
+
+from .. import display
+from ..conversation import Conversation
+from ..display import print_json, say
+from ..documents import Document
+from ..generate import Finished, Sampler, TextPiece, make_sampler
+from ..loading import LoadedModel
+from ..prompts import ask_instruction
+from . import Answering, ModelChoice
+from .common import check, conversation, entry_point, facts, finished_facts, load, read, say_input, store
+
+
+@entry_point
+def answer(file: str, instruction: str, choice: ModelChoice, password: str | None, answering: Answering) -> None:
+    """Answer `instruction` about `file` (summarize, ask)."""
+    sampler, loaded, document, talk = _start(file, choice, password, answering)
+    say_input(loaded, choice.method, document, len(talk.prompt(instruction).ids))
+    text, finished = _stream_answer(talk, instruction, sampler, answering)
+    if answering.json_output:
+        print_json({"answer": text.strip(), **facts(choice.model, choice.method, talk.resolved, document),
+                    **finished_facts(finished)})
+    if answering.verbose:
+        _say_stats(finished)
+
+
+@entry_point
+def chat(file: str, choice: ModelChoice, password: str | None, answering: Answering) -> None:
+    """Read `file` once, then answer each question from stdin in turn, keeping the conversation."""
+    sampler, loaded, document, talk = _start(file, choice, password, answering)
+    say_input(loaded, choice.method, document, talk.prompt(ask_instruction("?")).document_end)
+    interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # a stray byte in a piped question is not worth a crash
+    while True:
+        question = _read_question(interactive)
+        if question is None:
+            return
+        if not question:
+            continue
+        instruction = question if talk.questions else ask_instruction(question)
+        try:
+            text, finished = _stream_answer(talk, instruction, sampler, answering)
+        except KeyboardInterrupt:  # stops this answer; Ctrl-C at the prompt leaves
+            say("(answer stopped; the question is forgotten)", style="dim")
+            continue
+        if answering.json_output:
+            print_json({"question": question, "answer": text.strip(), "turn": len(talk.questions),
+                        **finished_facts(finished)})
+        if answering.verbose:
+            _say_stats(finished)
+
+
+def _start(file: str, choice: ModelChoice, password: str | None, answering: Answering
+           ) -> tuple[Sampler, LoadedModel, Document, Conversation]:
+    """The sampler, model, document and conversation, checked in the order that fails soonest: settings, the
+    cache directory and the document before the model loads."""
+    sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
+    check(choice)
+    cache = None if answering.no_cache else store(answering.cache_dir)
+    document = read(file, password)
+    loaded = load(choice)
+    return sampler, loaded, document, conversation(loaded, choice, document, answering.system, cache)
+
+
+def _read_question(interactive: bool) -> str | None:
+    """The next question from stdin (the prompt on stderr when a person types, with line editing and history
+    where the readline module exists), stripped; None at end of input."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line.strip() if line else None
+    try:
+        import readline  # noqa: F401 - importing it gives input() line editing
+    except ImportError:
+        pass
+    display.err.print("[bold]>[/bold] ", end="")
+    try:
+        return input().strip()
+    except EOFError:
+        display.err.print()
+        return None
+
+
+def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answering: Answering
+                   ) -> tuple[str, Finished]:
+    """One answer, streamed to stdout unless --json or --no-stream; returns its text and what it cost."""
+    stream = answering.stream and not answering.json_output
+    pieces, finished = [], None
+    with display.progress_bar("Reading") as bar:
+        try:
+            for event in talk.ask(instruction, sampler, answering.max_new_tokens, bar):
+                bar.hide()
+                if isinstance(event, TextPiece):
+                    pieces.append(event.text)
+                    if stream:
+                        sys.stdout.write(event.text)
+                        sys.stdout.flush()
+                else:
+                    finished = event
+        except KeyboardInterrupt:
+            if stream and pieces:
+                sys.stdout.write("\n")
+            raise
+    text = "".join(pieces)
+    if not answering.json_output:
+        sys.stdout.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
+        sys.stdout.flush()
+    if talk.from_store and len(talk.questions) == 1:
+        say(f"(document state from the cache: {talk.document_tokens} tokens not read again)", style="dim")
+    if finished.reason == "length":
+        say(f"(stopped at --max-new-tokens {answering.max_new_tokens})", style="dim")
+    return text, finished
+
+
+def _say_stats(finished: Finished) -> None:
+    cached = finished.prompt_tokens - finished.prefilled_tokens
+    say(f"prompt {finished.prompt_tokens} tokens ({cached} from the cache), prefill {finished.prefill_seconds:.2f} s "
+        f"({finished.prefill_tokens_per_second:.0f} tokens/s); generated {finished.generated_tokens} tokens "
+        f"({finished.decode_tokens_per_second:.1f} tokens/s, {finished.reason}); "
+        f"peak memory {finished.peak_memory_bytes / 2**30:.2f} GiB")

@@ -1,0 +1,157 @@
+"""summarize, ask and ppl over many documents (--out): the model loads once, each document appends its JSON lines,
+and under a launcher each process takes its share and rank 0 merges (gali_cli.batch keeps the books)."""
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import display
+from ..batch import (
+    Collective,
+    Outcome,
+    Rank,
+    ResultsFile,
+    batch_summary,
+    corpus_perplexities,
+    expand_documents,
+    run_batch,
+)
+from ..display import print_json, say
+from ..documents import read_document
+from ..errors import ConfigError, InputError
+from ..generate import TextPiece, make_sampler
+from ..loading import resolve_device, resolve_dtype
+from . import Answering, ModelChoice
+from .common import check, conversation, entry_point, finished_facts, load, store
+from .ppl import method_perplexities, ppl_ids, print_rows
+
+
+@entry_point
+def answer_batch(specs: list[str], out: str | None, command: str, instruction: str, question: str | None,
+                 choice: ModelChoice, password: str | None, answering: Answering) -> int:
+    """Answer `instruction` about each document into `out`; returns how many documents failed (in all processes)."""
+    batch = _setup(specs, out, choice)
+    cache = None if answering.no_cache else store(answering.cache_dir)
+    job = _job(command, choice, question=question, system=answering.system,
+               generation={"max_new_tokens": answering.max_new_tokens, "temperature": answering.temperature,
+                           "top_p": answering.top_p, "top_k": answering.top_k})
+    loaded = load(choice, batch.rank)
+
+    def work(path: Path) -> list[dict]:
+        document = read_document(str(path), password=password)
+        talk = conversation(loaded, choice, document, answering.system, cache)
+        sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
+        events = list(talk.ask(instruction, sampler, answering.max_new_tokens))
+        answer = "".join(event.text for event in events if isinstance(event, TextPiece)).strip()
+        return [{"output": answer, "settings": talk.resolved, "tokens": events[-1].prompt_tokens,
+                 "warnings": [*document.warnings], **finished_facts(events[-1])}]
+
+    failed = _run(batch, job, work)
+    if answering.json_output and batch.rank.rank == 0:
+        print_json({"out": str(batch.results.path), **batch_summary(batch.results.records(), job, batch.documents)})
+    return failed
+
+
+@entry_point
+def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, password: str | None,
+                     max_tokens: int | None, lengths: list[int], json_output: bool, csv: bool, plot: str | None,
+                     verbose: bool) -> int:
+    """Each document's perplexity into `out`, then the corpus's (token-weighted) on stdout; returns how many
+    documents failed (in all processes)."""
+    batch = _setup(specs, out, choice)
+    job = _job("ppl", choice, max_tokens=max_tokens, lengths=lengths)
+    loaded = load(choice, batch.rank)
+
+    def work(path: Path) -> list[dict]:
+        document = read_document(str(path), password=password)
+        ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens)
+        reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
+        records = []
+        for method in choice.methods:
+            settings, found = (method_perplexities(loaded, ids, method, choice, reachable, verbose,
+                                                   show_progress=False)  # the batch has its own bar
+                               if reachable else ({}, []))
+            records.append({"method": method, "settings": settings, "tokens": len(ids),
+                            "results": [asdict(result) for result in found], "warnings": [*document.warnings]
+                            + ([] if reachable else [f"{len(ids)} tokens: shorter than every --lengths value"])})
+        return records
+
+    failed = _run(batch, job, work)
+    if batch.rank.rank == 0:
+        records = batch.results.records()
+        rows = corpus_perplexities(records, job, batch.documents, by_length=bool(lengths))
+        if json_output:
+            print_json({"corpus": rows, "out": str(batch.results.path),
+                        **batch_summary(records, job, batch.documents)})
+        elif rows:
+            print_rows(rows, csv, single=len(rows) == 1)
+        if plot and lengths and rows:
+            display.plot_ppl(rows, plot, f"{len(batch.documents)} documents, {choice.model}")
+            say(f"Saved {plot}.")
+    return failed
+
+
+@dataclass
+class _Batch:
+    """A batch ready to run: its documents, results file, this process's rank, and the other processes."""
+
+    documents: list[Path]
+    results: ResultsFile
+    rank: Rank
+    collective: Collective | None
+
+
+def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> _Batch:
+    """Everything checked before the model loads: the documents, the results file, the launcher's processes."""
+    if not out:
+        raise ConfigError("several documents need --out FILE.jsonl for their results")
+    check(choice)
+    rank = Rank.from_environment()
+    results = ResultsFile(Path(out), rank)
+    documents = [document for document in expand_documents(specs) if not results.is_output(document)]
+    if not documents:
+        raise InputError(f"no documents in {' '.join(specs)} besides --out")
+    results.prepare()
+    collective = Collective(rank) if rank.distributed else None
+    if not rank.distributed:
+        results.merge()  # part files an interrupted distributed run left behind
+    return _Batch(documents, results, rank, collective)
+
+
+def _job(command: str, choice: ModelChoice, **details) -> dict:
+    """What decides a document's output besides its content: a rerun with another job does every document again."""
+    device = resolve_device(choice.device)
+    return {"command": command, "model": choice.model, "quantize": choice.quantize, "device": device.type,
+            "dtype": str(resolve_dtype(choice.dtype, device)).removeprefix("torch."),
+            "method": ",".join(choice.methods), "settings": asdict(choice.settings), **details}
+
+
+def _run(batch: _Batch, job: dict, work: Callable[[Path], list[dict]]) -> int:
+    """Run this process's share (a bar with tokens/s alone, a line per document when distributed), then merge on
+    rank 0; returns how many documents failed in all processes."""
+    rank, label = batch.rank, f"[rank {batch.rank.rank}/{batch.rank.world}] " if batch.rank.distributed else ""
+    started = time.perf_counter()
+    with display.progress_bar("documents") as bar:
+        def progress(outcome: Outcome, path: Path | None) -> None:
+            finished = outcome.done + outcome.skipped + outcome.failed
+            if rank.distributed:
+                if path is not None:
+                    say(f"{label}{finished + 1}/{outcome.documents} {path}", style="dim")
+                return
+            bar(finished, outcome.documents)
+            bar.describe(f"documents ({outcome.tokens / (time.perf_counter() - started):.0f} tokens/s)")
+
+        outcome = run_batch(batch.documents, batch.results, job, work, rank, progress)
+    seconds = time.perf_counter() - started
+    say(f"{label}{outcome.documents} documents: {outcome.done} done ({outcome.tokens / seconds:.0f} tokens/s), "
+        f"{outcome.skipped} already done, {outcome.failed} failed -> {batch.results.part}")
+    if batch.collective is None:
+        return outcome.failed
+    failed = batch.collective.total(outcome.failed)  # every process is done
+    batch.results.merge()
+    batch.collective.wait()  # no process exits (and so no launcher stops the others) before the merge is done
+    batch.collective.close()
+    if rank.rank == 0:
+        say(f"merged the {rank.world} parts into {batch.results.path}")
+    return failed

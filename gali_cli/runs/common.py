@@ -1,0 +1,138 @@
+"""What the runs share: the checks before anything is read, reading, loading, the document cache, and the lines and
+facts every answer reports."""
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import torch
+import transformers
+
+from .. import display
+from ..engine.noisy_attention import kernel_choice
+from ..batch import Rank
+from ..conversation import Conversation
+from ..display import say, warn
+from ..doc_cache import DocumentCache, default_directory, default_limit
+from ..documents import Document, read_document
+from ..errors import ConfigError, GaliWarning, ModelLoadError
+from ..generate import Finished
+from ..loading import LoadedModel, load_config, load_model
+from . import ModelChoice
+
+Params, Result = ParamSpec("Params"), TypeVar("Result")
+
+
+def entry_point(run: Callable[Params, Result]) -> Callable[Params, Result]:
+    """A run the command line calls: library chatter kept off stderr while it runs, and CUDA running out of memory
+    reported as what it is, with what to change."""
+
+    @functools.wraps(run)
+    def quietly(*args: Params.args, **kwargs: Params.kwargs) -> Result:
+        with _quiet_libraries():
+            try:
+                return run(*args, **kwargs)
+            except torch.cuda.OutOfMemoryError:
+                raise ModelLoadError("CUDA ran out of memory: try --quantize 4bit or a smaller --chunk-size") from None
+
+    return quietly
+
+
+@contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """Keep library chatter (retries, repaired PDFs, per-call quantization notes) off the user's stderr, and show
+    gali's own warnings (GaliWarning) as one "warning:" line; all as it was afterwards."""
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "pypdf", "bitsandbytes")]
+    levels = [logger.level for logger in loggers]
+    verbosity, progress_bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    with warnings.catch_warnings():  # restores the filters and warnings.showwarning
+        show_other = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+            if issubclass(category, GaliWarning):
+                warn(str(message))
+            else:
+                show_other(message, category, filename, lineno, file, line)
+
+        warnings.filterwarnings("ignore", module="bitsandbytes")
+        warnings.showwarning = show
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+            if progress_bars:
+                transformers.logging.enable_progress_bar()
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def check(choice: ModelChoice) -> None:
+    """Settings that depend on the model (its window) are checked from its config, before any file is read."""
+    window = load_config(choice.model).max_position_embeddings
+    if "gali" in choice.methods:
+        choice.settings.gali().resolved(window)
+    elif choice.settings.train_len is not None and choice.settings.train_len > window:
+        raise ConfigError(f"--train-len ({choice.settings.train_len}) exceeds the model's training window ({window})")
+
+
+def read(file: str, password: str | None) -> Document:
+    """The document, with a bar over its pages and its warnings on stderr."""
+    with display.progress_bar("Pages") as bar:
+        document = read_document(file, password=password, progress=bar)
+    for warning in document.warnings:
+        warn(warning)
+    return document
+
+
+def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
+    """The model; under a launcher, on this process's own GPU (local rank, modulo the GPUs it can see)."""
+    gpu = rank.local_rank % max(1, torch.cuda.device_count()) if rank and rank.distributed else None
+    kernel_choice()  # a mistyped GALI_KERNEL fails now, not after the model has loaded
+    with display.err.status(f"Loading {choice.model}"):
+        return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu)
+
+
+def store(directory: str | None) -> DocumentCache:
+    """The document cache in `directory` (--cache-dir), or in the user cache directory."""
+    path = Path(directory).expanduser() if directory else default_directory()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--cache-dir {path}: not a directory")
+    return DocumentCache(path, default_limit(), warn)
+
+
+def conversation(loaded: LoadedModel, choice: ModelChoice, document: Document, system: str | None,
+                 cache: DocumentCache | None) -> Conversation:
+    """A conversation about `document`, its notices (e.g. a document read again) dim on stderr."""
+    return Conversation(loaded, choice.method, choice.settings, document.text, document.name, system, cache,
+                        notice=lambda message: say(message, style="dim"))
+
+
+def say_input(loaded: LoadedModel, method: str, document: Document, tokens: int) -> None:
+    """One dim line on stderr: the document, its length, and how far past the model's window that is."""
+    pages = f"{document.pages} page{'s' if document.pages != 1 else ''}, " if document.pages else ""
+    say(f"{document.name}: {pages}{tokens} tokens, {tokens / loaded.train_len:.1f}x the model's {loaded.train_len}"
+        f"-token window ({method})", style="dim")
+
+
+def facts(model: str, method: str, settings: dict, document: Document) -> dict:
+    """What a --json answer says about its input."""
+    return {"model": model, "method": method, "settings": settings,
+            "document": {"name": document.name, "kind": document.kind, "pages": document.pages}}
+
+
+def finished_facts(finished: Finished) -> dict:
+    """What a --json answer (or a batch record) says about its cost."""
+    return {"finish_reason": finished.reason, "prompt_tokens": finished.prompt_tokens,
+            "cached_tokens": finished.prompt_tokens - finished.prefilled_tokens,
+            "generated_tokens": finished.generated_tokens,
+            "prefill_tokens_per_second": round(finished.prefill_tokens_per_second, 2),
+            "decode_tokens_per_second": round(finished.decode_tokens_per_second, 2),
+            "peak_memory_mib": round(finished.peak_memory_bytes / 2**20, 1)}

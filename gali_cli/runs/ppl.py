@@ -1,0 +1,85 @@
+"""gali ppl on one document: each method's perplexity at each length, in one pass per method."""
+
+import os
+import sys
+import time
+
+import torch
+
+from .. import display
+from ..conversation import model_spans
+from ..display import print_json, say
+from ..documents import Document
+from ..errors import InputError
+from ..generate import peak_memory_bytes, reset_peak_memory
+from ..loading import LoadedModel
+from ..methods import METHODS, apply_method
+from ..perplexity import Perplexity, perplexities
+from ..prompts import text_ids
+from . import ModelChoice
+from .common import check, entry_point, facts, load, read, say_input
+
+
+@entry_point
+def perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens: int | None, lengths: list[int],
+               json_output: bool, csv: bool, plot: str | None, verbose: bool) -> None:
+    """Print the perplexity of `file` (a number, a table, CSV or JSON), and plot it against length if asked."""
+    check(choice)
+    document = read(file, password)
+    loaded = load(choice)
+    limit = lengths[-1] if lengths else max_tokens
+    ids, total = ppl_ids(loaded, document, limit)
+    if total > len(ids):
+        say(f"Evaluating the first {limit} of {total} tokens ({'--lengths' if lengths else '--max-tokens'}).")
+    rows, settings = [], {}
+    for method in choice.methods:
+        say_input(loaded, method, document, len(ids))
+        settings[method], results = method_perplexities(loaded, ids, method, choice, lengths or [len(ids)], verbose)
+        rows += [{"method": method, "length": result.length, "ppl": result.ppl} for result in results]
+    single = len(rows) == 1 and not lengths
+    if json_output:
+        about = facts(choice.model, ",".join(choice.methods), settings, document)
+        print_json({"ppl": rows[0]["ppl"], "tokens": len(ids), **about} if single else
+                   {"results": rows, "tokens": len(ids), **about})
+    else:
+        print_rows(rows, csv, single)
+    if plot:
+        display.plot_ppl(rows, plot, f"{os.path.basename(document.name)}, {choice.model}")
+        say(f"Saved {plot}.")
+
+
+def ppl_ids(loaded: LoadedModel, document: Document, limit: int | None) -> tuple[list[int], int]:
+    """The document's first `limit` tokens (the tokenizer's default special tokens), and how many it has."""
+    ids = text_ids(loaded.tokenizer, document.text, add_special_tokens=True)
+    if len(ids) < 2:
+        raise InputError(f"{document.name} has {len(ids)} token(s); perplexity needs at least 2")
+    return ids[:limit] if limit else ids, len(ids)
+
+
+def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice: ModelChoice, lengths: list[int],
+                        verbose: bool, show_progress: bool = True) -> tuple[dict, list[Perplexity]]:
+    """Apply `method` for these tokens and measure PPL at `lengths` in one pass; returns its settings and results."""
+    device = loaded.model.get_input_embeddings().weight.device
+    settings = apply_method(loaded.model, method, choice.settings, len(ids))
+    spans = model_spans(loaded, method, settings, 0, len(ids))
+    boundaries = METHODS[method].boundaries(loaded.model, 0, len(ids)) if METHODS[method].boundaries else None
+    reset_peak_memory(device)
+    started = time.perf_counter()
+    with display.progress_bar(method) as bar:
+        results = perplexities(loaded.model, torch.tensor([ids], device=device), lengths, spans,
+                               bar.with_figure("ppl") if show_progress else None, boundaries)
+    if verbose:
+        seconds = time.perf_counter() - started
+        say(f"{method}: {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.0f} tokens/s); "
+            f"peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB")
+    return settings, results
+
+
+def print_rows(rows: list[dict], csv: bool, single: bool) -> None:
+    """PPL rows on stdout: the number alone for one, else a table (or CSV)."""
+    if csv:
+        display.print_ppl_csv(rows)
+    elif single:
+        sys.stdout.write(f"{rows[0]['ppl']:.4f}\n")
+    else:
+        display.print_ppl_table(rows)
