@@ -15,7 +15,8 @@ from transformers import DynamicCache
 from . import __version__
 from .config import MethodSettings
 from .doc_cache import DocumentCache, entry_key
-from .generate import Finished, Progress, Sampler, TextPiece, forward_spans, stop_token_ids, stream_generate
+from .generate import (Finished, Progress, Sampler, TextPiece, forward_spans, stop_token_ids, stream_generate,
+                       truncate_cache)
 from .loading import LoadedModel
 from .methods import METHODS, apply_method
 from .prompts import Prompt, conversation_ids
@@ -102,8 +103,7 @@ class Conversation:
         if kept == 0:
             self.cache, self.from_store = None, False
             return
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, :kept], layer.values[:, :, :kept]
+        truncate_cache(self.cache, kept)
 
     def _record(self, instruction: str, ids: list[int], answer: list[int], key: str | None, document_ids: list[int],
                 start: int) -> None:
@@ -117,22 +117,31 @@ class Conversation:
                 "method": self.method})
 
     def _spans(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """Forwards over tokens [start, stop): a bounded number of tokens each (about 8 GALI chunks, at least
-        256), cut where the method allows, and always at the end of the document."""
-        cuts = [cut for cut in (start, self.document_tokens, stop) if start <= cut <= stop]
-        if not METHODS[self.method].prefix_reusable:
-            cuts = [start, stop]
-        spans = []
-        for first, last in zip(cuts, cuts[1:]):
-            if first < last:
-                spans += model_spans(self.loaded, self.method, self.resolved, first, last)
-        return spans
+        """Forwards over tokens [start, stop), always cut at the end of the document."""
+        return prefill_spans(self.loaded, self.method, self.resolved, start, stop, [self.document_tokens])
 
     def identity(self) -> dict:
         """Everything a document's K/V depend on besides its tokens: model, weights, dtype, method, settings."""
-        return {"format": "gali-document-state", "gali": __version__, "torch": torch.__version__,
-                "transformers": transformers.__version__, **self.loaded.identity, "method": self.method,
-                "settings": self.resolved}
+        return state_identity(self.loaded, self.method, self.resolved)
+
+
+def state_identity(loaded: LoadedModel, method: str, resolved: dict, kind: str = "gali-document-state") -> dict:
+    """What prefilled keys and values depend on besides their tokens: versions, model, weights, dtype, method and
+    its settings as applied (the document cache's key)."""
+    return {"format": kind, "gali": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            **loaded.identity, "method": method, "settings": resolved}
+
+
+def prefill_spans(loaded: LoadedModel, method: str, resolved: dict, start: int, stop: int, cuts: list[int]
+                  ) -> list[tuple[int, int]]:
+    """Forwards over tokens [start, stop): a bounded number of tokens each (about 8 GALI chunks, at least 256), cut
+    where the method allows, and always at `cuts` (unless the method needs the whole input in one forward)."""
+    ends = sorted({cut for cut in cuts if start < cut < stop} | {stop}) if METHODS[method].prefix_reusable else [stop]
+    spans, first = [], start
+    for last in ends:
+        spans += model_spans(loaded, method, resolved, first, last)
+        first = last
+    return spans
 
 
 def model_spans(loaded: LoadedModel, method: str, resolved: dict, start: int, stop: int) -> list[tuple[int, int]]:

@@ -182,6 +182,13 @@ def stream_generate(
     )
 
 
+def truncate_cache(cache: DynamicCache, tokens: int) -> None:
+    """Keep the first `tokens` tokens of every layer of `cache`. A forward stopped midway may have extended some
+    layers and not others: each is cut on its own."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :tokens], layer.values[:, :, :tokens]
+
+
 def stop_token_ids(model: PreTrainedModel, tokenizer) -> set[int]:
     """Every id that ends an answer: the generation config's eos ids, the tokenizer's eos, and <|eot_id|>."""
     ids = model.generation_config.eos_token_id

@@ -73,11 +73,9 @@ def conversation_ids(
             ids += content if role == "assistant" else text_ids(tokenizer, f"\n\n{content}\n")
         return Prompt(ids, document_end)
 
-    slotted = [{"role": role, "content": _SLOT.format(index)} for index, (role, _) in enumerate(turns)]
-    rendered = tokenizer.apply_chat_template(slotted, add_generation_prompt=True, tokenize=False)
+    parts = template_parts(tokenizer, [role for role, _ in turns])
     ids, document_end = [], 0
-    for index, (role, content) in enumerate(turns):
-        template_part, rendered = rendered.split(_SLOT.format(index), 1)
+    for index, ((role, content), template_part) in enumerate(zip(turns, parts)):
         if role == "assistant":
             ids += tokenizer(template_part, add_special_tokens=False).input_ids + content
         elif index == first_user:
@@ -87,7 +85,77 @@ def conversation_ids(
             ids += tokenizer(template_part, add_special_tokens=False).input_ids + text_ids(tokenizer, content)
         else:  # together, as the template's own tokenization cuts them
             ids += tokenizer(template_part + content, add_special_tokens=False).input_ids
-    return Prompt(ids + tokenizer(rendered, add_special_tokens=False).input_ids, document_end)
+    return Prompt(ids + tokenizer(parts[-1], add_special_tokens=False).input_ids, document_end)
+
+
+def template_parts(tokenizer, roles: list[str]) -> list[str]:
+    """The chat template's own text before each message and after the last one (len(roles) + 1 pieces).
+
+    The template is rendered around placeholders, so that each message's text can be tokenized apart; raises
+    ValueError when the template leaves a message out (or jinja2's TemplateError when it refuses the roles).
+    """
+    slotted = [{"role": role, "content": _SLOT.format(index)} for index, role in enumerate(roles)]
+    rendered = tokenizer.apply_chat_template(slotted, add_generation_prompt=True, tokenize=False)
+    parts = []
+    for index, role in enumerate(roles):
+        part, slot, rendered = rendered.partition(_SLOT.format(index))
+        if not slot:
+            raise ValueError(f"the model's chat template leaves out message {index} (role {role!r})")
+        parts.append(part)
+    return [*parts, rendered]
+
+
+class ServedPrompt(NamedTuple):
+    """Token ids of a prompt a client sent (`gali serve`), and where its prefill ends a forward.
+
+    A forward always ends after each message, and where a question may follow a document inside one (see
+    `question_starts`): with GALI the keys and values of the tokens before a cut depend on where the forwards
+    ended, so requests that share their tokens and cuts up to a point share their prefilled state up to it.
+    """
+
+    ids: list[int]
+    cuts: list[int]  # sorted token indices in (0, len(ids)]; the last one is len(ids)
+
+
+def question_starts(text: str) -> list[int]:
+    """Character offsets in a message where a question may follow a document: after its last blank line and after
+    its last line break ("document\n\nquestion", or `llm`'s "document\n question")."""
+    text = text.rstrip()
+    starts = {text.rfind("\n\n") + 2 if "\n\n" in text else 0, text.rfind("\n") + 1}
+    return sorted(start for start in starts if 0 < start < len(text))
+
+
+def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list[list[int]], bos: bool = False
+                  ) -> ServedPrompt:
+    """Messages `texts` set between the template pieces `parts` (template_parts; without a chat template, blank
+    lines), cut after each message and at the character offsets `text_cuts` in it. With `bos`, the first piece gets
+    the tokenizer's special tokens. A message that spells a special token keeps it as characters."""
+    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    ids, cuts = [], []
+    for index, (part, text, offsets) in enumerate(zip(parts, texts, text_cuts)):
+        special = bos and index == 0
+        if any(name in text for name in specials):
+            head = tokenizer(part, add_special_tokens=special).input_ids if part or special else []
+            body = text_ids(tokenizer, text)
+            piece, ends = head + body, [len(head) + _common_prefix(body, text_ids(tokenizer, text[:offset]))
+                                        for offset in offsets]
+        else:  # together, as the template's own tokenization cuts them
+            piece = tokenizer(part + text, add_special_tokens=special).input_ids
+            ends = [_common_prefix(piece, tokenizer(part + text[:offset], add_special_tokens=special).input_ids)
+                    for offset in offsets]
+        cuts += [len(ids) + end for end in ends] + [len(ids) + len(piece)]
+        ids += piece
+    ids += tokenizer(parts[-1], add_special_tokens=False).input_ids
+    return ServedPrompt(ids, sorted({cut for cut in [*cuts, len(ids)] if cut > 0}))
+
+
+def raw_prompt(tokenizer, text: str) -> ServedPrompt:
+    """A plain-text prompt (/v1/completions) as the model reads raw text: special tokens spelled in it are parsed,
+    the tokenizer's own (BOS) added; cut where a question may follow a document."""
+    ids = tokenizer(text, add_special_tokens=True).input_ids
+    ends = [_common_prefix(ids, tokenizer(text[:offset], add_special_tokens=True).input_ids)
+            for offset in question_starts(text)]
+    return ServedPrompt(ids, sorted({end for end in [*ends, len(ids)] if end > 0}))
 
 
 def _document_turn(tokenizer, template_part: str, document: str, after: str, specials: list[str]
