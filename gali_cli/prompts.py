@@ -115,6 +115,7 @@ class ServedPrompt(NamedTuple):
 
     ids: list[int]
     cuts: list[int]  # sorted token indices in (0, len(ids)]; the last one is len(ids)
+    shared: int  # the last cut before the last message ends: what the next question is likely to share (or 0)
 
 
 def question_starts(text: str) -> list[int]:
@@ -123,6 +124,14 @@ def question_starts(text: str) -> list[int]:
     text = text.rstrip()
     starts = {text.rfind("\n\n") + 2 if "\n\n" in text else 0, text.rfind("\n") + 1}
     return sorted(start for start in starts if 0 < start < len(text))
+
+
+def served_parts(tokenizer, roles: list[str]) -> tuple[list[str], bool]:
+    """The pieces a served chat prompt sets its messages between, and whether the first gets the tokenizer's special
+    tokens: the chat template's (template_parts), or without one, blank lines after BOS."""
+    if tokenizer.chat_template:
+        return template_parts(tokenizer, roles), False
+    return ["", *["\n\n"] * (len(roles) - 1), "\n"], True
 
 
 def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list[list[int]], bos: bool = False
@@ -145,8 +154,10 @@ def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list
                     for offset in offsets]
         cuts += [len(ids) + end for end in ends] + [len(ids) + len(piece)]
         ids += piece
+    last_message_end = len(ids)
     ids += tokenizer(parts[-1], add_special_tokens=False).input_ids
-    return ServedPrompt(ids, sorted({cut for cut in [*cuts, len(ids)] if cut > 0}))
+    cuts = sorted({cut for cut in [*cuts, len(ids)] if cut > 0})
+    return ServedPrompt(ids, cuts, max((cut for cut in cuts if cut < last_message_end), default=0))
 
 
 def raw_prompt(tokenizer, text: str) -> ServedPrompt:
@@ -155,7 +166,8 @@ def raw_prompt(tokenizer, text: str) -> ServedPrompt:
     ids = tokenizer(text, add_special_tokens=True).input_ids
     ends = [_common_prefix(ids, tokenizer(text[:offset], add_special_tokens=True).input_ids)
             for offset in question_starts(text)]
-    return ServedPrompt(ids, sorted({end for end in [*ends, len(ids)] if end > 0}))
+    cuts = sorted({end for end in [*ends, len(ids)] if end > 0})
+    return ServedPrompt(ids, cuts, max((cut for cut in cuts if cut < len(ids)), default=0))
 
 
 def _document_turn(tokenizer, template_part: str, document: str, after: str, specials: list[str]

@@ -2,7 +2,18 @@ from transformers import AutoTokenizer
 
 import pytest
 
-from gali_cli.prompts import SUMMARIZE, ask_instruction, chat_messages, conversation_ids, prompt_ids, text_ids
+from gali_cli.prompts import (
+    SUMMARIZE,
+    ask_instruction,
+    chat_messages,
+    conversation_ids,
+    prompt_ids,
+    question_starts,
+    raw_prompt,
+    served_parts,
+    served_prompt,
+    text_ids,
+)
 
 
 def test_the_document_comes_first_then_the_instruction(tiny_model_dir):
@@ -99,3 +110,49 @@ def test_a_pre_token_across_the_documents_end_keeps_the_templates_tokens():
     assert first.document_end == second.document_end
     assert first.ids[: first.document_end] == second.ids[: second.document_end]
     assert tokenizer.decode(first.ids[: first.document_end]).endswith("The roof leaks")  # "." goes with "\n\n"
+
+
+def _served(tokenizer, messages: list[tuple[str, str]]):
+    parts, bos = served_parts(tokenizer, [role for role, _ in messages])
+    return served_prompt(tokenizer, parts, [text for _, text in messages],
+                         [question_starts(text) for _, text in messages], bos)
+
+
+@pytest.mark.parametrize("text, starts", [("Doc.\n\nWhen?", [6]), ("Doc.\nMore.\n\nWhen?\nWhy?\n", [12, 18]),
+                                          ("Doc.\n When?", [5]), ("No line break.", []), ("Ends.\n\n", [])])
+def test_a_question_may_start_after_the_last_blank_line_or_line_break(text, starts):
+    assert question_starts(text) == starts
+
+
+@pytest.mark.parametrize("make_tokenizer", ["tiny", "llama3"])
+@pytest.mark.parametrize("document", ["The roof leaks.\n", "The roof leaks. When? It ends.", "A <|eot_id|> here.\n"])
+def test_served_prompts_about_one_document_share_their_prefix(tiny_model_dir, make_tokenizer, document):
+    """Two questions after one document: the template's own ids, cut after the system message and where each
+    question starts, and the same tokens up to that cut (the prefix a second request reuses)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir) if make_tokenizer == "tiny" else llama3_style_tokenizer()
+    prompts = [_served(tokenizer, [("system", "Be brief."), ("user", f"{document}\n\n{question}")])
+               for question in ("When?", "Who pays?")]
+    for prompt, question in zip(prompts, ("When?", "Who pays?")):
+        if "<|eot_id|>" not in document:
+            expected = tokenizer.apply_chat_template(
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{document}\n\n{question}"}],
+                add_generation_prompt=True, tokenize=True, return_dict=False)
+            assert prompt.ids == list(expected)
+        assert prompt.cuts[-1] == len(prompt.ids) and prompt.cuts == sorted(set(prompt.cuts))
+        assert tokenizer.decode(prompt.ids[prompt.shared:]).startswith(question)
+        assert tokenizer.decode(prompt.ids[: prompt.cuts[0]]).endswith("Be brief.")
+    first, second = prompts
+    assert first.shared == second.shared and first.ids[: first.shared] == second.ids[: second.shared]
+    assert [cut for cut in first.cuts if cut <= first.shared] == [cut for cut in second.cuts if cut <= second.shared]
+    assert prompts[0].ids.count(tokenizer.convert_tokens_to_ids("<|eot_id|>")) == 2  # a spelled one stays text
+
+
+def test_served_prompt_without_a_chat_template_and_a_raw_prompt(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = None
+    prompt = _served(tokenizer, [("user", "The lease.\n\nWhen?")])
+    assert prompt.ids[0] == tokenizer.bos_token_id and tokenizer.decode(prompt.ids[1:]) == "The lease.\n\nWhen?\n"
+    assert tokenizer.decode(prompt.ids[prompt.shared:]) == "When?\n"
+    raw = raw_prompt(tokenizer, "The lease.<|eot_id|>\n\nWhen")
+    assert raw.ids[0] == tokenizer.bos_token_id and tokenizer.convert_tokens_to_ids("<|eot_id|>") in raw.ids
+    assert tokenizer.decode(raw.ids[raw.shared:]) == "When" and raw.cuts == [raw.shared, len(raw.ids)]

@@ -1,0 +1,304 @@
+"""The ASGI application: OpenAI's routes over one ModelWorker.
+
+Handlers validate a request completely (API key, body size, JSON, fields, model, the chat template) before it
+queues, so a bad request is a 4xx at once; then they only wait for the worker's events and write them out, as one
+JSON document or as server-sent events. The event loop never runs model work.
+"""
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..generate import TextPiece
+from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
+from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, parse, read_json
+from .worker import Done, Event, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping
+
+KEEP_ALIVE_SECONDS = 15.0  # a comment line on a silent stream (a long queue or prefill), so that proxies wait
+POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server was started with, beyond the model and the method."""
+
+    name: str  # the model's name for clients ("model" in requests)
+    api_key: str | None = None
+    max_body_bytes: int = 32 * 2**20
+    max_new_tokens: int = 512  # when a request does not say (max_tokens)
+    temperature: float = 0.0  # when a request does not say
+    top_p: float = 1.0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> Starlette:
+    """The application; `log` gets one access-log line per request (and a line per unexpected error)."""
+    api = _API(worker, settings, log)
+    routes = [
+        Route("/health", api.endpoint(api.health)),
+        Route("/v1/models", api.endpoint(api.models)),
+        Route("/v1/models/{model_id:path}", api.endpoint(api.model)),
+        Route("/v1/chat/completions", api.endpoint(api.chat_completions), methods=["POST"]),
+        Route("/v1/completions", api.endpoint(api.completions), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return _AccessLog(app, log)
+
+
+class _API:
+    def __init__(self, worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> None:
+        self.worker, self.settings, self.log = worker, settings, log
+
+    def endpoint(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """`handler` with its errors as OpenAI-style JSON: an APIError as itself, anything else a 500."""
+
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as error:
+                return _error_response(error)
+            except Exception as error:  # noqa: BLE001 - the server keeps serving; the client learns what happened
+                self.log(f"error: {type(error).__name__}: {error}")
+                return _error_response(APIError(500, f"{type(error).__name__}: {error}", "server_error"))
+
+        return run
+
+    async def health(self, request: Request) -> Response:
+        worker = self.worker
+        facts = {"model": self.settings.name, "method": worker.method, "train_len": worker.loaded.train_len,
+                 "busy": worker.busy, "waiting": worker.waiting, "queue_size": worker.queue_size}
+        if worker.stopping:
+            return JSONResponse({"status": "stopping", **facts}, 503)
+        return JSONResponse({"status": "ok", **facts})
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(request.path_params["model_id"])
+        return JSONResponse(self._card())
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        chat = parse(ChatRequest, read_json(await self._body(request)))
+        self._check_model(chat.model)
+        chat.check_supported()
+        roles = ["system" if message.role == "developer" else message.role for message in chat.messages]
+        try:
+            parts, bos = served_parts(self.worker.loaded.tokenizer, roles)
+        except Exception as error:  # noqa: BLE001 - a template raises what it likes (raise_exception, TypeError...)
+            raise APIError(400, f"the model's chat template refuses these messages: {error}", param="messages")
+        texts = [message.text for message in chat.messages]
+        tokenize = partial(served_prompt, parts=parts, texts=texts, text_cuts=[m.cuts() for m in chat.messages],
+                           bos=bos)
+        label = next((text for text, role in zip(texts, roles) if role != "system"), texts[0])
+        return await self._answer(request, chat, Reply(True, self.settings.name), tokenize, label)
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        completion = parse(CompletionRequest, read_json(await self._body(request)))
+        self._check_model(completion.model)
+        completion.check_supported()
+        prompt = completion.prompt
+        if isinstance(prompt, str):
+            tokenize, label = partial(raw_prompt, text=prompt), prompt
+        else:
+            vocabulary = self.worker.loaded.model.config.vocab_size
+            if not all(0 <= token < vocabulary for token in prompt):
+                raise APIError(400, f"prompt: token ids must be in [0, {vocabulary})", param="prompt")
+            tokenize, label = (lambda tokenizer: ServedPrompt(list(prompt), [len(prompt)], 0)), f"{prompt[:8]}..."
+        return await self._answer(request, completion, Reply(False, self.settings.name), tokenize, label)
+
+    async def _answer(self, request: Request, generation: ChatRequest | CompletionRequest, reply: Reply,
+                      tokenize: Callable[[object], ServedPrompt], label: str) -> Response:
+        """Queue the job, then answer as one document or as a stream of events."""
+        job = Job(tokenize, self._sampling(generation), f"gali serve: {' '.join(label.split())[:60]}",
+                  asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull as full:
+            raise APIError(429, f"{self.worker.queue_size} requests are already waiting for the model; retry "
+                                f"in {full.retry_after} s", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(full.retry_after)}) from None
+        except Stopping:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+        request.state.note = "queued"
+        if generation.stream:
+            usage = generation.stream_options is not None and generation.stream_options.include_usage
+            return StreamingResponse(self._stream(request, job, reply, usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        pieces = []
+        try:
+            async for event in _events(job, request, poll=True):
+                if isinstance(event, TextPiece):
+                    pieces.append(event.text)
+                elif isinstance(event, Done):
+                    request.state.note = _note(event)
+                    return JSONResponse(reply.whole("".join(pieces), event.reason, _usage(event)))
+                elif isinstance(event, Failed):
+                    request.state.note = f"failed: {event.message}"
+                    raise APIError(event.status, event.message, event.kind)
+            request.state.note = "cancelled: the client went away"
+            return Response(status_code=499)  # nobody reads it
+        finally:
+            job.cancel()  # a client that went away stops the generation; harmless once it is done
+
+    async def _stream(self, request: Request, job: Job, reply: Reply, usage: bool) -> AsyncIterator[bytes]:
+        request.state.note = "cancelled: the client went away"
+        try:
+            if reply.chat:
+                yield _data(reply.chunk("", first=True))
+            async for event in _events(job, request, poll=False):
+                if event is None:
+                    yield b": keep-alive\n\n"
+                elif isinstance(event, TextPiece):
+                    yield _data(reply.chunk(event.text))
+                elif isinstance(event, Done):
+                    request.state.note = _note(event)
+                    yield _data(reply.chunk("", event.reason))
+                    if usage:
+                        yield _data(reply.usage_chunk(_usage(event)))
+                    yield b"data: [DONE]\n\n"
+                else:
+                    request.state.note = f"failed: {event.message}"
+                    yield _data(APIError(event.status, event.message, event.kind).body())
+        finally:
+            job.cancel()
+
+    def _sampling(self, generation: ChatRequest | CompletionRequest) -> Sampling:
+        """The request's sampling, with the server's defaults where it says nothing. top_p = 0 keeps only the most
+        likely token (greedy); without a seed, sampling is seeded at random, as OpenAI's is."""
+        settings = self.settings
+        temperature = settings.temperature if generation.temperature is None else generation.temperature
+        top_p = settings.top_p if generation.top_p is None else generation.top_p
+        seed = secrets.randbits(63) if generation.seed is None else generation.seed
+        return Sampling(generation.max_new_tokens or settings.max_new_tokens, temperature if top_p > 0 else 0.0,
+                        top_p if top_p > 0 else 1.0, seed, tuple(generation.stop or ()))
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused (413) as soon as it passes the size limit."""
+        limit, declared = self.settings.max_body_bytes, request.headers.get("content-length")
+        too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes "
+                                  "(gali serve --max-request-mib)", code="request_too_large")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise too_large if declared.isdigit() else APIError(400, "Content-Length is not a number")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(401, "this server needs an API key: Authorization: Bearer KEY", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def _check_model(self, name: str) -> None:
+        if name != self.settings.name:
+            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.settings.name!r}",
+                           param="model", code="model_not_found")
+
+    def _card(self) -> dict:
+        return {"id": self.settings.name, "object": "model", "created": self.settings.created, "owned_by": "gali"}
+
+
+async def _events(job: Job, request: Request, poll: bool) -> AsyncIterator[Event | None]:
+    """The job's events until its last; None after each silent KEEP_ALIVE_SECONDS. With `poll`, a client that went
+    away ends the iteration early (a stream's disconnect is noticed by Starlette itself)."""
+    loop = asyncio.get_running_loop()
+    heard = polled = loop.time()
+    getter = None
+    try:
+        while True:
+            getter = getter or asyncio.ensure_future(job.events.get())  # kept across timeouts: no event is lost
+            done, _ = await asyncio.wait({getter}, timeout=POLL_SECONDS)
+            now = loop.time()
+            if poll and now - polled >= POLL_SECONDS:
+                polled = now
+                if await request.is_disconnected():
+                    return
+            if not done:
+                if now - heard >= KEEP_ALIVE_SECONDS:
+                    heard = now
+                    yield None
+                continue
+            event, getter, heard = getter.result(), None, now
+            yield event
+            if isinstance(event, (Done, Failed)):
+                return
+    finally:
+        if getter is not None:
+            getter.cancel()
+
+
+def _usage(done: Done) -> Usage:
+    return Usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
+
+
+def _note(done: Done) -> str:
+    return (f"prompt {done.prompt_tokens} tokens ({done.cached_tokens} cached, read in {done.prefill_seconds:.2f} "
+            f"s), {done.completion_tokens} generated in {done.decode_seconds:.2f} s, {done.reason}")
+
+
+def _data(document: dict) -> bytes:
+    return f"data: {json.dumps(document, ensure_ascii=False)}\n\n".encode()
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
+    status = getattr(error, "status_code", 500)
+    message = (f"no such endpoint: {request.method} {request.url.path}" if status == 404 else
+               f"{request.method} is not allowed on {request.url.path}" if status == 405 else str(error))
+    return _error_response(APIError(status, message, code="not_found" if status == 404 else None,
+                                    headers=dict(getattr(error, "headers", None) or {})))
+
+
+class _AccessLog:
+    """One line per request, once its response is complete: client, method, path, status, seconds, and what the
+    handler noted (tokens read and generated, or why it failed)."""
+
+    def __init__(self, app: ASGIApp, log: Callable[[str], None]) -> None:
+        self.app, self.log = app, log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), None
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            host, port = scope.get("client") or ("-", 0)
+            note = scope.get("state", {}).get("note")
+            self.log(f'{host}:{port} "{scope["method"]} {scope["path"]}" {status or "-"} '
+                     f'{time.perf_counter() - started:.2f} s' + (f" - {note}" if note else ""))

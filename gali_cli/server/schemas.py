@@ -1,0 +1,242 @@
+"""What clients send and get back, in OpenAI's shapes, and the errors they get.
+
+Requests are validated strictly, as OpenAI does: a string is not a number and a number is not a boolean, so a
+mistyped field is an error rather than a guess. Fields this server has no use for (user, metadata, store...) are
+accepted and ignored; features it does not have (tools, several choices, log probabilities, penalties) are refused
+with a message, never silently dropped.
+"""
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..prompts import question_starts
+
+MAX_COMPLETION_TOKENS = 1 << 20
+_Request = TypeVar("_Request", bound=BaseModel)
+
+
+class APIError(Exception):
+    """An error as OpenAI reports it: an HTTP status and {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def read_json(body: bytes) -> dict:
+    """The request body as a JSON object; anything else is a 400."""
+    try:
+        data = json.loads(body, parse_constant=_no_constant)
+    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
+        raise APIError(400, f"the body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def parse(model: type[_Request], data: dict) -> _Request:
+    """`data` validated as `model`; the first problem becomes a 400 naming the field (e.g. messages.0.role)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Generation(_Strict):
+    """What both endpoints take: the model, sampling, stop strings, streaming."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COMPLETION_TOKENS)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: list[str] | None = None
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("must be a non-empty string or a list of up to 4 of them")
+        return stops
+
+    def refusals(self) -> dict[str, bool]:
+        """Features this server does not have, by field: True where the request asks for one."""
+        return {"n": self.n not in (None, 1), "presence_penalty": self.presence_penalty not in (None, 0),
+                "frequency_penalty": self.frequency_penalty not in (None, 0), "logit_bias": bool(self.logit_bias),
+                "logprobs": self.logprobs not in (None, False)}
+
+    def check_supported(self) -> None:
+        """Raise a 400 naming the first feature the request asks for that this server does not have."""
+        for name, refused in self.refusals().items():
+            if refused:
+                raise APIError(400, f"{name}: not supported by gali serve (leave it out)", param=name)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class Message(_Strict):
+    """A chat message; its content is kept as its text parts (a string is one part)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: list[str]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a string or a non-empty list of text parts")
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"only text parts ({{'type': 'text', 'text': ...}}) are supported, got {kind!r}")
+        return [part["text"] for part in value]
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.content)
+
+    def cuts(self) -> list[int]:
+        """Character offsets where the prefill ends a forward: each part's start, and where a question may follow a
+        document (prompts.question_starts)."""
+        starts, offset = set(), 0
+        for part in self.content[:-1]:
+            offset += len(part) + 1
+            starts.add(offset)
+        return sorted(starts | set(question_starts(self.text)))
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COMPLETION_TOKENS)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    response_format: Any = None
+    top_logprobs: Any = None
+
+    def refusals(self) -> dict[str, bool]:
+        return {**super().refusals(), "tools": bool(self.tools), "functions": bool(self.functions),
+                "tool_choice": self.tool_choice not in (None, "none", "auto"),
+                "response_format": self.response_format not in (None, {"type": "text"}),
+                "top_logprobs": self.top_logprobs not in (None, 0)}
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[int]
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]  # a batch of one
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(type(token) is int for token in value):
+            return value
+        if isinstance(value, list) and len(value) > 1 and all(isinstance(item, (str, list)) for item in value):
+            raise ValueError("one prompt per request (send several requests; they queue)")
+        raise ValueError("must be a string or a non-empty list of token ids")
+
+    def refusals(self) -> dict[str, bool]:
+        return {**super().refusals(), "echo": bool(self.echo), "suffix": bool(self.suffix),
+                "best_of": self.best_of not in (None, 1)}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens read (all of the prompt: nothing is truncated), of which `cached` came from a prefilled state, and
+    tokens generated."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The JSON of one response: a chat completion (message, deltas) or a text completion."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}")
+
+    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict:
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat else
+                  {"index": 0, "text": text})
+        return self._envelope("chat.completion" if self.chat else "text_completion",
+                              [{**choice, "logprobs": None, "finish_reason": finish_reason}], usage=usage.body())
+
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
+        """A streamed piece of the answer (the first chat chunk also names the role; the last has a finish_reason
+        and no text)."""
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion",
+                              [{**choice, "logprobs": None, "finish_reason": finish_reason}])
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The chunk stream_options.include_usage asks for: no choices, the usage."""
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage.body())
+
+    def _envelope(self, kind: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}

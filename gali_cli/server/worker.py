@@ -1,0 +1,264 @@
+"""The model worker: one thread that owns the model and answers queued requests one at a time.
+
+The model is not thread-safe, and a forward would block the event loop, so requests become jobs in a bounded queue;
+the worker tokenizes each job's prompt, applies the method for its length, starts from the best prefilled state
+(reuse.py), and streams the answer back to the event loop through the job's asyncio queue. A job is cancelled
+between two forwards (a client that went away, or the server stopping); the state it leaves is cut back to the
+tokens read completely, for the next request.
+"""
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..config import MethodSettings
+from ..conversation import prefill_spans
+from ..doc_cache import DocumentCache
+from ..errors import GaliError, InputError
+from ..generate import TextPiece, make_sampler, stop_token_ids, stream_generate
+from ..loading import LoadedModel
+from ..methods import apply_method
+from ..prompts import ServedPrompt
+from .reuse import States
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one answer is generated."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of an answer."""
+
+    reason: str  # "stop" (a stop token or string) or "length"
+    prompt_tokens: int
+    cached_tokens: int  # of the prompt, taken from a prefilled state
+    completion_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job that ended without an answer, as an HTTP status and a message."""
+
+    status: int
+    message: str
+    kind: str = "server_error"
+
+
+Event = TextPiece | Done | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    """One request for the model: its prompt (tokenized on the worker's thread: the tokenizer is not thread-safe
+    either), how to sample, and where its events go."""
+
+    tokenize: Callable[[object], ServedPrompt]
+    sampling: Sampling
+    label: str  # what the document cache lists for a stored prefix
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop generating at the next forward (harmless once the job is done)."""
+        self.cancelled.set()
+
+    def emit(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancel()
+
+
+class QueueFull(Exception):
+    """More jobs wait than the queue holds; `retry_after` is a guess, in seconds, of when one will be free."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Stopping(Exception):
+    """The worker takes no more jobs: the server is shutting down."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class StopStrings:
+    """Cuts the answer at the first stop string, holding back text that may be the start of one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.pending = stops, ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """The text that can be sent now, and whether a stop string was reached (the text then ends before it)."""
+        self.pending += text
+        found = [index for index in (self.pending.find(stop) for stop in self.stops) if index >= 0]
+        if found:
+            ready, self.pending = self.pending[: min(found)], ""
+            return ready, True
+        held = max((length for stop in self.stops for length in range(1, len(stop))
+                    if self.pending.endswith(stop[:length])), default=0)
+        ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held:]
+        return ready, False
+
+    def finish(self) -> str:
+        """What was held back, at the end of the answer."""
+        ready, self.pending = self.pending, ""
+        return ready
+
+
+class ModelWorker:
+    """The model's thread and its queue of at most `queue_size` waiting jobs."""
+
+    def __init__(self, loaded: LoadedModel, method: str, settings: MethodSettings, store: DocumentCache | None,
+                 queue_size: int) -> None:
+        self.loaded, self.method, self.settings = loaded, method, settings
+        self.states = States(loaded, method, store)
+        self.stop_ids = stop_token_ids(loaded.model, loaded.tokenizer)
+        self.queue_size = queue_size
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self._stopping = threading.Event()
+        self._current: Job | None = None
+        self._seconds_per_job = 1.0  # a running mean, for Retry-After
+        self._thread = threading.Thread(target=self._serve, name="gali-model", daemon=True)
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`; raises QueueFull when the queue is full and Stopping when the server is shutting down."""
+        if self.stopping:
+            raise Stopping()
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            wait = self._seconds_per_job * (self.waiting + 1)
+            raise QueueFull(max(1, min(60, math.ceil(wait)))) from None
+
+    def stop(self) -> None:
+        """Take no more jobs, end the one running at its next forward and fail the waiting ones (503). Safe to call
+        from a signal handler: it only sets flags and queues events."""
+        self._stopping.set()
+        if self._current is not None:
+            self._current.cancel()
+        self._fail_waiting()
+        try:
+            self._jobs.put_nowait(None)  # wakes the thread up to leave
+        except queue.Full:  # refilled meanwhile: the thread is not waiting, and fails those jobs itself
+            pass
+
+    def _fail_waiting(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.emit(Failed(503, "the server is shutting down"))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to finish its forward (and any document-cache write); True when it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None and not self.stopping:
+            if job.cancelled.is_set():
+                continue  # its client went away while it waited
+            self._current, started = job, time.perf_counter()
+            try:
+                self._answer(job)
+            except Exception as error:  # noqa: BLE001 - one request's failure must not stop the server
+                job.emit(Failed(400, str(error), "invalid_request_error") if isinstance(error, GaliError) else
+                         Failed(500, f"{type(error).__name__}: {error}"))
+            finally:
+                self._current = None
+                self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * (time.perf_counter() - started)
+        if job is not None:  # taken as the server began to stop
+            job.emit(Failed(503, "the server is shutting down"))
+        self._fail_waiting()  # and those queued meanwhile
+
+    def _answer(self, job: Job) -> None:
+        loaded = self.loaded
+        prompt = job.tokenize(loaded.tokenizer)
+        if not prompt.ids:
+            raise InputError("the prompt has no tokens")
+        resolved = apply_method(loaded.model, self.method, self.settings, len(prompt.ids))
+        cache, reused, _ = self.states.start(prompt, resolved)
+        read = reused  # tokens whose keys and values are complete in `cache`
+        generated, clock = 0, {"start": time.perf_counter()}
+
+        def progress(done: int, total: int) -> None:
+            nonlocal read
+            read = reused + done
+            if job.cancelled.is_set():
+                raise _Cancelled()
+
+        def sample(logits):
+            nonlocal generated
+            clock.setdefault("prefilled", time.perf_counter())
+            generated += 1
+            return sampler(logits)
+
+        sampling = job.sampling
+        sampler = make_sampler(sampling.temperature, sampling.top_p, 0, sampling.seed)
+        stops, reason = StopStrings(sampling.stop), "length"
+        events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, sample, sampling.max_new_tokens,
+                                 self.stop_ids, prefill_spans(loaded, self.method, resolved, reused, len(prompt.ids),
+                                                              prompt.cuts), progress, cache)
+        try:
+            for event in events:
+                if job.cancelled.is_set():
+                    raise _Cancelled()
+                if isinstance(event, TextPiece):
+                    text, stopped = stops.feed(event.text)
+                    if text:
+                        job.emit(TextPiece(text))
+                    if stopped:
+                        reason = "stop"
+                        break
+                else:
+                    reason = event.reason
+        except _Cancelled:
+            if self.stopping:
+                job.emit(Failed(503, "the server is shutting down"))
+            return
+        finally:
+            events.close()
+            self.states.keep(cache, prompt, read, resolved)
+        if tail := stops.finish():
+            job.emit(TextPiece(tail))
+        prefilled = clock.get("prefilled", time.perf_counter())
+        job.emit(Done(reason, len(prompt.ids), reused, generated, prefilled - clock["start"],
+                      time.perf_counter() - prefilled))
+        if not self.stopping:
+            self.states.store_shared(prompt, resolved, reused, job.label)

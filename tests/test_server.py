@@ -1,0 +1,444 @@
+"""gali serve as clients see it: the official openai client (and raw HTTP, for what no client would send) against a
+server on a free local port. The default tier runs the server in this process over a tiny random Llama (window 32);
+the slow tier runs `gali serve -m demo` as a process, as the issue's done-when says."""
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+
+from conftest import CORPUS
+from gali_cli.config import MethodSettings
+from gali_cli.doc_cache import DocumentCache
+from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
+from gali_cli.conversation import prefill_spans
+from gali_cli.loading import load_model
+from gali_cli.methods import apply_method
+from gali_cli.prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
+from gali_cli.server.app import ServerSettings
+from gali_cli.server.run import Server, address, bind
+from gali_cli.server.schemas import Message
+from gali_cli.server.worker import ModelWorker
+
+DOCUMENT = CORPUS * 7  # about 1,400 tokens: 44 times the tiny model's window
+FOREVER = 100_000  # max_tokens of an answer that is still being written when the test acts (no stop token wins)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir), "none", "cpu", "float32")
+
+
+@contextmanager
+def serving(loaded, store_dir: Path | None = None, queue_size: int = 8, **settings):
+    """A gali server over `loaded` on a free port of 127.0.0.1, in a thread of this process."""
+    store = DocumentCache(store_dir, 2**30, lambda message: None) if store_dir else None
+    worker = ModelWorker(loaded, "gali", MethodSettings(), store, queue_size)
+    listener = bind("127.0.0.1", 0)
+    log: list[str] = []
+    server = Server(worker, ServerSettings("tiny", **settings), log.append)
+    worker.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        yield SimpleNamespace(url=address(listener), worker=worker, server=server, thread=thread, log=log)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def served(loaded, tmp_path_factory):
+    with serving(loaded, tmp_path_factory.mktemp("served-cache"), max_body_bytes=2**20) as server:
+        yield server
+
+
+def client_for(server, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def raw(server, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
+    """(status, headers, JSON or bytes) of one plain HTTP request."""
+    parts = urlsplit(server.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    payload = json.dumps(body).encode() if isinstance(body, dict) else body
+    connection.request(method, path, body=payload, headers=headers or {})
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    try:
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(data)
+    except ValueError:
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, data
+
+
+def direct(loaded, messages: list[dict], max_tokens: int) -> tuple[str, ServedPrompt]:
+    """The answer gali's own generation gives the prompt the server builds, read from scratch; and the prompt."""
+    parsed = [Message.model_validate(message) for message in messages]
+    parts, bos = served_parts(loaded.tokenizer, [message.role for message in parsed])
+    prompt = served_prompt(loaded.tokenizer, parts, [m.text for m in parsed], [m.cuts() for m in parsed], bos)
+    resolved = apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
+    events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), max_tokens,
+                             stop_token_ids(loaded.model, loaded.tokenizer),
+                             prefill_spans(loaded, "gali", resolved, 0, len(prompt.ids), prompt.cuts))
+    return "".join(event.text for event in events if isinstance(event, TextPiece)), prompt
+
+
+def ask(client, content: str, max_tokens: int = 8, **options):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                          max_tokens=max_tokens, **options)
+
+
+def wait_until(condition, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_models_and_health(served):
+    client = client_for(served)
+    assert [model.id for model in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").owned_by == "gali"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    status, _, health = raw(served, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["method"] == "gali" and health["train_len"] == 32
+
+
+def test_a_chat_answer_is_gali_reading_the_whole_prompt(served, loaded):
+    """44 windows of text: every token is read (usage says so), and the answer is gali's own generation."""
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": f"Whole.\n{DOCUMENT}\n\nWhen does the lease end?"}]
+    answer = client_for(served).chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+    expected, prompt = direct(loaded, messages, 12)
+    assert answer.choices[0].message.content == expected and answer.choices[0].finish_reason == "length"
+    assert answer.usage.prompt_tokens == len(prompt.ids) > 40 * 32 and answer.usage.completion_tokens == 12
+    assert answer.object == "chat.completion" and answer.model == "tiny"
+
+
+def test_a_streamed_chat_matches_the_whole_answer_and_ends_with_done(served):
+    client = client_for(served)
+    content = f"Stream.\n{DOCUMENT}\n\nWho repairs the roof?"
+    whole = ask(client, content, 10).choices[0].message.content
+    chunks = list(ask(client, content, 10, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == whole
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 10
+    status, headers, body = raw(served, "POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True})
+    events = body.decode().strip().split("\n\n")
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]" and all(event.startswith("data: ") for event in events)
+
+
+def test_a_second_question_starts_from_the_documents_state(served, loaded):
+    """The document is read once: the next question about it (and a conversation that goes on) reuses its state
+    from memory, and after another document, from the document cache, with the answer a fresh read gives."""
+    client = client_for(served)
+    document = f"Reuse.\n{DOCUMENT}"
+    first = ask(client, f"{document}\n\nWhen does the lease end?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages = [{"role": "user", "content": f"{document}\n\nWho pays the rent?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    expected, prompt = direct(loaded, messages, 8)
+    assert second.choices[0].message.content == expected
+    assert second.usage.prompt_tokens_details.cached_tokens == prompt.shared  # only the question is read
+    turn = [*messages, {"role": "assistant", "content": second.choices[0].message.content},
+            {"role": "user", "content": "And the roof?"}]
+    third = client.chat.completions.create(model="tiny", messages=turn, max_tokens=8)
+    assert third.choices[0].message.content == direct(loaded, turn, 8)[0]
+    assert third.usage.prompt_tokens_details.cached_tokens > prompt.shared  # the first turn, question included
+    ask(client, f"Another.\n{DOCUMENT}\n\nWhen?")  # another document takes the memory
+    assert len(served.worker.states.store.entries()) >= 2
+    messages = [{"role": "user", "content": f"{document}\n\nWhat does read return?"}]
+    fourth = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    expected, prompt = direct(loaded, messages, 8)
+    assert fourth.choices[0].message.content == expected
+    assert fourth.usage.prompt_tokens_details.cached_tokens == prompt.shared  # from the document cache
+    assert "cached" in served.log[-1]
+
+
+def test_completions_from_text_and_from_token_ids(served, loaded):
+    client = client_for(served)
+    text = client.completions.create(model="tiny", prompt="def read(path):\n", max_tokens=6)
+    prompt = raw_prompt(loaded.tokenizer, "def read(path):\n")
+    resolved = apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
+    events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), 6,
+                             stop_token_ids(loaded.model, loaded.tokenizer),
+                             prefill_spans(loaded, "gali", resolved, 0, len(prompt.ids), prompt.cuts))
+    assert text.choices[0].text == "".join(event.text for event in events if isinstance(event, TextPiece))
+    assert text.object == "text_completion" and text.usage.prompt_tokens == len(prompt.ids)
+    by_ids = client.completions.create(model="tiny", prompt=prompt.ids, max_tokens=6)
+    assert by_ids.choices[0].text == text.choices[0].text
+    streamed = client.completions.create(model="tiny", prompt="def read(path):\n", max_tokens=6, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == text.choices[0].text
+
+
+def test_sampling_options_stop_strings_and_seeds(served):
+    client = client_for(served)
+    greedy = ask(client, "The tenant pays", 12).choices[0].message.content
+    stop = greedy[len(greedy) // 2: len(greedy) // 2 + 2]
+    cut = ask(client, "The tenant pays", 12, stop=[stop, "never there"])
+    assert cut.choices[0].message.content == greedy[: greedy.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = ask(client, "The tenant pays", 12, stop=stop, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == greedy[: greedy.index(stop)]
+    sampled = [ask(client, "The tenant pays", 12, temperature=1.0, seed=seed).choices[0].message.content
+               for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    assert ask(client, "The tenant pays", 12, top_p=0.0, temperature=1.0).choices[0].message.content == greedy
+
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+BAD_REQUESTS = {
+    "malformed JSON": (b'{"model": "tiny", "messages": [', 400, None),
+    "not an object": (b"[1, 2]", 400, None),
+    "not UTF-8": (b'{"model": "\xff"}', 400, None),
+    "NaN": (b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', 400, None),
+    "no messages": ({"model": "tiny"}, 400, "messages"),
+    "empty messages": ({"model": "tiny", "messages": []}, 400, "messages"),
+    "no model": ({"messages": MESSAGES}, 400, "model"),
+    "a string for a number": ({"model": "tiny", "messages": MESSAGES, "max_tokens": "5"}, 400, "max_tokens"),
+    "a boolean for a number": ({"model": "tiny", "messages": MESSAGES, "max_tokens": True}, 400, "max_tokens"),
+    "no tokens wanted": ({"model": "tiny", "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    "too hot": ({"model": "tiny", "messages": MESSAGES, "temperature": 2.5}, 400, "temperature"),
+    "top_p above 1": ({"model": "tiny", "messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
+    "a seed too large": ({"model": "tiny", "messages": MESSAGES, "seed": 2**64}, 400, "seed"),
+    "a tool's message": ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+    "no content": ({"model": "tiny", "messages": [{"role": "assistant", "content": None}]}, 400,
+                   "messages.0.content"),
+    "an image": ({"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "messages.0.content"),
+    "five stop strings": ({"model": "tiny", "messages": MESSAGES, "stop": list("abcde")}, 400, "stop"),
+    "two choices": ({"model": "tiny", "messages": MESSAGES, "n": 2}, 400, "n"),
+    "tools": ({"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    "penalties": ({"model": "tiny", "messages": MESSAGES, "presence_penalty": 1}, 400, "presence_penalty"),
+    "another model": ({"model": "gpt-4o", "messages": MESSAGES}, 404, "model"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_chat_requests_get_openai_style_errors(served, name):
+    body, status, param = BAD_REQUESTS[name]
+    got, _, error = raw(served, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    assert got == status, error
+    assert isinstance(error["error"]["message"], str) and error["error"]["type"] and error["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "tiny", "prompt": ["one", "two"]}, "prompt"),
+    ({"model": "tiny", "prompt": []}, "prompt"),
+    ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),
+    ({"model": "tiny", "prompt": "Hi", "echo": True}, "echo"),
+    ({"model": "tiny", "prompt": "Hi", "best_of": 3}, "best_of"),
+])
+def test_bad_completion_requests(served, body, param):
+    status, _, error = raw(served, "POST", "/v1/completions", body)
+    assert status == 400 and error["error"]["param"] == param
+
+
+def test_oversized_bodies_wrong_routes_and_the_server_keeps_serving(served):
+    big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 2**20}]}).encode()
+    status, _, error = raw(served, "POST", "/v1/chat/completions", big)
+    assert status == 413 and error["error"]["code"] == "request_too_large"
+    status, _, _ = raw(served, "POST", "/v1/chat/completions", b"{}", {"Content-Length": "nine"})
+    assert status == 400
+    status, _, error = raw(served, "GET", "/v1/chat/completions")
+    assert status == 405 and "error" in error
+    status, _, error = raw(served, "POST", "/v1/embeddings", {"model": "tiny", "input": "x"})
+    assert status == 404 and error["error"]["code"] == "not_found"
+    client = client_for(served)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        ask(client, "Hi", temperature=9)
+    with pytest.raises(openai.NotFoundError, match="gpt-4o"):
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert ask(client, "Still there?").choices[0].finish_reason == "length"
+
+
+def test_an_api_key_is_required_when_set(loaded):
+    with serving(loaded, api_key="sekret") as server:
+        assert [model.id for model in client_for(server, "sekret").models.list()] == ["tiny"]
+        with pytest.raises(openai.AuthenticationError):
+            client_for(server, "wrong").models.list()
+        status, headers, error = raw(server, "POST", "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES})
+        assert status == 401 and error["error"]["code"] == "invalid_api_key" and headers["www-authenticate"]
+        assert raw(server, "GET", "/health")[0] == 200
+        assert ask(client_for(server, "sekret"), "Hi", 2).usage.completion_tokens == 2
+
+
+def test_a_client_that_goes_away_stops_its_generation(served, loaded):
+    client = client_for(served)
+    stream = ask(client, "The roof", FOREVER, stream=True)
+    next(stream), next(stream)
+    assert served.worker.busy
+    stream.close()
+    assert wait_until(lambda: not served.worker.busy), "the model kept generating for nobody"
+    assert wait_until(lambda: "cancelled" in served.log[-1])
+    # the same without streaming: the connection closes while the answer is being written
+    parts = urlsplit(served.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port)
+    connection.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "The roof"}], "max_tokens": FOREVER}))
+    assert wait_until(lambda: served.worker.busy)
+    connection.close()
+    assert wait_until(lambda: not served.worker.busy), "the model kept generating for nobody"
+    # the state the cancelled answers left is rolled back: the next answer is the one a fresh read gives
+    answer = ask(client, "The roof", 8)
+    assert answer.choices[0].message.content == direct(loaded, [{"role": "user", "content": "The roof"}], 8)[0]
+
+
+def test_six_clients_at_once_all_get_their_own_answer(served):
+    questions = [f"{DOCUMENT}\n\nQuestion {index}: who pays?" for index in range(6)]
+    answers: dict[int, str] = {}
+
+    def one(index: int) -> None:
+        answers[index] = ask(client_for(served), questions[index], 6).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(answers) == list(range(6))
+    assert all(answers[index] == ask(client_for(served), questions[index], 6).choices[0].message.content
+               for index in (0, 5))
+
+
+def test_a_full_queue_answers_429_with_retry_after(loaded):
+    with serving(loaded, queue_size=1) as server:
+        client = client_for(server)
+        running = ask(client, "The roof", FOREVER, stream=True)
+        next(running)
+        waiting: list = []
+        thread = threading.Thread(target=lambda: waiting.append(ask(client_for(server), "Hi", 3)))
+        thread.start()
+        assert wait_until(lambda: server.worker.waiting == 1)
+        with pytest.raises(openai.RateLimitError) as refused:
+            ask(client, "Hi", 3)
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert refused.value.body["code"] == "queue_full"
+        running.close()
+        thread.join(60)
+        assert waiting[0].choices[0].finish_reason == "length"
+
+
+def test_stopping_ends_the_requests_in_flight(loaded):
+    with serving(loaded, queue_size=4) as server:
+        client = client_for(server)
+        running = ask(client, "The roof", FOREVER, stream=True)
+        next(running)
+        outcome: list = []
+
+        def queued() -> None:
+            try:
+                ask(client_for(server), "Hi", 3)
+            except openai.APIStatusError as error:
+                outcome.append(error.status_code)
+
+        thread = threading.Thread(target=queued)
+        thread.start()
+        assert wait_until(lambda: server.worker.waiting == 1)
+        server.server.handle_exit(signal.SIGTERM, None)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in running:
+                pass
+        thread.join(30)
+        server.thread.join(30)
+        assert outcome == [503] and not server.thread.is_alive() and server.worker.join(0)
+        assert server.log[-1] == "stopped"
+
+
+# ---- the real process: `gali serve -m demo` -------------------------------------------------------------------
+
+
+@contextmanager
+def gali_serve(*options: str):
+    """`gali serve -m demo --port 0` as a process; yields (base URL, process, its stderr lines so far)."""
+    process = subprocess.Popen([sys.executable, "-m", "gali_cli", "serve", "-m", "demo", "--port", "0", *options],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if "http://127.0.0.1:" in line:
+                url = "http://127.0.0.1:" + line.split("http://127.0.0.1:")[1].split()[0].rstrip(".,")
+                break
+        else:
+            raise AssertionError(f"gali serve did not start: {''.join(lines)}")
+        reader.start()
+        yield url, process, lines
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
+
+
+@pytest.mark.slow
+def test_gali_serve_demo_streams_a_document_16_windows_long_to_six_clients_and_stops_on_sigterm():
+    """The issue's done-when: the official client streams a chat over a document 16x the demo's window, six
+    concurrent requests complete, bad requests get 4xx JSON while it keeps serving, SIGTERM ends it."""
+    document = Path(__file__).parents[1].joinpath("gali_cli", "positions.py").read_text() * 3
+    with gali_serve() as (url, process, lines):
+        server = SimpleNamespace(url=url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+        stream = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": f"{document}\n\nWhat does chunk_plan return?"}],
+            max_tokens=16, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices).strip()
+        assert chunks[-1].usage.prompt_tokens > 16 * 256
+        results: list = []
+        threads = [threading.Thread(target=lambda index=index: results.append(client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": f"{document}\n\nQuestion {index}?"}], max_tokens=8)))
+            for index in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+        assert len(results) == 6 and all(result.usage.prompt_tokens > 16 * 256 for result in results)
+        assert max(result.usage.prompt_tokens_details.cached_tokens for result in results) > 16 * 256
+        for body, status in ((b"{", 400), ({"model": "demo", "messages": []}, 400), ({"model": "x", "messages": [
+                {"role": "user", "content": "Hi"}]}, 404)):
+            got, _, error = raw(server, "POST", "/v1/chat/completions", body)
+            assert got == status and error["error"]["message"]
+        assert client.models.list().data[0].id == "demo"
+        running = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "def"}],
+                                                 max_tokens=FOREVER, stream=True)
+        next(running)
+        process.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError):
+            for _ in running:
+                pass
+        assert process.wait(60) == -signal.SIGTERM
+    log = "".join(lines)
+    assert '"POST /v1/chat/completions" 200' in log and "stopped" in log and "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_gali_serve_takes_its_port_before_loading_and_ctrl_c_stops_it(tmp_path):
+    with gali_serve("--api-key", "sekret") as (url, process, lines):
+        port = urlsplit(url).port
+        taken = subprocess.run([sys.executable, "-m", "gali_cli", "serve", "-m", "demo", "--port", str(port)],
+                               capture_output=True, text=True, timeout=120)
+        assert taken.returncode == 1 and "cannot listen" in taken.stderr and len(taken.stderr.splitlines()) == 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 130
