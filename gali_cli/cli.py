@@ -36,7 +36,7 @@ from .options import (
     with_model_options,
 )
 from .prompts import SUMMARIZE, ask_instruction
-from .runs import Answering, ModelChoice
+from .runs import Answering, ModelChoice, Serving
 
 EXIT_CODES = {ConfigError: 2, InputError: 3, ModelLoadError: 4, UnsupportedModelError: 4}
 app = typer.Typer(name="gali", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -203,6 +203,48 @@ def chat(
 
     run_chat(file, choice, password, Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream,
                                                json_output, verbose, cache_dir, no_cache))
+
+
+@app.command()
+@_guarded
+@with_model_options
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 opens the server to the network (then "
+                                           "set --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="GALI_API_KEY", show_default=False,
+                                                help="Require 'Authorization: Bearer KEY' on /v1/.")] = None,
+    model_name: Annotated[str | None, typer.Option(help="The model's name for clients (default: the --model "
+                                                        "value).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest answer when a request sets no "
+                                                            "max_tokens.")] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0, max=2.0, help="When a request sets none; 0 is "
+                                                                      "greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="When a request sets none.")] = 1.0,
+    queue_size: Annotated[int, typer.Option(min=1, help="Requests that may wait for the model; past them, 429 "
+                                                        "with Retry-After.")] = 16,
+    max_request_mib: Annotated[int, typer.Option(min=1, help="Largest request body, in MiB (413 past "
+                                                             "it).")] = 32,
+    cache_dir: CacheDir = None, no_cache: NoCache = False, choice: ModelChoice = None,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health) that reads prompts longer than its window; needs pip install 'gali-cli\\[serve]'.
+
+    One model, many clients: requests queue for it, and a client that disconnects stops its answer.
+    A second question about a document starts from the document's prefilled state.
+    --seed seeds the noise; a request without a seed samples with a random one.
+    SIGTERM or Ctrl-C stop it cleanly; access log lines go to stderr.
+
+    Example: gali serve -m demo
+    Example: gali serve --quantize 4bit --host 0.0.0.0 --api-key "$(openssl rand -hex 16)"
+    """
+    from .server import require_extra
+
+    require_extra()  # before anything loads: one line saying what to install
+    from .runs.serve import serve as run_server
+
+    run_server(choice, Serving(host, port, api_key, model_name, max_new_tokens, temperature, top_p, queue_size,
+                               max_request_mib, cache_dir, no_cache))
 
 
 cache_app = typer.Typer(name="cache", no_args_is_help=True, help="The document cache: prefilled states of documents "

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 import gali_cli.cli as cli
 import gali_cli.conversation as conversation
+import gali_cli.runs.common as common
 from gali_cli.generate import TextPiece
 from gali_cli.methods import METHODS
 from rich.console import Console
@@ -381,3 +383,33 @@ def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "fused GALI kernel" in line]
     assert lines and lines[0].startswith("warning: the fused GALI kernel does not run here (test)")
+
+
+def test_serve_without_its_extra_says_what_to_install(gali, monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+    result = gali("serve", "--port", "0")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == ("gali: gali serve needs the server extra: pip install 'gali-cli[serve]' "
+                                     "(uvicorn is missing)")
+
+
+def test_serve_refuses_bad_settings_before_loading(gali, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(common, "load_model", no_loading)
+    assert gali("serve", "--method", "gali,yarn").exit_code == 2
+    assert gali("serve", "--port", "70000").exit_code == 2
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = gali("serve", "--port", str(taken.getsockname()[1]))
+    assert busy.exit_code == 1 and "cannot listen on 127.0.0.1" in busy.stderr
+    assert len(busy.stderr.strip().splitlines()) == 1
+
+    def unknown(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    bad_host = gali("serve", "--host", "gali.example")
+    assert bad_host.exit_code == 2 and bad_host.stderr.strip() == "gali: --host gali.example: Name or service not known"

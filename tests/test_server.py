@@ -5,6 +5,7 @@ the slow tier runs `gali serve -m demo` as a process, as the issue's done-when s
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -377,8 +378,8 @@ def gali_serve(*options: str):
     try:
         for line in process.stderr:
             lines.append(line)
-            if "http://127.0.0.1:" in line:
-                url = "http://127.0.0.1:" + line.split("http://127.0.0.1:")[1].split()[0].rstrip(".,")
+            if found := re.search(r"http://127\.0\.0\.1:\d+", line):
+                url = found.group()
                 break
         else:
             raise AssertionError(f"gali serve did not start: {''.join(lines)}")

@@ -1,8 +1,8 @@
 """What each command does once its options are parsed: read, load, run, report (cli.py only parses and calls).
 
 answer.py (summarize, ask, chat), ppl.py (perplexity), batches.py (many documents into a JSON-lines file), info.py
-(gali info, gali cache), common.py (what they share). Those import torch; this file does not, so that the command
-line can build a ModelChoice, and refuse a bad option, before anything heavy loads.
+(gali info, gali cache), serve.py (gali serve), common.py (what they share). Those import torch; this file does not,
+so that the command line can build a ModelChoice, and refuse a bad option, before anything heavy loads.
 """
 
 from dataclasses import dataclass
@@ -49,3 +49,20 @@ class Answering:
     verbose: bool
     cache_dir: str | None = None
     no_cache: bool = False
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Where `gali serve` listens, who may use it, and what a request that leaves them out gets."""
+
+    host: str
+    port: int
+    api_key: str | None
+    model_name: str | None  # None: the --model value
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    queue_size: int
+    max_request_mib: int
+    cache_dir: str | None
+    no_cache: bool

@@ -44,8 +44,8 @@ class ServerSettings:
 
 
 def create_app(worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> Starlette:
-    """The application; `log` gets one access-log line per request (and a line per unexpected error)."""
-    api = _API(worker, settings, log)
+    """The application; `log` gets one access-log line per request (with the error's message, for an error)."""
+    api = _API(worker, settings)
     routes = [
         Route("/health", api.endpoint(api.health)),
         Route("/v1/models", api.endpoint(api.models)),
@@ -58,8 +58,8 @@ def create_app(worker: ModelWorker, settings: ServerSettings, log: Callable[[str
 
 
 class _API:
-    def __init__(self, worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> None:
-        self.worker, self.settings, self.log = worker, settings, log
+    def __init__(self, worker: ModelWorker, settings: ServerSettings) -> None:
+        self.worker, self.settings = worker, settings
 
     def endpoint(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """`handler` with its errors as OpenAI-style JSON: an APIError as itself, anything else a 500."""
@@ -67,11 +67,11 @@ class _API:
         async def run(request: Request) -> Response:
             try:
                 return await handler(request)
-            except APIError as error:
-                return _error_response(error)
             except Exception as error:  # noqa: BLE001 - the server keeps serving; the client learns what happened
-                self.log(f"error: {type(error).__name__}: {error}")
-                return _error_response(APIError(500, f"{type(error).__name__}: {error}", "server_error"))
+                if not isinstance(error, APIError):
+                    error = APIError(500, f"{type(error).__name__}: {error}", "server_error")
+                request.state.note = error.message
+                return _error_response(error)
 
         return run
 

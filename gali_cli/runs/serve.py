@@ -1,0 +1,39 @@
+"""gali serve: the model behind the OpenAI API until SIGTERM or Ctrl-C (gali_cli.server does the serving)."""
+
+from datetime import datetime
+
+from ..display import say, warn
+from ..server.app import ServerSettings
+from ..server.run import address, bind, serve as run_server
+from ..server.worker import ModelWorker
+from . import ModelChoice, Serving
+from .common import check, entry_point, load, store
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@entry_point
+def serve(choice: ModelChoice, serving: Serving) -> None:
+    """Check the settings and take the port before the model loads (each fails at once), then serve."""
+    method = choice.method
+    check(choice)
+    cache = None if serving.no_cache else store(serving.cache_dir)
+    listener = bind(serving.host, serving.port)
+    try:
+        loaded = load(choice)
+        worker = ModelWorker(loaded, method, choice.settings, cache, serving.queue_size)
+        settings = ServerSettings(serving.model_name or choice.model, serving.api_key,
+                                  serving.max_request_mib * 2**20, serving.max_new_tokens, serving.temperature,
+                                  serving.top_p)
+        if not serving.api_key and serving.host not in LOCAL_HOSTS:
+            warn(f"listening on {serving.host} without --api-key: anyone who can reach it can use the model")
+        say(f"gali serve: {settings.name} ({method}, {loaded.train_len}-token window) at {address(listener)}/v1 "
+            "(Ctrl-C stops)")
+        run_server(worker, settings, listener, _log)
+    finally:
+        listener.close()
+
+
+def _log(line: str) -> None:
+    """An access-log line (or a note on stopping), timestamped, on stderr."""
+    say(f"{datetime.now():%Y-%m-%d %H:%M:%S} {line}")
