@@ -14,6 +14,7 @@ fails. Bounded: clients x requests requests, --timeout seconds in all, local add
 
 import argparse
 import ipaddress
+import os
 import platform
 import re
 import signal
@@ -121,6 +122,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("serve_options", nargs="*", help="more `gali serve` options, after --")
     args = parser.parse_args()
+    if args.clients < 1 or args.requests < 1 or args.clients * args.requests > 1000:
+        sys.exit("--clients and --requests: at least 1 each, at most 1000 requests in all")
     server, url = (None, local_only(args.url)) if args.url else start_server(args.model, args.queue_size,
                                                                               args.serve_options)
     texts = documents(args.document_tokens)
@@ -159,8 +162,10 @@ def main() -> None:
 def report(args, outcomes: list[Outcome], failures: list[str], wall: float, timed_out: bool,
            exit_status: int | None) -> None:
     sent = args.clients * args.requests
-    print(f"{date.today()} · {platform.machine()}, {platform.system()} · {args.clients} clients x {args.requests} "
-          f"requests, max_tokens {args.max_tokens}, documents of ~{args.document_tokens} tokens, model {args.model}")
+    print(f"{date.today()} · {platform.machine()}, {platform.system()}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[1]:.1f} over the last 5 min (a shared machine) · {args.clients} clients x "
+          f"{args.requests} requests, max_tokens {args.max_tokens}, documents of ~{args.document_tokens} tokens, "
+          f"model {args.model}")
     print(f"{len(outcomes)}/{sent} completed, {len(failures)} lost{', TIMED OUT' if timed_out else ''}; "
           f"{sum(o.retries for o in outcomes)} retries after 429; wall {wall:.1f} s; "
           f"server exit {exit_status if exit_status is not None else '-'} after SIGTERM")

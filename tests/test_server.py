@@ -28,6 +28,7 @@ from gali_cli.loading import load_model
 from gali_cli.methods import apply_method
 from gali_cli.prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
 from gali_cli.server.app import ServerSettings
+from gali_cli.server.reuse import States
 from gali_cli.server.run import Server, address, bind
 from gali_cli.server.schemas import Message
 from gali_cli.server.worker import ModelWorker
@@ -364,6 +365,28 @@ def test_stopping_ends_the_requests_in_flight(loaded):
         assert server.log[-1] == "stopped"
 
 
+def test_stopping_waits_for_a_document_cache_write_to_finish(loaded, tmp_path, monkeypatch):
+    writing, write = threading.Event(), States.store_shared
+
+    def slow_write(self, *args) -> None:
+        writing.set()
+        time.sleep(1.0)  # the signal arrives meanwhile
+        write(self, *args)
+
+    monkeypatch.setattr(States, "store_shared", slow_write)
+    with serving(loaded, tmp_path) as server:
+        thread = threading.Thread(target=lambda: ask(client_for(server), f"Saved.\n{DOCUMENT}\n\nWhen?", 2))
+        thread.start()
+        assert writing.wait(60)
+        server.server.handle_exit(signal.SIGTERM, None)
+        server.thread.join(30)
+        thread.join(30)
+        assert not server.thread.is_alive()
+    entries = DocumentCache(tmp_path, 2**30, print).entries()
+    assert len(entries) == 1 and entries[0].tokens > 1024 and entries[0].document.startswith("gali serve: Saved.")
+    assert not list(tmp_path.glob(".partial-*"))
+
+
 # ---- the real process: `gali serve -m demo` -------------------------------------------------------------------
 
 
@@ -428,6 +451,8 @@ def test_gali_serve_demo_streams_a_document_16_windows_long_to_six_clients_and_s
             for _ in running:
                 pass
         assert process.wait(60) == -signal.SIGTERM
+    cache = Path(os.environ["GALI_CACHE_DIR"])  # this test's own (conftest)
+    assert list(cache.glob("*.safetensors")) and not list(cache.glob(".partial-*"))
     log = "".join(lines)
     assert '"POST /v1/chat/completions" 200' in log and "stopped" in log and "Traceback" not in log
 
