@@ -37,8 +37,8 @@ import openai
 class Outcome:
     """One request as its client saw it."""
 
-    kind: str  # "document" or "short"
-    first_token: float  # seconds from sending to the first piece of text (or to the end, for an empty answer)
+    kind: str  # "document, read", "document, reused" (its prefilled state found) or "short"
+    first_token: float  # seconds from the first attempt to the first piece of text (the end, for an empty answer)
     total: float
     prompt_tokens: int
     cached_tokens: int
@@ -79,9 +79,9 @@ def documents(tokens: int) -> list[str]:
 
 
 def one_request(client: openai.OpenAI, model: str, content: str, kind: str, max_tokens: int) -> Outcome:
-    retries = 0
+    retries, started = 0, time.perf_counter()  # latencies count the waits after a 429 too
     while True:
-        started, first = time.perf_counter(), None
+        first = None
         try:
             stream = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, stream=True,
@@ -100,8 +100,11 @@ def one_request(client: openai.OpenAI, model: str, content: str, kind: str, max_
         total = time.perf_counter() - started
         if finish is None or usage is None:
             raise RuntimeError(f"a {kind} request ended without finish_reason or usage")
-        return Outcome(kind, first if first is not None else total, total, usage.prompt_tokens,
-                       usage.prompt_tokens_details.cached_tokens, usage.completion_tokens, retries)
+        cached = usage.prompt_tokens_details.cached_tokens
+        if kind == "document":
+            kind = "document, reused" if cached else "document, read"
+        return Outcome(kind, first if first is not None else total, total, usage.prompt_tokens, cached,
+                       usage.completion_tokens, retries)
 
 
 def percentiles(values: list[float]) -> str:
@@ -181,7 +184,7 @@ def report(args, outcomes: list[Outcome], failures: list[str], wall: float, time
     print("\n| requests | n | prompt tokens (mean) | cached (mean) | first token s p50 / p90 / p99 | "
           "total s p50 / p90 / p99 |")
     print("|---|---|---|---|---|---|")
-    for kind in ("document", "short", "all"):
+    for kind in ("document, read", "document, reused", "short", "all"):
         chosen = [o for o in outcomes if kind in ("all", o.kind)]
         if chosen:
             print(f"| {kind} | {len(chosen)} | {statistics.mean(o.prompt_tokens for o in chosen):.0f} | "

@@ -141,6 +141,10 @@ class _API:
             usage = generation.stream_options is not None and generation.stream_options.include_usage
             return StreamingResponse(self._stream(request, job, reply, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._whole(request, job, reply)
+
+    async def _whole(self, request: Request, job: Job, reply: Reply) -> Response:
+        """The answer as one JSON document, once it is complete."""
         pieces = []
         try:
             async for event in _events(job, request, poll=True):

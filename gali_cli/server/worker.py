@@ -12,14 +12,16 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import torch
 
 from ..config import MethodSettings
 from ..conversation import prefill_spans
 from ..doc_cache import DocumentCache
 from ..errors import GaliError, InputError
-from ..generate import TextPiece, make_sampler, stop_token_ids, stream_generate
+from ..generate import Finished, Sampler, TextPiece, make_sampler, stop_token_ids, stream_generate
 from ..loading import LoadedModel
 from ..methods import apply_method
 from ..prompts import ServedPrompt
@@ -45,7 +47,7 @@ class Done:
     prompt_tokens: int
     cached_tokens: int  # of the prompt, taken from a prefilled state
     completion_tokens: int
-    prefill_seconds: float
+    prefill_seconds: float  # from the job's start (tokenizing, finding a state, reading) to its first token
     decode_seconds: float
 
 
@@ -208,57 +210,73 @@ class ModelWorker:
         self._fail_waiting()  # and those queued meanwhile
 
     def _answer(self, job: Job) -> None:
-        loaded = self.loaded
+        loaded, sampling, counts = self.loaded, job.sampling, _Counts(job)
         prompt = job.tokenize(loaded.tokenizer)
         if not prompt.ids:
             raise InputError("the prompt has no tokens")
+        sampler = make_sampler(sampling.temperature, sampling.top_p, 0, sampling.seed)
         resolved = apply_method(loaded.model, self.method, self.settings, len(prompt.ids))
         cache, reused, _ = self.states.start(prompt, resolved)
-        read = reused  # tokens whose keys and values are complete in `cache`
-        generated, clock = 0, {"start": time.perf_counter()}
-
-        def progress(done: int, total: int) -> None:
-            nonlocal read
-            read = reused + done
-            if job.cancelled.is_set():
-                raise _Cancelled()
-
-        def sample(logits):
-            nonlocal generated
-            clock.setdefault("prefilled", time.perf_counter())
-            generated += 1
-            return sampler(logits)
-
-        sampling = job.sampling
-        sampler = make_sampler(sampling.temperature, sampling.top_p, 0, sampling.seed)
-        stops, reason = StopStrings(sampling.stop), "length"
-        events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, sample, sampling.max_new_tokens,
-                                 self.stop_ids, prefill_spans(loaded, self.method, resolved, reused, len(prompt.ids),
-                                                              prompt.cuts), progress, cache)
+        counts.reused = counts.read = reused
+        events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, counts.counted(sampler),
+                                 sampling.max_new_tokens, self.stop_ids,
+                                 prefill_spans(loaded, self.method, resolved, reused, len(prompt.ids), prompt.cuts),
+                                 counts.progress, cache)
         try:
-            for event in events:
-                if job.cancelled.is_set():
-                    raise _Cancelled()
-                if isinstance(event, TextPiece):
-                    text, stopped = stops.feed(event.text)
-                    if text:
-                        job.emit(TextPiece(text))
-                    if stopped:
-                        reason = "stop"
-                        break
-                else:
-                    reason = event.reason
+            reason = _relay(job, events, StopStrings(sampling.stop))
         except _Cancelled:
             if self.stopping:
                 job.emit(Failed(503, "the server is shutting down"))
             return
         finally:
             events.close()
-            self.states.keep(cache, prompt, read, resolved)
-        if tail := stops.finish():
-            job.emit(TextPiece(tail))
-        prefilled = clock.get("prefilled", time.perf_counter())
-        job.emit(Done(reason, len(prompt.ids), reused, generated, prefilled - clock["start"],
+            self.states.keep(cache, prompt, counts.read, resolved)
+        prefilled = counts.prefilled or time.perf_counter()
+        job.emit(Done(reason, len(prompt.ids), reused, counts.generated, prefilled - counts.started,
                       time.perf_counter() - prefilled))
         if not self.stopping:
             self.states.store_shared(prompt, resolved, reused, job.label)
+
+
+class _Counts:
+    """What a job has done so far: tokens read completely (the prefill's progress, which also checks whether the
+    job was cancelled between two forwards) and tokens sampled, and when."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.reused, self.read, self.generated = job, 0, 0, 0
+        self.started, self.prefilled = time.perf_counter(), None
+
+    def progress(self, done: int, total: int) -> None:
+        self.read = self.reused + done  # the prefill started after the reused tokens
+        if self.job.cancelled.is_set():
+            raise _Cancelled()
+
+    def counted(self, sampler: Sampler) -> Sampler:
+        """`sampler`, counting its tokens; the first one marks the end of the prefill."""
+
+        def sample(logits: torch.Tensor) -> int:
+            self.prefilled = self.prefilled or time.perf_counter()
+            self.generated += 1
+            return sampler(logits)
+
+        return sample
+
+
+def _relay(job: Job, events: Iterator[TextPiece | Finished], stops: StopStrings) -> str:
+    """Send the answer's pieces to the job until the end, a stop string or a cancellation; returns the finish
+    reason."""
+    reason = "length"
+    for event in events:
+        if job.cancelled.is_set():
+            raise _Cancelled()
+        if isinstance(event, TextPiece):
+            text, stopped = stops.feed(event.text)
+            if text:
+                job.emit(TextPiece(text))
+            if stopped:
+                return "stop"
+        else:
+            reason = event.reason
+    if tail := stops.finish():
+        job.emit(TextPiece(tail))
+    return reason
