@@ -103,6 +103,15 @@ def ask(client, content: str, max_tokens: int = 8, **options):
                                           max_tokens=max_tokens, **options)
 
 
+def long_answer(server):
+    """A streamed answer that goes on as long as the test needs, once the model is writing it (the first chunk,
+    the role, comes before the job leaves the queue)."""
+    stream = ask(client_for(server), "The roof", FOREVER, stream=True)
+    next(stream), next(stream)
+    assert server.worker.busy and server.worker.waiting == 0
+    return stream
+
+
 def wait_until(condition, seconds: float = 20.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -285,9 +294,7 @@ def test_an_api_key_is_required_when_set(loaded):
 
 def test_a_client_that_goes_away_stops_its_generation(served, loaded):
     client = client_for(served)
-    stream = ask(client, "The roof", FOREVER, stream=True)
-    next(stream), next(stream)
-    assert served.worker.busy
+    stream = long_answer(served)
     stream.close()
     assert wait_until(lambda: not served.worker.busy), "the model kept generating for nobody"
     assert wait_until(lambda: "cancelled" in served.log[-1])
@@ -323,9 +330,7 @@ def test_six_clients_at_once_all_get_their_own_answer(served):
 
 def test_a_full_queue_answers_429_with_retry_after(loaded):
     with serving(loaded, queue_size=1) as server:
-        client = client_for(server)
-        running = ask(client, "The roof", FOREVER, stream=True)
-        next(running)
+        client, running = client_for(server), long_answer(server)
         waiting: list = []
         thread = threading.Thread(target=lambda: waiting.append(ask(client_for(server), "Hi", 3)))
         thread.start()
@@ -341,9 +346,7 @@ def test_a_full_queue_answers_429_with_retry_after(loaded):
 
 def test_stopping_ends_the_requests_in_flight(loaded):
     with serving(loaded, queue_size=4) as server:
-        client = client_for(server)
-        running = ask(client, "The roof", FOREVER, stream=True)
-        next(running)
+        running = long_answer(server)
         outcome: list = []
 
         def queued() -> None:
