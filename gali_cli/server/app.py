@@ -126,7 +126,7 @@ class _API:
     async def _answer(self, request: Request, generation: ChatRequest | CompletionRequest, reply: Reply,
                       tokenize: Callable[[object], ServedPrompt], label: str) -> Response:
         """Queue the job, then answer as one document or as a stream of events."""
-        job = Job(tokenize, self._sampling(generation), f"gali serve: {' '.join(label.split())[:60]}",
+        job = Job(tokenize, self._sampling(generation), f"gali serve: {' '.join(label[:200].split())[:60]}",
                   asyncio.get_running_loop())
         try:
             self.worker.submit(job)
