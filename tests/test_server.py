@@ -421,7 +421,7 @@ def gali_serve(*options: str):
 def test_gali_serve_demo_streams_a_document_16_windows_long_to_six_clients_and_stops_on_sigterm():
     """The issue's done-when: the official client streams a chat over a document 16x the demo's window, six
     concurrent requests complete, bad requests get 4xx JSON while it keeps serving, SIGTERM ends it."""
-    document = Path(__file__).parents[1].joinpath("gali_cli", "positions.py").read_text() * 3
+    document = Path(__file__).parents[1].joinpath("gali_cli", "engine", "positions.py").read_text() * 3
     with gali_serve() as (url, process, lines):
         server = SimpleNamespace(url=url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
