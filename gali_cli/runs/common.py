@@ -97,7 +97,8 @@ def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
     gpu = rank.local_rank % max(1, torch.cuda.device_count()) if rank and rank.distributed else None
     kernel_choice()  # a mistyped GALI_KERNEL fails now, not after the model has loaded
     with display.err.status(f"Loading {choice.model}"):
-        return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu)
+        return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu,
+                          notice=lambda message: say(message, style="dim"))
 
 
 def store(directory: str | None) -> DocumentCache:

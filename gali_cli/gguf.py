@@ -1,0 +1,210 @@
+"""GGUF files (llama.cpp, ollama, LM Studio): recognised, checked and identified before transformers reads them.
+
+transformers reads a GGUF's metadata in seconds and dequantizes its tensors in tens of seconds, and says little
+when the file is damaged. This module reads only the header, with the layout the GGUF specification gives (magic,
+version, metadata key-values, tensor descriptions, aligned data), so that a file that is not a GGUF, is truncated,
+is damaged or holds another architecture is refused at once, in one line, before anything slow runs.
+"""
+
+import hashlib
+import importlib.util
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelLoadError, UnsupportedModelError
+
+MAGIC = b"GGUF"
+SUPPORTED_ARCHITECTURES = ("llama",)
+_VERSIONS = (2, 3)  # version 1 counted in 32 bits; llama.cpp has not written it since 2023
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 8
+_HEAD_BYTES = 2**20  # the part of the file whose digest tells it from another of the same size and time
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts like a GGUF (its suffix is not trusted: the magic is)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def require_gguf_package() -> None:
+    """transformers needs the `gguf` package to dequantize; say how to get it before anything else runs."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError("reading a GGUF file needs the gguf package: pip install gguf")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the header describes it."""
+
+    name: str
+    shape: tuple[int, ...]  # as GGUF lists it: fastest-varying dimension first
+    ggml_type: int
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    """What a GGUF says about itself: its metadata (scalars and strings; arrays as their length) and tensors."""
+
+    version: int
+    metadata: dict
+    tensors: tuple[TensorInfo, ...]
+    data_start: int
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "?"))
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("general.name", ""))
+
+
+class _Reader:
+    """Little-endian values from a memory-mapped file, every read checked against the file's end."""
+
+    def __init__(self, data: mmap.mmap, path: Path) -> None:
+        self.data, self.path, self.offset = data, path, 0
+
+    def scalar(self, code: str):
+        size = struct.calcsize(code)
+        self._need(size)
+        (value,) = struct.unpack_from("<" + code, self.data, self.offset)
+        self.offset += size
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("Q")
+        self._need(length)
+        text = bytes(self.data[self.offset:self.offset + length]).decode("utf-8", errors="replace")
+        self.offset += length
+        return text
+
+    def value(self, kind: int):
+        """A metadata value; an array is skipped and stands as its length (the tokenizer's are large)."""
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.scalar("I"), self.scalar("Q")
+            if item in _SCALARS:
+                size = struct.calcsize(_SCALARS[item]) * count
+                self._need(size)
+                self.offset += size
+            else:
+                for _ in range(count):
+                    self.value(item)
+            return count
+        raise self.damaged(f"unknown metadata type {kind} at byte {self.offset}")
+
+    def _need(self, size: int) -> None:
+        if self.offset + size > len(self.data):
+            raise ModelLoadError(f"{self.path} is truncated: its header ends past the end of the file "
+                                 f"({len(self.data)} bytes); download it again")
+
+    def damaged(self, detail: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path} is a damaged GGUF file ({detail}); download it again")
+
+
+def read_header(path: Path) -> GgufHeader:
+    """The header of the GGUF at `path`, checked: version, metadata, tensor types, and tensors inside the file."""
+    require_gguf_package()
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != MAGIC:
+                raise ModelLoadError(f"{path} is not a GGUF file")
+            reader = _Reader(data, path)
+            reader.offset = 4
+            version = reader.scalar("I")
+            if version not in _VERSIONS:
+                raise ModelLoadError(f"{path}: GGUF version {version} is not supported (versions 2 and 3 are)")
+            tensor_count, kv_count = reader.scalar("Q"), reader.scalar("Q")
+            if tensor_count > len(data) or kv_count > len(data):
+                raise reader.damaged(f"{tensor_count} tensors and {kv_count} metadata entries in {len(data)} bytes")
+            metadata = {}
+            for _ in range(kv_count):
+                key = reader.string()
+                metadata[key] = reader.value(reader.scalar("I"))
+            tensors = []
+            for _ in range(tensor_count):
+                name, dims = reader.string(), reader.scalar("I")
+                if dims > _MAX_DIMS:
+                    raise reader.damaged(f"tensor {name!r} has {dims} dimensions")
+                shape = tuple(reader.scalar("Q") for _ in range(dims))
+                kind, offset = reader.scalar("I"), reader.scalar("Q")
+                try:
+                    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                except (ValueError, KeyError):
+                    raise ModelLoadError(f"{path}: tensor {name!r} has type {kind}, which this gguf package does "
+                                         "not know (pip install -U gguf)") from None
+                elements = math.prod(shape)
+                if elements % block:
+                    raise reader.damaged(f"tensor {name!r} of shape {shape} is not whole blocks of {block}")
+                tensors.append(TensorInfo(name, shape, kind, offset, elements // block * block_bytes))
+            alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+            if not isinstance(alignment, int) or alignment <= 0:
+                raise reader.damaged(f"alignment {alignment!r}")
+            data_start = -(-reader.offset // alignment) * alignment
+            size = len(data)
+    except ValueError as error:  # mmap of an empty file
+        raise ModelLoadError(f"{path} is not a GGUF file ({error})") from error
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {path}: {error.strerror or error}") from error
+    end = max((data_start + tensor.offset + tensor.nbytes for tensor in tensors), default=data_start)
+    if end > size:
+        raise ModelLoadError(f"{path} is truncated: its tensors need {end} bytes and the file has {size}; "
+                             "download it again")
+    return GgufHeader(version, metadata, tuple(tensors), data_start)
+
+
+def check_llama(path: Path, header: GgufHeader) -> None:
+    """Refuse a GGUF of another architecture before it is dequantized."""
+    if header.architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"{path} is a {header.architecture!r} GGUF; gali supports Llama models only")
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    """A GGUF file's identity: where it is, its size and modification time, and a digest of its first MiB (a
+    file replaced by another changes at least one of them)."""
+
+    path: Path
+    size: int
+    mtime_ns: int
+    head_sha256: str
+
+    @classmethod
+    def at(cls, path: Path) -> "GgufFile":
+        resolved = path.expanduser().resolve()
+        try:
+            stat = resolved.stat()
+            with open(resolved, "rb") as file:
+                head = hashlib.sha256(file.read(_HEAD_BYTES)).hexdigest()
+        except OSError as error:
+            raise ModelLoadError(f"cannot read {path}: {error.strerror or error}") from error
+        return cls(resolved, stat.st_size, stat.st_mtime_ns, head)
+
+    def fingerprint(self) -> dict:
+        return {"path": str(self.path), "size": self.size, "mtime_ns": self.mtime_ns, "head_sha256": self.head_sha256}
+
+    def same_file(self) -> bool:
+        """Whether the file on disk is still the one identified (it may be replaced while gali runs)."""
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return False
+        return (stat.st_size, stat.st_mtime_ns) == (self.size, self.mtime_ns)

@@ -1,0 +1,236 @@
+"""Dequantized GGUF models kept in the user cache, so that a GGUF is dequantized once and then loads in seconds.
+
+transformers dequantizes a GGUF on every load (about 30 s for a 135M model on two cores), and a model loaded that
+way cannot be saved with `save_pretrained`. An entry here is an ordinary transformers directory written by gali:
+the dequantized weights as safetensors (a tied tensor once), the config without its GGUF quantization marker,
+the generation config, and the tokenizer with its chat template. It is named after the GGUF's identity (path, size,
+modification time, digest of its first MiB), the dtype and the transformers version, built in a temporary
+directory and renamed, so a crash never leaves half an entry, and carries a manifest with every file's size and
+CRC-32, checked before the weights are used: a damaged entry is rebuilt with a warning.
+"""
+
+import copy
+import functools
+import glob
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import platformdirs
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from .errors import GaliWarning, ModelLoadError
+from .gguf import GgufFile
+
+FORMAT = "1"
+MANIFEST = "gali-gguf.json"
+WEIGHTS = "model.safetensors"
+_STALE_SECONDS = 3600  # a temporary directory older than this was left by a killed build, not a running one
+_TRANSFORMERS = f"transformers-{transformers.__version__}"
+
+
+def default_directory() -> Path:
+    """$GALI_MODEL_CACHE, else the platform's user cache directory (e.g. ~/.cache/gali/models on Linux)."""
+    if os.environ.get("GALI_MODEL_CACHE"):
+        return Path(os.environ["GALI_MODEL_CACHE"]).expanduser()
+    return Path(platformdirs.user_cache_dir("gali")) / "models"
+
+
+class DequantizedModels:
+    """Entries in `directory`, one per GGUF file and dtype."""
+
+    def __init__(self, directory: Path | None = None, notice: Callable[[str], None] | None = None) -> None:
+        self.directory = directory or default_directory()
+        self.notice = notice or (lambda message: None)
+
+    def config(self, gguf: GgufFile):
+        """The model's config: from an entry of this file when there is one (instant), else from the GGUF."""
+        for entry in self._entries_of(gguf):
+            try:
+                manifest = _manifest(entry, full=False)
+            except ValueError:
+                continue  # damaged: directory_for says so and rebuilds it
+            if manifest.get("gguf") == gguf.fingerprint():
+                return AutoConfig.from_pretrained(entry)
+        return _plain(AutoConfig.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name))
+
+    def directory_for(self, gguf: GgufFile, dtype: torch.dtype) -> Path:
+        """A checked entry holding `gguf` dequantized to `dtype`; built (and a damaged one rebuilt) when needed."""
+        entry = self.directory / _entry_name(gguf, dtype)
+        if entry.exists():
+            try:
+                if _manifest(entry, full=True).get("key") != _key(gguf, dtype):
+                    raise ValueError("its manifest describes another file")
+                return entry
+            except ValueError as problem:
+                warnings.warn(f"the cached dequantized model {entry} is damaged ({problem}); rebuilding it",
+                              GaliWarning, stacklevel=2)
+                shutil.rmtree(entry, ignore_errors=True)
+        self.notice(f"Dequantizing {gguf.path.name} once (it takes a while); later runs load it from {self.directory}")
+        self._build(gguf, dtype, entry)
+        return entry
+
+    def _entries_of(self, gguf: GgufFile) -> list[Path]:
+        try:
+            return sorted(self.directory.glob(f"{glob.escape(_stem(gguf))}.*.{_TRANSFORMERS}"))
+        except OSError:
+            return []
+
+    def _build(self, gguf: GgufFile, dtype: torch.dtype, entry: Path) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(self.directory, gguf)
+            temporary = Path(tempfile.mkdtemp(dir=self.directory, prefix=".partial-"))
+        except OSError as error:
+            raise ModelLoadError(f"cannot write the model cache in {self.directory}: {error.strerror or error} "
+                                 "(GALI_MODEL_CACHE chooses another place)") from error
+        try:
+            _dequantize_into(gguf, dtype, temporary)
+            _write_manifest(temporary, _key(gguf, dtype), gguf, dtype)
+            try:
+                os.rename(temporary, entry)
+            except OSError:
+                if not entry.exists():
+                    raise
+                # another gali built the same entry meanwhile: theirs serves
+        except OSError as error:
+            raise ModelLoadError(f"cannot write the model cache in {self.directory}: {error.strerror or error} "
+                                 "(GALI_MODEL_CACHE chooses another place)") from error
+        finally:  # also on Ctrl-C: never leave half an entry
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _dequantize_into(gguf: GgufFile, dtype: torch.dtype, directory: Path) -> None:
+    """Load `gguf` with transformers' own GGUF support and write it as a plain transformers directory."""
+    folder, name = gguf.path.parent, gguf.path.name
+    try:
+        with _quiet_dequantization():
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, device_map="cpu")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"transformers cannot read {gguf.path}: {reason}") from error
+    tensors, seen = {}, {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:  # tied (lm_head = embed_tokens): stored once, tied again on load
+            continue
+        if not torch.isfinite(tensor).all():
+            raise ModelLoadError(f"{gguf.path} is damaged: its tensor for {name} holds NaN or infinite values")
+        seen[tensor.data_ptr()] = name
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, directory / WEIGHTS, metadata={"format": "pt"})
+    _plain(copy.deepcopy(model.config)).save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+@contextmanager
+def _quiet_dequantization() -> Iterator[None]:
+    """transformers' GGUF reader draws its own tqdm bar on stderr, which transformers' progress switch does not
+    reach; silence it for the duration (the caller has said that dequantization is under way)."""
+    import transformers.modeling_gguf_pytorch_utils as module
+
+    original = getattr(module, "tqdm", None)
+    if original is None:
+        yield
+        return
+    module.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = original
+
+
+def _plain(config):
+    """`config` without transformers' GGUF quantization marker: the weights gali loads are plain tensors."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def _write_manifest(directory: Path, key: str, gguf: GgufFile, dtype: torch.dtype) -> None:
+    files = {}
+    for path in sorted(directory.iterdir()):
+        with open(path, "rb") as file:
+            os.fsync(file.fileno())
+        files[path.name] = {"size": path.stat().st_size, "crc32": _crc32(path)}
+    manifest = {"format": FORMAT, "key": key, "gguf": gguf.fingerprint(), "dtype": str(dtype).removeprefix("torch."),
+                "transformers": transformers.__version__, "files": files}
+    with open(directory / MANIFEST, "w") as file:
+        json.dump(manifest, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _manifest(entry: Path, full: bool) -> dict:
+    """The entry's manifest, after checking that its files are those it lists, with the sizes (and with `full`,
+    the CRC-32s) written; raises ValueError saying what is wrong."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        files = manifest["files"]
+        if manifest.get("format") != FORMAT or WEIGHTS not in files or "config.json" not in files:
+            raise ValueError(f"{MANIFEST} is not one gali {FORMAT} wrote")
+        for name, facts in files.items():
+            size = (entry / name).stat().st_size
+            if size != facts["size"]:
+                raise ValueError(f"{name} has {size} bytes, {facts['size']} were written")
+            if full and _crc32(entry / name) != facts["crc32"]:
+                raise ValueError(f"{name} does not hold what was written (CRC-32)")
+    except FileNotFoundError as error:
+        raise ValueError(f"{Path(error.filename).name} is missing") from None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{MANIFEST} is unreadable ({type(error).__name__}: {error})") from None
+    return manifest
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as file:
+        while block := file.read(2**24):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _key(gguf: GgufFile, dtype: torch.dtype) -> str:
+    """What an entry's weights depend on: the GGUF, the dtype and the transformers that dequantized it."""
+    return hashlib.sha256(json.dumps({"gguf": gguf.fingerprint(), "dtype": str(dtype),
+                                      "transformers": transformers.__version__}, sort_keys=True).encode()).hexdigest()
+
+
+def _stem(gguf: GgufFile) -> str:
+    """Entries of one GGUF file share this prefix: its name and a digest of its identity."""
+    identity = hashlib.sha256(json.dumps(gguf.fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
+    return f"{gguf.path.stem}-{identity}"
+
+
+def _entry_name(gguf: GgufFile, dtype: torch.dtype) -> str:
+    return f"{_stem(gguf)}.{str(dtype).removeprefix('torch.')}.{_TRANSFORMERS}"
+
+
+def _remove_leftovers(directory: Path, gguf: GgufFile) -> None:
+    """Delete entries of an earlier file at the same path (replaced since), and temporary directories that a killed
+    build left behind."""
+    stale = time.time() - _STALE_SECONDS
+    for path in directory.iterdir():
+        try:
+            if path.name.startswith(".partial-"):
+                if path.stat().st_mtime < stale:
+                    shutil.rmtree(path, ignore_errors=True)
+                continue
+            if path.name.startswith(f"{gguf.path.stem}-") and not path.name.startswith(_stem(gguf)):
+                source = json.loads((path / MANIFEST).read_text()).get("gguf", {}).get("path")
+                if source == str(gguf.path):
+                    shutil.rmtree(path, ignore_errors=True)
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue

@@ -1,0 +1,210 @@
+"""GGUF files: read as transformers reads them, dequantized once into the user cache, damaged ones refused in one
+line. The GGUFs are written at test time with the gguf package's own writer (conftest.write_gguf)."""
+
+import importlib.util
+import math
+import shutil
+import warnings
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from conftest import write_gguf
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gali_cli import model_cache
+from gali_cli.cli import main
+from gali_cli.errors import GaliWarning, ModelLoadError, UnsupportedModelError
+from gali_cli.gguf import read_header
+from gali_cli.loading import load_config, load_model, resolve_source
+
+IDS = torch.tensor([[0, 274, 269, 284, 73, 304, 283, 309, 307, 297, 18, 5, 9, 11]])
+
+
+def transformers_own(path: Path):
+    """The model as transformers itself loads the GGUF (the reference gali must equal)."""
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def dequantizations(monkeypatch):
+    """Counts the tensors transformers dequantizes (it calls gguf.dequantize once per tensor)."""
+    calls = []
+    original = gguf.dequantize
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "dequantize", counting)
+    return calls
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch) -> Path:
+    directory = tmp_path / "models"
+    monkeypatch.setenv("GALI_MODEL_CACHE", str(directory))
+    return directory
+
+
+def test_header_is_read_without_transformers(tiny_gguf):
+    header = read_header(tiny_gguf)
+    assert (header.version, header.architecture, header.name) == (3, "llama", "tiny llama")
+    assert header.metadata["llama.context_length"] == 32 and header.metadata["tokenizer.ggml.tokens"] > 300
+    assert {tensor.name for tensor in header.tensors} >= {"token_embd.weight", "blk.1.attn_q.weight", "output.weight"}
+    assert max(header.data_start + t.offset + t.nbytes for t in header.tensors) <= tiny_gguf.stat().st_size
+
+
+def test_gguf_loads_as_transformers_loads_it(tiny_gguf, tiny_model_dir, fresh_cache):
+    loaded = load_model(str(tiny_gguf), device="cpu")
+    reference = transformers_own(tiny_gguf)
+    assert torch.equal(loaded.model(IDS).logits, reference(IDS).logits)
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # what was written, before Q8_0 blocks
+    assert torch.allclose(loaded.model(IDS).logits, source(IDS).logits, atol=0.1)
+    theirs = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    text = "The tenant pays rent monthly.\ndef read(path):"
+    assert loaded.tokenizer(text).input_ids == theirs(text).input_ids
+    assert loaded.tokenizer.chat_template == theirs.chat_template
+    assert loaded.identity["weights"][0]["path"] == str(tiny_gguf.resolve())
+    assert "quantization_config" not in loaded.model.config.to_dict()
+
+
+def test_the_second_load_uses_the_cached_weights(tiny_gguf, fresh_cache, dequantizations):
+    first = load_model(str(tiny_gguf), device="cpu")
+    built = len(dequantizations)
+    assert built > 0 and len(list(fresh_cache.iterdir())) == 1
+    second = load_model(str(tiny_gguf), device="cpu")
+    assert len(dequantizations) == built  # nothing dequantized again
+    assert torch.equal(first.model(IDS).logits, second.model(IDS).logits)
+    assert load_config(str(tiny_gguf)).max_position_embeddings == 32
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated weights", "no manifest", "manifest of another file"])
+def test_a_damaged_entry_is_rebuilt(tiny_gguf, fresh_cache, dequantizations, damage):
+    expected = load_model(str(tiny_gguf), device="cpu").model(IDS).logits
+    (entry,) = fresh_cache.iterdir()
+    weights = entry / model_cache.WEIGHTS
+    if damage == "flipped byte":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif damage == "no manifest":
+        (entry / model_cache.MANIFEST).unlink()
+    else:
+        text = (entry / model_cache.MANIFEST).read_text()
+        (entry / model_cache.MANIFEST).write_text(text.replace('"key": "', '"key": "0'))
+    built = len(dequantizations)
+    with pytest.warns(GaliWarning, match="damaged.*rebuilding"):
+        again = load_model(str(tiny_gguf), device="cpu")
+    assert len(dequantizations) == 2 * built
+    assert torch.equal(again.model(IDS).logits, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(str(tiny_gguf), device="cpu")  # rebuilt: sound again
+    assert len(dequantizations) == 2 * built
+
+
+def test_a_replaced_gguf_gets_a_new_entry_and_the_old_one_goes(tiny_gguf, tmp_path, fresh_cache):
+    copy = shutil.copy(tiny_gguf, tmp_path / "model.gguf")
+    load_model(str(copy), device="cpu")
+    (old,) = fresh_cache.iterdir()
+    Path(copy).touch()  # a new modification time: another file as far as gali knows
+    load_model(str(copy), device="cpu")
+    (new,) = fresh_cache.iterdir()
+    assert new != old
+
+
+def test_quantize_and_dtype_apply_after_dequantization(tiny_gguf, fresh_cache):
+    loaded = load_model(str(tiny_gguf), device="cpu", quantize="8bit")
+    assert type(loaded.model.model.layers[0].self_attn.q_proj).__name__ == "Linear8bitLt"
+    half = load_model(str(tiny_gguf), device="cpu", dtype="bfloat16")
+    assert half.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert half.identity["dtype"] == "torch.bfloat16"
+    assert sorted(path.name.split(".")[-4] for path in fresh_cache.iterdir()) == ["bfloat16", "float32"]
+
+
+def _truncated(path: Path, good: Path) -> None:
+    path.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+
+
+def _bad_magic(path: Path, good: Path) -> None:
+    path.write_bytes(b"GGML" + good.read_bytes()[4:])
+
+
+def _huge_string(path: Path, good: Path) -> None:
+    data = bytearray(good.read_bytes())
+    data[24:32] = (2**40).to_bytes(8, "little")  # the first key's length
+    path.write_bytes(bytes(data))
+
+
+def _bad_version(path: Path, good: Path) -> None:
+    path.write_bytes(good.read_bytes()[:4] + (7).to_bytes(4, "little") + good.read_bytes()[8:])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_truncated, "is truncated"),
+    (_bad_magic, "is not a GGUF file"),
+    (_huge_string, "truncated"),
+    (_bad_version, "GGUF version 7 is not supported"),
+])
+def test_damaged_ggufs_are_one_line_errors(tiny_gguf, tmp_path, damage, message, capsys):
+    path = tmp_path / "model.gguf"
+    damage(path, tiny_gguf)
+    assert main(["info", "-m", str(path)]) == 4
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error and "Traceback" not in error
+
+
+def test_an_empty_or_foreign_file_is_refused(tmp_path, capsys):
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main(["info", "-m", str(tmp_path / "empty.gguf")]) == 4
+    assert main(["info", "-m", str(tmp_path / "notes.txt")]) == 4
+    assert main(["info", "-m", str(tmp_path / "missing.gguf")]) == 4
+    errors = capsys.readouterr().err
+    assert "empty.gguf is not a GGUF file" in errors and "no such file or directory" in errors
+    assert "a directory (with config.json) or a GGUF file" in errors
+
+
+def test_another_architecture_is_refused_before_dequantizing(tiny_model_dir, tmp_path, dequantizations):
+    path = write_gguf(tmp_path / "qwen.gguf", tiny_model_dir, architecture="qwen2")
+    with pytest.raises(UnsupportedModelError, match="'qwen2' GGUF; gali supports Llama models only"):
+        load_model(str(path), device="cpu")
+    assert not dequantizations
+    assert main(["info", "-m", str(path)]) == 4
+
+
+def test_a_missing_gguf_package_is_one_line(tiny_gguf, monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    with pytest.raises(ModelLoadError, match="needs the gguf package: pip install gguf"):
+        load_config(str(tiny_gguf))
+    assert main(["info", "-m", str(tiny_gguf)]) == 4
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("pip install gguf")
+
+
+def test_ppl_of_a_gguf_equals_transformers_own(tiny_gguf, tmp_path, capsys):
+    text = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof. " * 3
+    (tmp_path / "doc.txt").write_text(text)
+    assert main(["ppl", str(tmp_path / "doc.txt"), "-m", str(tiny_gguf), "--method", "original"]) == 0
+    ours = float(capsys.readouterr().out)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    reference = math.exp(transformers_own(tiny_gguf)(ids, labels=ids).loss.item())
+    assert ours == pytest.approx(reference, rel=1e-4)
+
+
+def test_answers_from_a_gguf(tiny_gguf, tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text("The lease ends in March. The tenant pays rent monthly. " * 8)
+    assert main(["ask", str(tmp_path / "doc.txt"), "When does the lease end?", "-m", str(tiny_gguf),
+                 "--max-new-tokens", "5", "--train-len", "16", "--json"]) == 0
+    assert '"generated_tokens": 5' in capsys.readouterr().out
+
+
+def test_sources(tiny_gguf, tmp_path):
+    assert resolve_source(str(tiny_gguf)).gguf.path == tiny_gguf.resolve()
+    renamed = shutil.copy(tiny_gguf, tmp_path / "weights.bin")  # the magic decides, not the suffix
+    assert resolve_source(str(renamed)).gguf is not None
