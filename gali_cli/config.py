@@ -23,7 +23,9 @@ class GaliConfig:
             None means train_len // 4 (docs/benchmarks.md says why).
         local_window: L_w, the newest tokens of every chunk that keep exact, un-interpolated positions.
             None means train_len // 2: the exact tail must hold at least a chunk (docs/benchmarks.md).
-        noise: add the paper's Gaussian logit noise where logits are interpolated.
+        noise: add the paper's Gaussian logit noise where logits are interpolated. Off by default: on real prose
+            (SmolLM2-135M, KJV Genesis) and on the demo model it raised perplexity, and on a CPU it slows prefill
+            (docs/benchmarks.md, "A real model on real prose").
         noise_scale: multiplies the noise's standard deviation (i - j) / T.
         seed: makes the noise reproducible.
     """
@@ -31,7 +33,7 @@ class GaliConfig:
     train_len: int | None = None
     chunk_size: int | None = None
     local_window: int | None = None
-    noise: bool = True
+    noise: bool = False
     noise_scale: float = 1.0
     seed: int = 0
 
@@ -120,7 +122,8 @@ class MethodSettings:
     chunk_size: int | None = _flag(None, _GALI, "Tokens per chunk beyond it (default: train-len / 4).")
     local_window: int | None = _flag(None, _GALI, "Newest tokens kept at exact positions (default: train-len / 2; "
                                                   "chunk-llama: train-len - dca-chunk-size).")
-    noise: bool = _flag(True, _GALI, "The paper's Gaussian logit noise.", "--noise/--no-noise")
+    noise: bool = _flag(False, _GALI, "The paper's Gaussian logit noise (off by default: docs/benchmarks.md).",
+                        "--noise/--no-noise")
     noise_scale: float = 1.0  # gali; the Python API's alone
     seed: int = _flag(0, _GALI, "Seed of the noise and of sampling.")
     factor: float | None = _flag(None, _OTHER, "ntk, dynamic-ntk, yarn: the scaling factor (default: input tokens / "

@@ -207,7 +207,7 @@ def test_usage_errors_are_one_line_from_the_executable(args, capsys, tiny_model_
 
 def test_model_problems_exit_4(gali, doc, tmp_path):
     result = gali("summarize", str(doc), "-m", str(tmp_path / "no-model-here"), model=False)
-    assert result.exit_code == 4 and "no such directory" in result.stderr
+    assert result.exit_code == 4 and "no such file or directory" in result.stderr
     MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
     result = gali("summarize", str(doc), "-m", str(tmp_path / "m"), model=False)
