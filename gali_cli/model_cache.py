@@ -27,6 +27,7 @@ from pathlib import Path
 import platformdirs
 import torch
 import transformers
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -104,7 +105,7 @@ class DequantizedModels:
                 if not entry.exists():
                     raise
                 # another gali built the same entry meanwhile: theirs serves
-        except OSError as error:
+        except (OSError, SafetensorError) as error:  # e.g. a full disk
             raise ModelLoadError(f"cannot write the model cache in {self.directory}: {error.strerror or error} "
                                  "(GALI_MODEL_CACHE chooses another place)") from error
         finally:  # also on Ctrl-C: never leave half an entry

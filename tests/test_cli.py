@@ -52,7 +52,7 @@ def test_summarize_prints_only_the_answer(gali, doc):
     assert "tokens" in plain.stderr and "x the model's 32-token window" in plain.stderr
     assert answer["finish_reason"] == "length" and answer["generated_tokens"] == 8
     assert answer["method"] == "gali" and answer["settings"] == {
-        "train_len": 32, "chunk_size": 8, "local_window": 16, "noise": True, "noise_scale": 1.0, "seed": 0}
+        "train_len": 32, "chunk_size": 8, "local_window": 16, "noise": False, "noise_scale": 1.0, "seed": 0}
     assert "stopped at --max-new-tokens 8" in plain.stderr
     assert answer["document"] == {"name": str(doc), "kind": "text", "pages": 0}
     assert answer["prompt_tokens"] > 32 and answer["peak_memory_mib"] > 0

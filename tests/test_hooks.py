@@ -118,9 +118,10 @@ def test_noise_is_seeded_and_only_beyond_the_window(make_llama):
     ids = prompt(60)
     apply_gali(model, GaliConfig(chunk_size=8, local_window=2, noise=False))
     clean = model(ids).logits
-    apply_gali(model, GaliConfig(chunk_size=8, local_window=2, seed=0))
+    assert GaliConfig().noise is False  # off by default (docs/benchmarks.md); the paper's setting on request
+    apply_gali(model, GaliConfig(chunk_size=8, local_window=2, noise=True, seed=0))
     noisy, again = model(ids).logits, model(ids).logits
-    apply_gali(model, GaliConfig(chunk_size=8, local_window=2, seed=1))
+    apply_gali(model, GaliConfig(chunk_size=8, local_window=2, noise=True, seed=1))
     other_seed = model(ids).logits
     assert torch.equal(noisy, again)
     assert torch.equal(noisy[:, :16], clean[:, :16])  # inside the window there is nothing to interpolate

@@ -76,7 +76,7 @@ def test_kernel_in_float16_and_on_strided_views(kernel, device):
 def test_patched_model_gives_the_same_logits_with_the_kernel(kernel, device, make_llama, monkeypatch):
     """End to end: GALI_KERNEL=triton routes every noisy chunk of a patched model through the kernel."""
     model = apply_gali(make_llama(hidden=64, heads=4, kv_heads=2).to(device),
-                       GaliConfig(chunk_size=8, local_window=3, seed=4))
+                       GaliConfig(chunk_size=8, local_window=3, noise=True, seed=4))
     ids = torch.randint(0, 64, (2, 70), generator=torch.Generator().manual_seed(0)).to(device)
     monkeypatch.setenv("GALI_KERNEL", "torch")
     reference = model(ids).logits
