@@ -253,6 +253,11 @@ def _groups(records: list[dict], experiment: str) -> dict:
 
 
 def _label(record: dict) -> str:
+    """The method, and for GALI the settings it ran with (as applied, when the record has them)."""
+    applied = record["results"].get("settings", {})
+    if record["method"] == "gali" and applied:
+        return (f"gali (chunk {applied['chunk_size']}, window {applied['local_window']}, "
+                f"noise {'on' if applied['noise'] else 'off'})")
     gali = record.get("gali")
     return record["method"] + (" (" + ", ".join(f"{k}={int(v)}" for k, v in gali.items()) + ")" if gali else "")
 
