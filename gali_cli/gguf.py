@@ -10,7 +10,6 @@ import hashlib
 import importlib.util
 import math
 import mmap
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,11 +199,3 @@ class GgufFile:
 
     def fingerprint(self) -> dict:
         return {"path": str(self.path), "size": self.size, "mtime_ns": self.mtime_ns, "head_sha256": self.head_sha256}
-
-    def same_file(self) -> bool:
-        """Whether the file on disk is still the one identified (it may be replaced while gali runs)."""
-        try:
-            stat = os.stat(self.path)
-        except OSError:
-            return False
-        return (stat.st_size, stat.st_mtime_ns) == (self.size, self.mtime_ns)

