@@ -96,7 +96,7 @@ def test_attention_routes_are_decided_once_per_forward(make_llama, monkeypatch):
     kernel_applies = noisy_attention.fused_kernel_applies
     monkeypatch.setattr(gali_attention, "causal_route", counted("causal", gali_attention.causal_route))
     monkeypatch.setattr(noisy_attention, "fused_kernel_applies", counted("kernel", kernel_applies))
-    model = apply_gali(make_llama(train_len=16, layers=3), GaliConfig(chunk_size=4, local_window=2))
+    model = apply_gali(make_llama(train_len=16, layers=3), GaliConfig(chunk_size=4, local_window=2, noise=True))
     model(prompt(60))  # 11 chunks beyond the window, 3 layers
     assert sorted(decisions) == ["causal", "kernel"]
     model(prompt(60))
@@ -107,7 +107,7 @@ def test_noisy_decoding_matches_naive(make_llama):
     model = make_llama(train_len=16, heads=4, kv_heads=1)
     ids = prompt(50, seed=3)
     naive_tokens, naive_logits = NaiveGali(model, 16, 4, 3, noise=(5, 1.0)).greedy(ids[0].tolist(), 5)
-    apply_gali(model, GaliConfig(chunk_size=4, local_window=3, seed=5))
+    apply_gali(model, GaliConfig(chunk_size=4, local_window=3, noise=True, seed=5))
     tokens, logits = engine_greedy(model, ids, 5)
     assert tokens == naive_tokens
     torch.testing.assert_close(torch.stack(logits).double(), torch.stack(naive_logits), rtol=1e-4, atol=1e-4)
