@@ -379,7 +379,7 @@ def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
         return False
 
     monkeypatch.setattr(noisy_attention, "fused_kernel_applies", fall_back)
-    result = gali("summarize", str(doc), "--max-new-tokens", "2")
+    result = gali("summarize", str(doc), "--max-new-tokens", "2", "--noise")
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "fused GALI kernel" in line]
     assert lines and lines[0].startswith("warning: the fused GALI kernel does not run here (test)")
