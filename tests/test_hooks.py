@@ -166,7 +166,7 @@ def test_batch_of_equal_length_sequences(make_llama):
     model = make_llama(train_len=16, kv_heads=2)
     ids = prompt(45, batch=2)
     naive = [NaiveGali(model, 16, 5, 2, noise=(0, 1.0), batch_index=b).prefill(ids[b].tolist()) for b in range(2)]
-    apply_gali(model, GaliConfig(chunk_size=5, local_window=2))
+    apply_gali(model, GaliConfig(chunk_size=5, local_window=2, noise=True))
     logits = model(ids, attention_mask=torch.ones_like(ids)).logits
     for b in range(2):
         torch.testing.assert_close(logits[b].double(), naive[b], rtol=1e-4, atol=1e-4)

@@ -5,6 +5,7 @@ answer.py (summarize, ask, chat), ppl.py (perplexity), batches.py (many document
 so that the command line can build a ModelChoice, and refuse a bad option, before anything heavy loads.
 """
 
+import functools
 from dataclasses import dataclass
 
 from ..config import MethodSettings, parse_methods
@@ -15,7 +16,7 @@ from ..errors import ConfigError
 class ModelChoice:
     """Which model, which methods and their settings: everything needed before a document is read."""
 
-    model: str
+    named_model: str | None  # -m; None: the default for the device (see `model`)
     quantize: str
     device: str
     dtype: str
@@ -25,14 +26,18 @@ class ModelChoice:
     @classmethod
     def parse(cls, model: str | None, quantize: str, device: str, dtype: str, method: str, **settings: object
               ) -> "ModelChoice":
-        """From the command line's values (`settings`: MethodSettings' fields); a bad one raises ConfigError. No
-        model: the default for the device (loading.default_model, which needs torch, so it is imported only then)."""
-        methods, parsed = parse_methods(method), MethodSettings(**settings)
-        if not model:
-            from ..loading import default_model
+        """From the command line's values (`settings`: MethodSettings' fields); a bad one raises ConfigError."""
+        return cls(model or None, quantize, device, dtype, parse_methods(method), MethodSettings(**settings))
 
-            model = default_model(device)
-        return cls(model, quantize, device, dtype, methods, parsed)
+    @functools.cached_property
+    def model(self) -> str:
+        """The model named with -m, else the default for the device: loading.default_model, which needs torch, so
+        it is imported only when a run needs the name (usage errors and --help stay free of it)."""
+        if self.named_model:
+            return self.named_model
+        from ..loading import default_model
+
+        return default_model(self.device)
 
     @property
     def method(self) -> str:
