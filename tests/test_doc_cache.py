@@ -133,28 +133,61 @@ def _damage_by_garbage(path: Path) -> None:
 
 def _damage_by_a_foreign_format(path: Path) -> None:
     data = path.read_bytes()
-    path.write_bytes(data.replace(b'"format":"1"', b'"format":"9"'))
+    path.write_bytes(data.replace(f'"format":"{doc_cache.FORMAT}"'.encode(), b'"format":"9"'))
 
 
 def _damage_by_nan(path: Path) -> None:
+    _resave(path, lambda tensors: tensors["keys.0"][0, 0, 0].fill_(float("nan")))
+
+
+def _damage_inside_the_data(path: Path) -> None:
+    """4 KiB of finite values written over the middle of the tensor data; header and size unchanged."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    middle = start + (len(data) - start) // 2
+    data[middle : middle + 4096] = torch.full((1024,), 0.25).numpy().tobytes()
+    path.write_bytes(bytes(data))
+
+
+def _damage_by_scaling_a_layer(path: Path) -> None:
+    """One layer's values times 1.5, saved again with the entry's metadata."""
+    _resave(path, lambda tensors: tensors["values.1"].mul_(1.5))
+
+
+def _resave(path: Path, change) -> None:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(path)
     metadata = doc_cache._metadata(path)
-    tensors["keys.0"][0, 0, 0, 0] = float("nan")
+    change(tensors)
     save_file(tensors, path, metadata)
 
 
 @pytest.mark.parametrize("damage", [_damage_by_truncation, _damage_by_garbage, _damage_by_a_foreign_format,
-                                    _damage_by_nan])
+                                    _damage_by_nan, _damage_inside_the_data, _damage_by_scaling_a_layer])
 def test_a_damaged_entry_is_ignored_with_a_warning(loaded, store, damage):
-    ids, cache = filled_cache(loaded, 6)
+    ids, cache = filled_cache(loaded, 48)  # 24 KiB of tensor data
     key = entry_key({"model": "tiny"}, ids)
     store.save(key, ids, cache, {})
     damage(store.path(key))
     assert store.load(key, ids, loaded.model) is None
     assert len(store.warnings) == 1 and "damaged" in store.warnings[0] and str(store.path(key)) in store.warnings[0]
     assert not store.path(key).exists()
+
+
+def test_a_changed_state_is_noticed_and_rebuilt(loaded, store):
+    """Values scaled with the metadata kept (finite, right shapes): the next question must not answer from them."""
+    settings = MethodSettings(noise=False)
+    fresh, _ = answer(Conversation(loaded, "gali", settings, DOCUMENT, "lease.txt"), SUMMARIZE)
+    answer(Conversation(loaded, "gali", settings, DOCUMENT, "lease.txt", store=store), SUMMARIZE)
+    entry, = store.entries()
+    _damage_by_scaling_a_layer(entry.path)
+    again = Conversation(loaded, "gali", settings, DOCUMENT, "lease.txt", store=store)
+    ids, _ = answer(again, SUMMARIZE)
+    assert not again.from_store and ids == fresh
+    assert len(store.warnings) == 1 and "values.1 does not match its checksum" in store.warnings[0]
+    rebuilt = Conversation(loaded, "gali", settings, DOCUMENT, "lease.txt", store=store)
+    assert answer(rebuilt, SUMMARIZE)[0] == fresh and rebuilt.from_store and len(store.warnings) == 1
 
 
 def test_a_failed_write_leaves_no_file(loaded, store, monkeypatch):
