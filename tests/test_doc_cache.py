@@ -300,6 +300,28 @@ def test_an_interrupted_turn_leaves_the_conversation_as_it_was(loaded, stop_at):
     assert conversation_with_interruption(True) == conversation_with_interruption(False)
 
 
+def test_a_stopped_answer_is_rolled_back_even_if_its_generator_is_never_closed(loaded):
+    """Ctrl-C in the consumer's own code leaves the generator suspended (alive while a traceback holds it): the next
+    question must not depend on its finalisation, and a late finalisation must not touch a later turn."""
+    def conversation_with_a_stopped_answer(stop: bool) -> list[list[int]]:
+        conversation = Conversation(loaded, "gali", MethodSettings(chunk_size=4, local_window=8), DOCUMENT, "doc")
+        answer(conversation, SUMMARIZE, 5)
+        stopped = conversation.ask("Who repairs the roof?", make_sampler(), 8) if stop else None
+        if stop:
+            for index, event in enumerate(stopped):
+                if index == 2:
+                    break  # `stopped` stays referenced, suspended after its third event
+            assert conversation.cache.get_seq_length() > len(conversation.cached_ids)
+        answers = [answer(conversation, "Who repairs the roof?", 5)[0]]
+        if stop:
+            stopped.close()  # finalised only now, after a newer turn
+            assert conversation.questions == [SUMMARIZE, "Who repairs the roof?"]
+        answers.append(answer(conversation, "And the rent?", 5)[0])
+        return answers
+
+    assert conversation_with_a_stopped_answer(True) == conversation_with_a_stopped_answer(False)
+
+
 def test_an_interrupted_first_prefill_reads_the_document_again(loaded):
     conversation = Conversation(loaded, "gali", MethodSettings(), DOCUMENT, "doc")
 
