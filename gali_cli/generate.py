@@ -101,8 +101,12 @@ def prefill(
     spans: list[tuple[int, int]],
     progress: Progress | None = None,
 ) -> torch.Tensor:
-    """Run the prompt `ids` (1, n) through the model span by span; returns the last position's logits (vocab,)."""
+    """Run the prompt `ids` (1, n) through the model span by span; returns the last position's logits (vocab,).
+
+    `progress` hears (0, tokens) before the first forward, then (tokens done, tokens) after each."""
     logits = None
+    if progress:
+        progress(0, spans[-1][1] - spans[0][0])
     for first, last in spans:
         logits = model(input_ids=ids[:, first:last], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         if progress:
