@@ -128,6 +128,16 @@ def test_a_file_that_is_not_ours_is_refused_and_left_alone(folder):
         ResultsFile(notes / "out.jsonl", Rank()).prepare()
 
 
+def test_one_run_at_a_time_holds_the_results_file(folder):
+    first, second = (ResultsFile(folder / "out.jsonl", Rank()) for _ in range(2))
+    assert first.lock() is None and first.lock_path.read_text().startswith(f"gali run {os.getpid()} on ")
+    assert second.lock() == first.lock_path.read_text()  # who holds it, to tell the user
+    assert first.is_output(first.lock_path)
+    first.unlock()
+    assert not first.lock_path.exists() and second.lock() is None
+    second.unlock()
+
+
 def test_results_file_is_never_a_document(folder, monkeypatch):
     monkeypatch.chdir(folder)
     results = ResultsFile(Path("docs/out.txt"), Rank(0, 2))
