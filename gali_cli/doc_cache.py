@@ -94,6 +94,22 @@ class Entry:
     method: str
 
 
+@dataclass(frozen=True)
+class Cleared:
+    """What `DocumentCache.clear` did: the files it removed, with their sizes, and those it could not, with why."""
+
+    removed: tuple[tuple[Path, int], ...]
+    kept: tuple[tuple[Path, int, str], ...]
+
+    @property
+    def removed_bytes(self) -> int:
+        return sum(size for _, size in self.removed)
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(size for _, size, _ in self.kept)
+
+
 class DocumentCache:
     """Prefilled document states in `directory`, at most `limit` bytes in all."""
 
@@ -186,25 +202,40 @@ class DocumentCache:
                                str(metadata.get("model", "?")), str(metadata.get("method", "?"))))
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
-    def clear(self) -> tuple[int, int]:
-        """Delete every entry (and leftovers of interrupted writes); returns (files, bytes) removed."""
-        count = size = 0
-        for path in self._files(partial=True):
-            try:
-                size += path.stat().st_size
-                path.unlink()
-                count += 1
-            except OSError:
-                continue
-        return count, size
-
-    def _files(self, partial: bool = False) -> list[Path]:
-        """The regular files in the directory that look like entries (and with `partial`, unfinished ones too)."""
+    def clear(self) -> "Cleared":
+        """Delete every entry (and leftovers of interrupted writes); says what was removed and what could not be."""
+        removed, kept = [], []
         try:
-            paths = list(self.directory.glob(f"*{SUFFIX}"))  # pathlib's glob includes dot files
+            paths = self._files(partial=True, strict=True)
+        except FileNotFoundError:
+            paths = []
+        except OSError as error:
+            return Cleared((), ((self.directory, 0, error.strerror or str(error)),))
+        for path in paths:
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                path.unlink()
+                removed.append((path, size))
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                kept.append((path, size, error.strerror or str(error)))
+        return Cleared(tuple(removed), tuple(kept))
+
+    def _files(self, partial: bool = False, strict: bool = False) -> list[Path]:
+        """The regular files in the directory that look like entries (and with `partial`, unfinished ones too); an
+        unreadable directory has none, or with `strict` raises OSError."""
+        try:
+            with os.scandir(self.directory) as found:
+                paths = [Path(entry.path) for entry in found if entry.name.endswith(SUFFIX) and entry.is_file()]
         except OSError:
+            if strict:
+                raise
             return []
-        return [path for path in paths if path.is_file() and (partial or not path.name.startswith(".partial-"))]
+        return [path for path in paths if partial or not path.name.startswith(".partial-")]
 
     def _evict(self, keep: int) -> None:
         """Delete least recently used entries until the others take at most `keep` bytes."""

@@ -220,7 +220,8 @@ def test_least_recently_used_entries_go_first(loaded, tmp_path):
     tiny.save(keys[0], ids, cache, {})
     assert tiny.entries() == [] and "more than the cache limit" in warnings[-1]
     total = sum(entry.size for entry in store.entries())
-    assert store.clear() == (2, total) and store.entries() == []
+    cleared = store.clear()
+    assert (len(cleared.removed), cleared.removed_bytes, cleared.kept) == (2, total, ()) and store.entries() == []
 
 
 def test_sizes_and_directories(monkeypatch, tmp_path):
@@ -262,8 +263,34 @@ def test_odd_files_in_the_directory_are_listed_or_skipped_never_fatal(loaded, st
     store.save(entry_key({}, ids), ids, cache, {"document": "[notes] draft.txt"})  # eviction reads them all
     assert store.load(entry_key({}, ids), ids, loaded.model) is not None and store.warnings == []
     remaining = store.entries()
-    assert len(remaining) == 3 and store.clear() == (3, sum(entry.size for entry in remaining))
+    assert len(remaining) == 3 and store.clear().removed_bytes == sum(entry.size for entry in remaining)
     assert store.entries() == []
+
+
+def test_clear_says_what_it_could_not_remove(loaded, store, monkeypatch):
+    ids, cache = filled_cache(loaded, 6)
+    for n in range(3):
+        store.save(entry_key({"n": n}, ids), ids, cache, {})
+    sizes = {entry.path: entry.size for entry in store.entries()}
+    stuck = sorted(sizes)[:2]
+    unlink = Path.unlink
+
+    def refuse(path, missing_ok=False):
+        if path in stuck:
+            raise PermissionError(13, "Permission denied")
+        unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    cleared = store.clear()
+    assert [path for path, _ in cleared.removed] == sorted(set(sizes) - set(stuck))
+    assert sorted((path, reason) for path, _, reason in cleared.kept) == [(path, "Permission denied") for path in stuck]
+    assert cleared.kept_bytes == sum(sizes[path] for path in stuck)
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(doc_cache.os, "scandir", unreadable)
+    assert store.clear().kept == ((store.directory, 0, "Permission denied"),)
 
 
 def test_an_interrupted_write_leaves_no_file(loaded, store, monkeypatch):
