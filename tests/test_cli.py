@@ -312,6 +312,28 @@ def test_a_damaged_cache_entry_is_rebuilt(gali, doc, tmp_path):
     assert len(list(states.glob("*.safetensors"))) == 1  # rebuilt
 
 
+def test_cache_clear_says_what_it_could_not_remove(gali, doc, tmp_path, monkeypatch):
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    for question in ("When?", "Who?"):
+        assert gali("ask", str(doc), question, "--max-new-tokens", "2", "--method", "original", env=env).exit_code == 0
+    assert gali("ask", str(doc), "Who?", "--max-new-tokens", "2", env=env).exit_code == 0  # a second entry (gali)
+    unlink = Path.unlink
+    stuck = []
+
+    def refuse_one(path, missing_ok=False):  # as a directory without write permission would (root ignores modes)
+        if not stuck:
+            stuck.append(path)
+        if path in stuck:
+            raise PermissionError(13, "Permission denied")
+        unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse_one)
+    result = gali("cache", "clear", env=env, model=False)
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "unexpected" not in result.stderr
+    assert result.stderr.startswith("gali: removed 1 cached document state (")
+    assert f"but not the other 1 (" in result.stderr and f"Permission denied ({stuck[0]})" in result.stderr
+
+
 def test_no_cache_writes_nothing_and_a_bad_cache_dir_is_a_usage_error(gali, doc, tmp_path):
     states = tmp_path / "states"
     assert gali("summarize", str(doc), "--max-new-tokens", "2", "--no-cache", "--cache-dir", str(states)).exit_code == 0
