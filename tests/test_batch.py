@@ -4,8 +4,10 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -244,6 +246,37 @@ def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):
     assert not list(folder.glob("*.part"))
     assert "[rank 0/2] 2 documents: 0 done" in again.stderr and "1 already done, 1 failed" in again.stderr
     assert "[rank 1/2] 2 documents: 0 done" in again.stderr and "2 already done, 0 failed" in again.stderr
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_results_file_refuses(tiny_model_dir, folder):
+    """Two real processes on one --out: the second says who holds it and leaves; the first does every document
+    once (before the lock, both did them all: 14 lines for 8 documents)."""
+    for index in range(40):
+        (folder / "docs" / f"more-{index:02}.txt").write_text(TEXT * 3)
+    out = folder / "summaries.jsonl"
+    command = [sys.executable, "-m", "gali_cli", "summarize", str(folder / "docs"), "--out", str(out),
+               "-m", str(tiny_model_dir), "--max-new-tokens", "48"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().count("\n") >= 1):  # the first is at work, lock held
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else ""
+            time.sleep(0.2)
+        second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+        assert first.poll() is None, "the first run ended before the second checked: make it longer"
+    finally:
+        _, errors = first.communicate(timeout=300)
+    assert second.returncode == 2 and not second.stdout
+    assert second.stderr.strip() == (f"gali: --out {out} is being written by gali run {first.pid} on "
+                                     f"{socket.gethostname()}: wait for it to finish, or choose another --out")
+    assert first.returncode == 0, errors
+    paths = [json.loads(line)["path"] for line in out.read_text().splitlines()]
+    assert len(paths) == len(set(paths)) == 43
+    assert not (folder / ".summaries.jsonl.lock").exists()
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 0 and "43 already done" in again.stderr  # the lock is free again
 
 
 def test_batch_usage_errors_come_before_the_model(gali, folder):

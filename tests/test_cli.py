@@ -331,7 +331,7 @@ def test_cache_clear_says_what_it_could_not_remove(gali, doc, tmp_path, monkeypa
     result = gali("cache", "clear", env=env, model=False)
     assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "unexpected" not in result.stderr
     assert result.stderr.startswith("gali: removed 1 cached document state (")
-    assert f"but not the other 1 (" in result.stderr and f"Permission denied ({stuck[0]})" in result.stderr
+    assert "but not the other 1 (" in result.stderr and f"Permission denied ({stuck[0]})" in result.stderr
 
 
 def test_no_cache_writes_nothing_and_a_bad_cache_dir_is_a_usage_error(gali, doc, tmp_path):
