@@ -17,17 +17,20 @@ import typer
 
 from . import display
 from .display import fail, say
+from .config import MAX_INPUT_BYTES
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
 from .options import (
     CacheDir,
     File,
     Files,
     JsonOutput,
+    MaxInputSize,
     MaxNewTokens,
     NoCache,
     NoStream,
     Out,
     Password,
+    Seed,
     System,
     Temperature,
     TopK,
@@ -36,7 +39,7 @@ from .options import (
     with_model_options,
 )
 from .prompts import SUMMARIZE, ask_instruction
-from .runs import Answering, ModelChoice, Serving
+from .runs import Answering, ModelChoice, Reading, Serving
 
 EXIT_CODES = {ConfigError: 2, InputError: 3, ModelLoadError: 4, UnsupportedModelError: 4}
 app = typer.Typer(name="gali", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -73,8 +76,9 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
 @_guarded
 @with_model_options
 def summarize(
-    files: Files, out: Out = None, password: Password = None, max_new_tokens: MaxNewTokens = 512,
-    temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0, system: System = None,
+    files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = 0, system: System = None,
     no_stream: NoStream = False, cache_dir: CacheDir = None, no_cache: NoCache = False,
     json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
@@ -84,8 +88,8 @@ def summarize(
     Example: gali summarize reports/ --out summaries.jsonl
     """
     answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
-                          cache_dir, no_cache)
-    _answer(files, out, "summarize", SUMMARIZE, None, choice, password, answering)
+                          cache_dir, no_cache, seed)
+    _answer(files, out, "summarize", SUMMARIZE, None, choice, Reading(password, max_input_size), answering)
 
 
 @app.command()
@@ -94,10 +98,10 @@ def summarize(
 def ask(
     files: Files,
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="The question about the document(s).")],
-    out: Out = None, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
-    top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False,
-    choice: ModelChoice = None,
+    out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
+    no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
     """Answer QUESTION about a document; the answer streams to stdout. The document's prefilled state is cached,
     so the next question about it starts at once. With --out, ask it of many documents.
@@ -108,29 +112,30 @@ def ask(
     if not question.strip():
         raise ConfigError("QUESTION is empty")
     answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
-                          cache_dir, no_cache)
-    _answer(files, out, "ask", ask_instruction(question), question, choice, password, answering)
+                          cache_dir, no_cache, seed)
+    _answer(files, out, "ask", ask_instruction(question), question, choice, Reading(password, max_input_size),
+            answering)
 
 
 def _answer(files: list[str], out: str | None, command: str, instruction: str, question: str | None,
-            choice: ModelChoice, password: str | None, answering: Answering) -> None:
+            choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """One document streams its answer; several (or --out) make a batch, which exits 1 if any failed."""
     if out or len(files) > 1:
         from .runs.batches import answer_batch
 
-        if answer_batch(files, out, command, instruction, question, choice, password, answering):
+        if answer_batch(files, out, command, instruction, question, choice, reading, answering):
             raise typer.Exit(1)
     else:
         from .runs.answer import answer
 
-        answer(files[0], instruction, choice, password, answering)
+        answer(files[0], instruction, choice, reading, answering)
 
 
 @app.command()
 @_guarded
 @with_model_options
 def ppl(
-    files: Files, out: Out = None, password: Password = None,
+    files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     max_tokens: Annotated[int | None, typer.Option(min=2, help="Evaluate the first N tokens only.")] = None,
     lengths: Annotated[str | None, typer.Option(help="PPL over the first l tokens for each l, e.g. 1k,2k,4k "
                                                      "(k = 1024).")] = None,
@@ -151,16 +156,20 @@ def ppl(
     if json_output and csv:
         raise ConfigError("--json and --csv both print on stdout: choose one")
     if plot:
-        display.check_plotting()
+        if (out or len(files) > 1) and not wanted:
+            raise ConfigError("--plot draws perplexity against length: with several documents it needs --lengths")
+        display.check_plotting(plot)
     if out or len(files) > 1:
         from .runs.batches import perplexity_batch
 
-        if perplexity_batch(files, out, choice, password, max_tokens, wanted, json_output, csv, plot, verbose):
+        reading = Reading(password, max_input_size)
+        if perplexity_batch(files, out, choice, reading, max_tokens, wanted, json_output, csv, plot, verbose):
             raise typer.Exit(1)
     else:
         from .runs.ppl import perplexity
 
-        perplexity(files[0], choice, password, max_tokens, wanted, json_output, csv, plot, verbose)
+        perplexity(files[0], choice, Reading(password, max_input_size), max_tokens, wanted, json_output, csv, plot,
+                   verbose)
 
 
 def _parse_lengths(text: str | None) -> list[int]:
@@ -184,9 +193,10 @@ def _parse_lengths(text: str | None) -> list[int]:
 @_guarded
 @with_model_options
 def chat(
-    file: File, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
-    top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    cache_dir: CacheDir = None, no_cache: NoCache = False,
+    file: File, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
+    no_cache: NoCache = False,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per answer, a line each.")] = False,
     verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
@@ -201,8 +211,8 @@ def chat(
         raise ConfigError("gali chat reads its questions from standard input: give FILE as a path")
     from .runs.answer import chat as run_chat
 
-    run_chat(file, choice, password, Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream,
-                                               json_output, verbose, cache_dir, no_cache))
+    run_chat(file, choice, Reading(password, max_input_size), Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream,
+                                               json_output, verbose, cache_dir, no_cache, seed))
 
 
 @app.command()
@@ -232,7 +242,7 @@ def serve(
 
     One model, many clients: requests queue for it, and a client that disconnects stops its answer.
     A second question about a document starts from the document's prefilled state.
-    --seed seeds the noise; a request without a seed samples with a random one.
+    --noise-seed seeds the noise; a request without a seed samples with a random one.
     SIGTERM or Ctrl-C stop it cleanly; access log lines go to stderr.
 
     Example: gali serve -m demo

@@ -34,13 +34,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
-from .errors import ConfigError
+from .config import parse_size
 
 FORMAT = "2"  # 2: with checksums
 SUFFIX = ".safetensors"
 DEFAULT_LIMIT = 20 * 2**30
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30, "t": 2**40,
-          "tb": 2**40}
 
 
 def default_directory() -> Path:
@@ -50,24 +48,10 @@ def default_directory() -> Path:
     return Path(platformdirs.user_cache_dir("gali")) / "documents"
 
 
-def parse_size(text: str) -> int:
-    """ "20G", "512mb", "1000000" -> bytes (binary units)."""
-    cleaned = text.strip().lower().replace(" ", "").removesuffix("ib")
-    number = cleaned.rstrip("kmgtb")
-    unit = cleaned[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1
-    if unit not in _UNITS or not 0 <= value < float("inf"):
-        raise ConfigError(f"GALI_CACHE_LIMIT must be a size such as 20G or 512M, got {text!r}")
-    return int(value * _UNITS[unit])
-
-
 def default_limit() -> int:
     """$GALI_CACHE_LIMIT (e.g. 20G), else 20 GiB."""
     limit = os.environ.get("GALI_CACHE_LIMIT")
-    return parse_size(limit) if limit else DEFAULT_LIMIT
+    return parse_size(limit, "GALI_CACHE_LIMIT") if limit else DEFAULT_LIMIT
 
 
 def entry_key(identity: dict, prefix_ids: list[int]) -> str:

@@ -17,13 +17,13 @@ from charset_normalizer.md import mess_ratio
 from pypdf import PdfReader
 from pypdf.errors import DependencyError, PyPdfError
 
+from .config import MAX_INPUT_BYTES, format_size
 from .errors import InputError
 
 STDIN = "-"
 _BOMS = ((b"\xef\xbb\xbf", "utf-8-sig"), (b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
          (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
 _SNIFF = 8192  # bytes looked at to tell binary from text
-MAX_INPUT_BYTES = 256 * 2**20  # the default limit: larger than almost any PDF, and ~60M tokens of text
 # A legacy encoding other than cp1252 needs evidence: this many non-ASCII bytes, and cp1252 reading as a mess.
 _EVIDENCE_BYTES, _WESTERN_MESS = 16, 0.1
 _MESS_SAMPLE = 65536  # characters whose mess ratio is measured (it is computed in Python, character by character)
@@ -92,16 +92,8 @@ def _read_limited(stream: BinaryIO, name: str, max_bytes: int) -> bytes:
 
 
 def _too_large(name: str, max_bytes: int) -> InputError:
-    return InputError(f"{name} is larger than the input limit of {_size(max_bytes)}: raise it with "
-                      f"--max-input-size (e.g. --max-input-size {_size(4 * max_bytes)})")
-
-
-def _size(count: int) -> str:
-    """1536 -> "1.5K", 268435456 -> "256M" (binary units, as --max-input-size reads them)."""
-    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if count >= scale:
-            return f"{count / scale:.4g}{unit}"
-    return str(count)
+    return InputError(f"{name} is larger than the input limit of {format_size(max_bytes)}: raise it with "
+                      f"--max-input-size (e.g. --max-input-size {format_size(4 * max_bytes)})")
 
 
 def _decode(data: bytes, name: str) -> tuple[str, list[str]]:

@@ -52,7 +52,7 @@ def test_summarize_prints_only_the_answer(gali, doc):
     assert "tokens" in plain.stderr and "x the model's 32-token window" in plain.stderr
     assert answer["finish_reason"] == "length" and answer["generated_tokens"] == 8
     assert answer["method"] == "gali" and answer["settings"] == {
-        "train_len": 32, "chunk_size": 8, "local_window": 16, "noise": False, "noise_scale": 1.0, "seed": 0}
+        "train_len": 32, "chunk_size": 8, "local_window": 16, "noise": False}
     assert "stopped at --max-new-tokens 8" in plain.stderr
     assert answer["document"] == {"name": str(doc), "kind": "text", "pages": 0}
     assert answer["prompt_tokens"] > 32 and answer["peak_memory_mib"] > 0
@@ -75,6 +75,25 @@ def test_sampling_is_reproducible_with_a_seed(gali, doc):
     greedy = gali("summarize", str(doc), "--max-new-tokens", "12").stdout
     for narrow in (["--top-k", "1"], ["--top-p", "0.000001"]):  # sampling flags reach the sampler
         assert gali("summarize", str(doc), "--max-new-tokens", "12", "--temperature", "5", *narrow).stdout == greedy
+
+
+def test_sampling_seeds_share_a_document_state_and_noise_seeds_do_not(gali, doc, tmp_path):
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+
+    def ask(*options: str) -> dict:
+        result = gali("ask", str(doc), "When?", "--max-new-tokens", "6", "--json", *options, env=env)
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    first, second = ask("--temperature", "0.8", "--seed", "1"), ask("--temperature", "0.8", "--seed", "2")
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] > 32  # --seed 2 did not read the document again
+    assert second["settings"]["noise_seed"] == 0
+    other_noise = ask("--noise-seed", "1")
+    assert other_noise["cached_tokens"] == 0 and other_noise["settings"]["noise_seed"] == 1
+    assert ask("--no-noise")["cached_tokens"] == 0
+    assert ask("--no-noise", "--noise-seed", "3")["cached_tokens"] > 32  # without noise its seed changes nothing
+    assert gali("ppl", str(doc), "--noise-seed", "2").exit_code == 0
+    assert gali("ppl", str(doc), "--seed", "2").exit_code == 2  # nothing is sampled there
 
 
 def test_the_answer_stays_on_stdout_when_stderr_is_a_terminal(gali, doc, monkeypatch):

@@ -10,7 +10,8 @@ from transformers import DynamicCache
 import gali_cli.doc_cache as doc_cache
 from gali_cli.config import MethodSettings
 from gali_cli.conversation import Conversation
-from gali_cli.doc_cache import DocumentCache, entry_key, parse_size
+from gali_cli.config import parse_size
+from gali_cli.doc_cache import DocumentCache, entry_key
 from gali_cli.errors import ConfigError
 from gali_cli.generate import Finished, TextPiece, make_sampler, stop_token_ids, stream_generate
 from gali_cli.loading import load_model
@@ -70,7 +71,7 @@ def test_a_cached_document_gives_the_same_answers(loaded, store, method, setting
 def test_other_settings_or_documents_do_not_share_a_state(loaded, store):
     answer(Conversation(loaded, "gali", MethodSettings(), DOCUMENT, "a", store=store), SUMMARIZE, 2)
     for method, settings, document in [("gali", MethodSettings(local_window=4), DOCUMENT),
-                                       ("gali", MethodSettings(seed=1), DOCUMENT),
+                                       ("gali", MethodSettings(noise_seed=1), DOCUMENT),
                                        ("self-extend", MethodSettings(), DOCUMENT),
                                        ("gali", MethodSettings(), DOCUMENT + "One more line.")]:
         conversation = Conversation(loaded, method, settings, document, "b", store=store)
@@ -225,11 +226,12 @@ def test_least_recently_used_entries_go_first(loaded, tmp_path):
 
 
 def test_sizes_and_directories(monkeypatch, tmp_path):
-    assert parse_size("20G") == parse_size("20 GiB") == 20 * 2**30
-    assert parse_size("512m") == 512 * 2**20 and parse_size("1000") == 1000 and parse_size("1.5k") == 1536
+    assert parse_size("20G", "x") == parse_size("20 GiB", "x") == 20 * 2**30
+    assert parse_size("512m", "x") == 512 * 2**20 and parse_size("1000", "x") == 1000
+    assert parse_size("1.5k", "x") == 1536
     for bad in ("lots", "-1G", "5X", "nan", "inf"):
         with pytest.raises(ConfigError, match="GALI_CACHE_LIMIT"):
-            parse_size(bad)
+            parse_size(bad, "GALI_CACHE_LIMIT")
     monkeypatch.setenv("GALI_CACHE_DIR", str(tmp_path / "mine"))
     assert doc_cache.default_directory() == tmp_path / "mine"
     monkeypatch.delenv("GALI_CACHE_DIR")

@@ -9,14 +9,25 @@ from ..documents import Document
 from ..generate import Finished, Sampler, TextPiece, make_sampler
 from ..loading import LoadedModel
 from ..prompts import ask_instruction
-from . import Answering, ModelChoice
-from .common import check, conversation, entry_point, facts, finished_facts, load, read, say_input, store
+from . import Answering, ModelChoice, Reading
+from .common import (
+    announcing,
+    check,
+    conversation,
+    entry_point,
+    facts,
+    finished_facts,
+    load,
+    read,
+    say_input,
+    store,
+)
 
 
 @entry_point
-def answer(file: str, instruction: str, choice: ModelChoice, password: str | None, answering: Answering) -> None:
+def answer(file: str, instruction: str, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """Answer `instruction` about `file` (summarize, ask)."""
-    sampler, loaded, document, talk = _start(file, choice, password, answering)
+    sampler, loaded, document, talk = _start(file, choice, reading, answering)
     say_input(loaded, choice.method, document, len(talk.prompt(instruction).ids))
     text, finished = _stream_answer(talk, instruction, sampler, answering)
     if answering.json_output:
@@ -27,9 +38,9 @@ def answer(file: str, instruction: str, choice: ModelChoice, password: str | Non
 
 
 @entry_point
-def chat(file: str, choice: ModelChoice, password: str | None, answering: Answering) -> None:
+def chat(file: str, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """Read `file` once, then answer each question from stdin in turn, keeping the conversation."""
-    sampler, loaded, document, talk = _start(file, choice, password, answering)
+    sampler, loaded, document, talk = _start(file, choice, reading, answering)
     say_input(loaded, choice.method, document, talk.prompt(ask_instruction("?")).document_end)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):
@@ -53,14 +64,14 @@ def chat(file: str, choice: ModelChoice, password: str | None, answering: Answer
             _say_stats(finished)
 
 
-def _start(file: str, choice: ModelChoice, password: str | None, answering: Answering
+def _start(file: str, choice: ModelChoice, reading: Reading, answering: Answering
            ) -> tuple[Sampler, LoadedModel, Document, Conversation]:
     """The sampler, model, document and conversation, checked in the order that fails soonest: settings, the
     cache directory and the document before the model loads."""
-    sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
+    sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
     check(choice)
     cache = None if answering.no_cache else store(answering.cache_dir)
-    document = read(file, password)
+    document = read(file, reading)
     loaded = load(choice)
     return sampler, loaded, document, conversation(loaded, choice, document, answering.system, cache)
 
@@ -89,8 +100,9 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
     stream = answering.stream and not answering.json_output
     pieces, finished = [], None
     with display.progress_bar("Reading") as bar:
+        events = talk.ask(instruction, sampler, answering.max_new_tokens, announcing(bar, talk.loaded))
         try:
-            for event in talk.ask(instruction, sampler, answering.max_new_tokens, bar):
+            for event in events:
                 bar.hide()
                 if isinstance(event, TextPiece):
                     pieces.append(event.text)
@@ -100,6 +112,7 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
                 else:
                     finished = event
         except KeyboardInterrupt:
+            events.close()  # the turn is rolled back now, whether Ctrl-C came inside the generator or out here
             if stream and pieces:
                 sys.stdout.write("\n")
             raise

@@ -23,26 +23,26 @@ from ..documents import read_document
 from ..errors import ConfigError, InputError
 from ..generate import TextPiece, make_sampler
 from ..loading import resolve_device, resolve_dtype
-from . import Answering, ModelChoice
+from . import Answering, ModelChoice, Reading
 from .common import check, conversation, entry_point, finished_facts, load, store
 from .ppl import method_perplexities, ppl_ids, print_rows
 
 
 @entry_point
 def answer_batch(specs: list[str], out: str | None, command: str, instruction: str, question: str | None,
-                 choice: ModelChoice, password: str | None, answering: Answering) -> int:
+                 choice: ModelChoice, reading: Reading, answering: Answering) -> int:
     """Answer `instruction` about each document into `out`; returns how many documents failed (in all processes)."""
     with _setup(specs, out, choice) as batch:
         cache = None if answering.no_cache else store(answering.cache_dir)
         job = _job(command, choice, question=question, system=answering.system,
                    generation={"max_new_tokens": answering.max_new_tokens, "temperature": answering.temperature,
-                               "top_p": answering.top_p, "top_k": answering.top_k})
+                               "top_p": answering.top_p, "top_k": answering.top_k, "seed": answering.seed})
         loaded = load(choice, batch.rank)
 
         def work(path: Path) -> list[dict]:
-            document = read_document(str(path), password=password)
+            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
             talk = conversation(loaded, choice, document, answering.system, cache)
-            sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
+            sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
             events = list(talk.ask(instruction, sampler, answering.max_new_tokens))
             answer = "".join(event.text for event in events if isinstance(event, TextPiece)).strip()
             return [{"output": answer, "settings": talk.resolved, "tokens": events[-1].prompt_tokens,
@@ -56,7 +56,7 @@ def answer_batch(specs: list[str], out: str | None, command: str, instruction: s
 
 
 @entry_point
-def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, password: str | None,
+def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, reading: Reading,
                      max_tokens: int | None, lengths: list[int], json_output: bool, csv: bool, plot: str | None,
                      verbose: bool) -> int:
     """Each document's perplexity into `out`, then the corpus's (token-weighted) on stdout; returns how many
@@ -66,7 +66,7 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, pas
         loaded = load(choice, batch.rank)
 
         def work(path: Path) -> list[dict]:
-            document = read_document(str(path), password=password)
+            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
             ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens)
             reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
             records = []

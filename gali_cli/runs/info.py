@@ -1,7 +1,5 @@
 """gali info (the model, the machine and the settings, without loading weights) and gali cache list / clear."""
 
-from dataclasses import asdict
-
 from .. import display
 from ..display import print_json, say
 from ..errors import GaliError
@@ -20,7 +18,7 @@ def show_info(choice: ModelChoice, json_output: bool) -> None:
     except GaliError:
         display.print_facts(facts, json_output)  # what is known without the model, then the error
         raise
-    gali = asdict(choice.settings.gali().resolved(config.max_position_embeddings))
+    gali = choice.settings.gali().resolved(config.max_position_embeddings).facts()
     display.print_facts({**facts, **model_facts(config), "gali": gali}, json_output)
 
 
