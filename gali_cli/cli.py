@@ -211,8 +211,9 @@ def chat(
         raise ConfigError("gali chat reads its questions from standard input: give FILE as a path")
     from .runs.answer import chat as run_chat
 
-    run_chat(file, choice, Reading(password, max_input_size), Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream,
-                                               json_output, verbose, cache_dir, no_cache, seed))
+    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
+                          cache_dir, no_cache, seed)
+    run_chat(file, choice, Reading(password, max_input_size), answering)
 
 
 @app.command()
