@@ -186,7 +186,7 @@ class DocumentCache:
                                str(metadata.get("model", "?")), str(metadata.get("method", "?"))))
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
-    def clear(self) -> "Cleared":
+    def clear(self) -> Cleared:
         """Delete every entry (and leftovers of interrupted writes); says what was removed and what could not be."""
         removed, kept = [], []
         try:

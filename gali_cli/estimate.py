@@ -5,8 +5,9 @@ token's projections and MLP cost the same everywhere, while it attends to every 
 queries see all T keys), so tokens get dearer as the context grows. `a` and `b` are fitted by least squares to the
 forwards already run, which measures what this machine, method and noise path really cost per key (on CPU, noisy
 GALI's attention costs ten times more per FLOP than the matrix products around it: a FLOP count alone misses that).
-With a single forward timed, the ratio of `b` to `a` comes from the FLOPs. The estimate is an extrapolation:
-docs/performance.md says how close it came.
+With a single forward timed (or a fit that comes out negative), the ratio of `b` to `a` comes from the FLOPs: as
+attention never costs less per FLOP than the matrix products, that estimate is a lower bound. The estimate is an
+extrapolation: docs/performance.md says how close it came.
 """
 
 import time
@@ -42,6 +43,7 @@ class PrefillClock:
         self.started = self._last = time.perf_counter()
         self._done = 0
         self.forwards: list[tuple[float, float, float]] = []  # (tokens, pairs, seconds) of each forward timed
+        self.fitted = False  # whether the last estimate was fitted (else: a lower bound from the FLOPs' shape)
 
     def seconds_left(self, done: int, total: int) -> float | None:
         """The expected seconds to reach `total`, or None before any forward was timed."""
@@ -56,12 +58,12 @@ class PrefillClock:
             self._last, self._done = now, done
         if not self.forwards:
             return None
-        per_token, per_pair = self._fit()
+        per_token, per_pair, self.fitted = self._fit()
         return per_token * (total - done) + per_pair * pairs(self.start + done, self.start + total)
 
-    def _fit(self) -> tuple[float, float]:
-        """Seconds per token and per pair: least squares over the forwards, neither negative (a fit that makes one
-        negative falls back to the FLOPs' ratio, scaled to the time spent)."""
+    def _fit(self) -> tuple[float, float, bool]:
+        """Seconds per token and per pair, and whether they were fitted: least squares over the forwards, neither
+        negative; else the FLOPs' ratio, scaled to the time spent."""
         tt = sum(n * n for n, _, _ in self.forwards)
         tp = sum(n * p for n, p, _ in self.forwards)
         pp = sum(p * p for _, p, _ in self.forwards)
@@ -71,10 +73,10 @@ class PrefillClock:
         if len(self.forwards) > 1 and determinant > 1e-9 * tt * pp:
             per_token, per_pair = (ts * pp - ps * tp) / determinant, (ps * tt - ts * tp) / determinant
             if per_token >= 0 and per_pair >= 0:
-                return per_token, per_pair
+                return per_token, per_pair, True
         flops = sum(n * self.per_token + p * self.per_pair for n, p, _ in self.forwards)
         scale = sum(s for _, _, s in self.forwards) / flops
-        return scale * self.per_token, scale * self.per_pair
+        return scale * self.per_token, scale * self.per_pair, False
 
 
 def duration(seconds: float) -> str:

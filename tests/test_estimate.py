@@ -33,6 +33,7 @@ def test_one_forward_scales_the_flops_and_later_tokens_cost_more(clock):
     flops = lambda start, stop: per_token * (stop - start) + per_pair * pairs(start, stop)  # noqa: E731
     assert clock.seconds_left(512, 4096) == pytest.approx(2.0 * flops(512, 4096) / flops(0, 512))
     assert clock.seconds_left(512, 4096) > 2.0 * 7  # attention's share grows with the context
+    assert not clock.fitted  # a lower bound: attention costs at least its FLOPs' share
 
 
 def test_forwards_fit_the_cost_per_token_and_per_pair(clock):
@@ -46,7 +47,7 @@ def test_forwards_fit_the_cost_per_token_and_per_pair(clock):
         spent += cost(start, start + 512)
         clock.at(spent)
         left = clock.seconds_left(start + 512, 8192)
-    assert left == pytest.approx(cost(2048, 8192))
+    assert left == pytest.approx(cost(2048, 8192)) and clock.fitted
     assert clock.seconds_left(8192, 8192) == 0
 
 

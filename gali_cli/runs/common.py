@@ -123,8 +123,8 @@ LONG_PREFILL = 300.0  # seconds: a prefill expected to take longer is announced 
 
 def announcing(progress: Callable[..., None], loaded: LoadedModel) -> Callable[..., None]:
     """`progress` (a bar's (done, total, ...) callback), which also says once on stderr how long a prefill still
-    needs when that is more than LONG_PREFILL: after two forwards (the first fit of gali_cli.estimate), or after a
-    minute if the first forward alone takes that long."""
+    needs when that is more than LONG_PREFILL: after two forwards (the first fit of gali_cli.estimate: "about"), or
+    after a minute if the first forward alone takes that long (a lower bound: "at least")."""
     clock = PrefillClock(loaded.model.config)
     said = False
 
@@ -134,8 +134,8 @@ def announcing(progress: Callable[..., None], loaded: LoadedModel) -> Callable[.
         left = clock.seconds_left(done, total)
         fitted = len(clock.forwards) >= 2 or time.perf_counter() - clock.started >= 60
         if left is not None and fitted and left >= LONG_PREFILL and not said:
-            say(f"Reading {total:,} tokens: about {duration(left)} to go at this pace (measured on the first "
-                f"{done:,}; Ctrl-C stops)")
+            say(f"Reading {total:,} tokens: {'about' if clock.fitted else 'at least'} {duration(left)} to go at "
+                f"this pace (measured on the first {done:,}; Ctrl-C stops)")
             said = True
 
     return update
