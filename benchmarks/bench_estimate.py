@@ -69,14 +69,14 @@ def main() -> None:
     parser.add_argument("--model", default=DEMO)
     parser.add_argument("--tokens", default="4096,16384,32768", help="comma-separated prompt lengths")
     parser.add_argument("--train-len", type=int, default=None)
-    parser.add_argument("--no-noise", action="store_true")
+    parser.add_argument("--noise", action="store_true", help="GALI's logit noise (off by default, as in the CLI)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     loaded = load_model(args.model, device="cpu")
-    settings = MethodSettings(train_len=args.train_len, noise=not args.no_noise)
+    settings = MethodSettings(train_len=args.train_len, noise=args.noise)
     print(f"# {date.today()} - {platform.machine()} - torch {torch.__version__} - {torch.get_num_threads()} threads")
     print(f"# python {' '.join(sys.argv)}")
-    print(f"# {args.model}, GALI (noise {'off' if args.no_noise else 'on'}), train_len "
+    print(f"# {args.model}, GALI (noise {'on' if args.noise else 'off'}), train_len "
           f"{args.train_len or loaded.train_len}\n")
     print("| tokens | first 2 forwards | actual s | expected after 1 forward | after 2 (said) | after 1/10 |")
     print("|---|---|---|---|---|---|")

@@ -85,13 +85,13 @@ def test_sampling_seeds_share_a_document_state_and_noise_seeds_do_not(gali, doc,
         assert result.exit_code == 0, result.stderr
         return json.loads(result.stdout)
 
-    first, second = ask("--temperature", "0.8", "--seed", "1"), ask("--temperature", "0.8", "--seed", "2")
-    assert first["cached_tokens"] == 0 and second["cached_tokens"] > 32  # --seed 2 did not read the document again
-    assert second["settings"]["noise_seed"] == 0
-    other_noise = ask("--noise-seed", "1")
+    for noise in ("--noise", "--no-noise"):
+        first, second = (ask(noise, "--temperature", "0.8", "--seed", seed) for seed in ("1", "2"))
+        assert first["cached_tokens"] == 0 and second["cached_tokens"] > 32  # --seed 2 did not read it again
+    assert second["settings"] == {"train_len": 32, "chunk_size": 8, "local_window": 16, "noise": False}
+    assert ask("--noise-seed", "3")["cached_tokens"] > 32  # without noise (the default) its seed changes nothing
+    other_noise = ask("--noise", "--noise-seed", "1")
     assert other_noise["cached_tokens"] == 0 and other_noise["settings"]["noise_seed"] == 1
-    assert ask("--no-noise")["cached_tokens"] == 0
-    assert ask("--no-noise", "--noise-seed", "3")["cached_tokens"] > 32  # without noise its seed changes nothing
     assert gali("ppl", str(doc), "--noise-seed", "2").exit_code == 0
     assert gali("ppl", str(doc), "--seed", "2").exit_code == 2  # nothing is sampled there
 

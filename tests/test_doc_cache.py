@@ -71,13 +71,14 @@ def test_a_cached_document_gives_the_same_answers(loaded, store, method, setting
 def test_other_settings_or_documents_do_not_share_a_state(loaded, store):
     answer(Conversation(loaded, "gali", MethodSettings(), DOCUMENT, "a", store=store), SUMMARIZE, 2)
     for method, settings, document in [("gali", MethodSettings(local_window=4), DOCUMENT),
-                                       ("gali", MethodSettings(noise_seed=1), DOCUMENT),
+                                       ("gali", MethodSettings(noise=True), DOCUMENT),
+                                       ("gali", MethodSettings(noise=True, noise_seed=1), DOCUMENT),
                                        ("self-extend", MethodSettings(), DOCUMENT),
                                        ("gali", MethodSettings(), DOCUMENT + "One more line.")]:
         conversation = Conversation(loaded, method, settings, document, "b", store=store)
         answer(conversation, SUMMARIZE, 2)
         assert not conversation.from_store
-    assert len(store.entries()) == 5
+    assert len(store.entries()) == 6
 
 
 def test_dynamic_ntk_never_reuses_a_prefix(loaded, store):

@@ -2,10 +2,11 @@
 code and a one-line message, and none is ever an "unexpected" error."""
 
 import json
+import re
 import shutil
-from dataclasses import dataclass
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,7 @@ def test_a_long_prefill_says_how_long_it_will_take(run, tiny_model_dir, tmp_path
         result = run(*command, "-m", str(tiny_model_dir))
         assert result.exit_code == 0, result.stderr
         lines = [line for line in result.stderr.splitlines() if line.startswith("Reading ")]
-        assert len(lines) == 1 and " tokens: about " in lines[0] and "to go at this pace (measured on the first 512;" \
-            in lines[0], result.stderr
+        # "about" when the first two forwards' times fit (the usual case), "at least" when noisy timings do not
+        assert len(lines) == 1 and re.search(r" tokens: (about|at least) .* to go at this pace \(measured on the "
+                                             r"first 512; Ctrl-C stops\)$", lines[0]), result.stderr
         assert "unexpected" not in result.stderr
