@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -251,8 +252,9 @@ def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):
 @pytest.mark.slow
 def test_a_second_run_on_the_same_results_file_refuses(tiny_model_dir, folder):
     """Two real processes on one --out: the second says who holds it and leaves; the first does every document
-    once (before the lock, both did them all: 14 lines for 8 documents)."""
-    for index in range(40):
+    once (before the lock, both did them all: 14 lines for 8 documents). The first is paused (SIGSTOP) while the
+    second tries, so that however slowly the second starts, the first still holds the file."""
+    for index in range(12):
         (folder / "docs" / f"more-{index:02}.txt").write_text(TEXT * 3)
     out = folder / "summaries.jsonl"
     command = [sys.executable, "-m", "gali_cli", "summarize", str(folder / "docs"), "--out", str(out),
@@ -263,9 +265,13 @@ def test_a_second_run_on_the_same_results_file_refuses(tiny_model_dir, folder):
         deadline = time.monotonic() + 120
         while not (out.exists() and out.read_text().count("\n") >= 1):  # the first is at work, lock held
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else ""
-            time.sleep(0.2)
-        second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
-        assert first.poll() is None, "the first run ended before the second checked: make it longer"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)
+        assert first.poll() is None, "the first run ended before it could be paused"
+        try:
+            second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+        finally:
+            first.send_signal(signal.SIGCONT)
     finally:
         _, errors = first.communicate(timeout=300)
     assert second.returncode == 2 and not second.stdout
@@ -273,10 +279,10 @@ def test_a_second_run_on_the_same_results_file_refuses(tiny_model_dir, folder):
                                      f"{socket.gethostname()}: wait for it to finish, or choose another --out")
     assert first.returncode == 0, errors
     paths = [json.loads(line)["path"] for line in out.read_text().splitlines()]
-    assert len(paths) == len(set(paths)) == 43
+    assert len(paths) == len(set(paths)) == 15
     assert not (folder / ".summaries.jsonl.lock").exists()
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
-    assert again.returncode == 0 and "43 already done" in again.stderr  # the lock is free again
+    assert again.returncode == 0 and "15 already done" in again.stderr  # the lock is free again
 
 
 def test_batch_usage_errors_come_before_the_model(gali, folder):
