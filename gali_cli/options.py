@@ -55,8 +55,10 @@ _MODEL = [
                                                  "all.")], "gali"),
 ]
 # Then the methods' settings: every MethodSettings field declared with a flag.
-_SETTINGS = [(setting.name, Annotated[setting.type, typer.Option(*flag.declarations, help=flag.help,
-                                                                 rich_help_panel=flag.panel)], setting.default)
+# A setting with a parser takes one word of text, which the parser turns into the field's value.
+_SETTINGS = [(setting.name, Annotated[setting.type if flag.parser is None else str | None,
+                                      typer.Option(*flag.declarations, help=flag.help, rich_help_panel=flag.panel,
+                                                   parser=flag.parser)], setting.default)
              for setting in fields(MethodSettings) if (flag := setting.metadata.get("flag"))]
 _MODEL_PARAMETERS = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
                      for name, annotation, default in _MODEL + _SETTINGS]

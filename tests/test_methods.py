@@ -9,7 +9,7 @@ from gali_cli.config import METHOD_NAMES, MethodSettings, parse_methods
 from gali_cli.methods import METHODS, apply_method, remove_method
 from gali_cli.methods.rope_scaling import ntk_theta
 from conftest import VOCAB
-from naive import NaiveDualChunk, NaiveSelfExtend
+from naive import NaiveDPE, NaiveDualChunk, NaiveReRoPE, NaiveSelfExtend
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
@@ -80,6 +80,56 @@ def test_dual_chunk_attention_matches_its_paper(make_llama, heads, kv_heads, tra
     assert engine_greedy(model, ids, 4) == naive_tokens
 
 
+REROPE = [  # heads, kv_heads, train_len, window, leaky factor (None: ReRoPE), log n, prompt_len
+    (4, 2, 16, 4, None, True, 50),  # the default window, L/4
+    (4, 1, 32, 8, None, False, 70),
+    (4, 4, 16, 5, 4.0, True, 45),
+    (4, 2, 16, 3, 16, False, 40),
+    (4, 2, 32, 12, 2.5, True, 30),  # inside train_len, past the window
+    (4, 2, 16, 1, None, True, 20),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, train_len, window, factor, logn, length", REROPE)
+def test_rerope_matches_its_relative_positions(make_llama, heads, kv_heads, train_len, window, factor, logn, length):
+    model = make_llama(train_len=train_len, heads=heads, kv_heads=kv_heads)
+    ids = prompt(length, seed=2)
+
+    def naive():
+        return NaiveReRoPE(model, window, factor, train_len if logn else None)
+
+    expected = naive().prefill(ids[0].tolist())
+    naive_tokens, _ = naive().greedy(ids[0].tolist(), 4)
+    name = "rerope" if factor is None else "leaky-rerope"
+    apply_method(model, name, MethodSettings(neighbor_window=window, leaky_factor=factor, logn=logn), length)
+    torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(forwards(model, ids, [2, window + 3, length - 4, length]), model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+    assert engine_greedy(model, ids, 4) == naive_tokens
+
+
+DPE = [  # heads, kv_heads, train_len, scales (one per group of frequencies), window, prompt_len
+    (4, 2, 16, (4, 4, 4, 4), 2, 50),  # the defaults: W = L/8, every group the smallest scale reaching N
+    (4, 1, 32, (2, 7), 8, 70),
+    (4, 4, 16, (1, 2, 3, 16), 5, 45),  # a group with scale 1: plain RoPE beyond the window
+    (4, 2, 16, (3,), 3, 16),  # inside train_len, past the window
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, train_len, scales, window, length", DPE)
+def test_dpe_matches_its_paper(make_llama, heads, kv_heads, train_len, scales, window, length):
+    model = make_llama(train_len=train_len, heads=heads, kv_heads=kv_heads)
+    ids = prompt(length, seed=3)
+    expected = NaiveDPE(model, scales, window).prefill(ids[0].tolist())
+    naive_tokens, _ = NaiveDPE(model, scales, window).greedy(ids[0].tolist(), 4)
+    settings = apply_method(model, "dpe", MethodSettings(neighbor_window=window, dpe_scales=scales), length)
+    assert settings["dpe_scales"] == list(scales) and settings["dpe_published"] is None
+    torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(forwards(model, ids, [1, window, length - 6, length]), model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+    assert engine_greedy(model, ids, 4) == naive_tokens
+
+
 def test_figure_2_of_the_dca_paper():
     """s = 6, c = 10, w = 4: the successive-chunk query positions are [6, 7, 8, 9, 9, 9] in every chunk."""
     model_free = NaiveDualChunk.__new__(NaiveDualChunk)
@@ -93,6 +143,9 @@ def test_figure_2_of_the_dca_paper():
     ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4), 12),
     ("dynamic-ntk", MethodSettings(factor=4), 16),
     ("gali", MethodSettings(chunk_size=4, local_window=2), 16),
+    ("rerope", MethodSettings(neighbor_window=6), 6),
+    ("leaky-rerope", MethodSettings(neighbor_window=6, leaky_factor=7.0), 6),
+    ("dpe", MethodSettings(neighbor_window=6, dpe_scales=(2, 3)), 6),
 ])
 def test_exact_where_the_method_promises_it(make_llama, method, settings, exact):
     model = make_llama(train_len=16)
@@ -135,6 +188,12 @@ def test_default_factors_and_windows(make_llama):
     assert apply_method(model, "chunk-llama", MethodSettings(), 100) == {
         "train_len": 16, "dca_chunk_size": 12, "local_window": 4}
     assert apply_method(model, "gali", MethodSettings(), 100)["chunk_size"] == 4  # train_len / 4
+    assert apply_method(model, "rerope", MethodSettings(), 100) == {
+        "train_len": 16, "neighbor_window": 4, "logn": True}
+    assert apply_method(model, "leaky-rerope", MethodSettings(), 100)["leaky_factor"] == 16  # the official k
+    assert apply_method(model, "leaky-rerope", MethodSettings(), 500)["leaky_factor"] == 45  # 4 + 45 * 11 = 499
+    assert apply_method(model, "dpe", MethodSettings(), 100) == {
+        "train_len": 16, "neighbor_window": 2, "dpe_scales": [7, 7, 7, 7], "dpe_published": None}  # 14 * 7 + 2
     assert apply_method(model, "gali", MethodSettings(train_len=8), 100)["train_len"] == 8
 
 
@@ -144,6 +203,10 @@ def test_default_factors_and_windows(make_llama):
     ("chunk-llama", MethodSettings(dca_chunk_size=16), "--dca-chunk-size"),
     ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=5), "--local-window"),
     ("gali", MethodSettings(train_len=32), "--train-len"),
+    ("rerope", MethodSettings(neighbor_window=16), "--neighbor-window"),
+    ("leaky-rerope", MethodSettings(neighbor_window=4, leaky_factor=2.0), "raise --leaky-factor"),
+    ("dpe", MethodSettings(dpe_scales=(2, 2, 2)), "--dpe-scales gives 3 groups"),
+    ("dpe", MethodSettings(neighbor_window=20), "--neighbor-window"),
     ("magic", MethodSettings(), "--method"),
 ])
 def test_settings_that_make_no_sense(make_llama, method, settings, message):
@@ -164,6 +227,10 @@ def test_bad_settings_are_refused_early():
         MethodSettings(factor=0.5)
     with pytest.raises(ConfigError, match="--group-size"):
         MethodSettings(group_size=0)
+    with pytest.raises(ConfigError, match="--leaky-factor"):
+        MethodSettings(leaky_factor=1)
+    with pytest.raises(ConfigError, match="--dpe-scales"):
+        MethodSettings(dpe_scales=(2, 0))
 
 
 def test_one_model_runs_every_method_in_turn(make_llama):

@@ -8,6 +8,9 @@
 | yarn | transformers' YaRN with original_max_position_embeddings = L | --factor, ceil(N / L) |
 | self-extend | SelfExtend: exact neighbours, grouped positions beyond | --neighbor-window L/4, --group-size: the smallest that reaches N |
 | chunk-llama | Dual Chunk Attention: intra-, successive- and inter-chunk | --dca-chunk-size 3L/4, --local-window L - chunk |
+| rerope | ReRoPE: exact distances within a window, the window's edge beyond | --neighbor-window L/4, --logn |
+| leaky-rerope | Leaky ReRoPE: distances beyond the window compressed by k | --neighbor-window L/4, --leaky-factor 16 (more if N needs it), --logn |
+| dpe | DPE: SelfExtend per group of RoPE frequencies, a scale each | --neighbor-window L/8, --dpe-scales: published for the model, else the smallest that reaches N |
 | gali | Greedy Attention Logit Interpolation | --chunk-size L/4, --local-window L/2, --noise |
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
@@ -25,7 +28,9 @@ from ..engine.hooks import install, installed_method, uninstall
 from ..engine.positions import chunk_plan
 from ..errors import ConfigError
 from .chunk_llama import DualChunkAttention
+from .dpe import DPE, default_groups, published_settings
 from .gali import apply_gali, gali_settings
+from .rerope import ReRoPE, leaky_reach
 from .rope_scaling import rescale, restore
 from .self_extend import SelfExtend, reach
 
@@ -65,11 +70,21 @@ def _rope(kind: str) -> Callable[[PreTrainedModel, MethodSettings, int, int], di
     return apply
 
 
-def _apply_self_extend(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
-    window = settings.neighbor_window if settings.neighbor_window is not None else train_len // 4
+def smallest_group(window: int, train_len: int, tokens: int) -> int:
+    """The smallest SelfExtend group size whose positions reach `tokens` within train_len (LongLM's rule)."""
+    return max(1, math.ceil((tokens - window) / (train_len - window)))
+
+
+def _window(settings: MethodSettings, train_len: int, default: int) -> int:
+    window = settings.neighbor_window if settings.neighbor_window is not None else default
     if not 0 < window < train_len:
         raise ConfigError(f"--neighbor-window must be between 1 and {train_len - 1}, got {window}")
-    size = settings.group_size or max(1, math.ceil((tokens - window) / (train_len - window)))
+    return window
+
+
+def _apply_self_extend(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
+    window = _window(settings, train_len, train_len // 4)
+    size = settings.group_size or smallest_group(window, train_len, tokens)
     if reach(size, window, train_len) < tokens:
         raise ConfigError(
             f"--group-size {size} with --neighbor-window {window} reaches {reach(size, window, train_len)} tokens "
@@ -86,6 +101,38 @@ def _apply_chunk_llama(model: PreTrainedModel, settings: MethodSettings, train_l
     return {"train_len": train_len, "dca_chunk_size": size, "local_window": window}
 
 
+def _apply_rerope(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
+    window = _window(settings, train_len, train_len // 4)
+    install(model, ReRoPE(window, train_len, None, settings.logn))
+    return {"train_len": train_len, "neighbor_window": window, "logn": settings.logn}
+
+
+def _apply_leaky_rerope(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
+    window = _window(settings, train_len, train_len // 4)
+    # The official code's k = 16, raised to the smallest whole k whose distances stay within train_len.
+    factor = settings.leaky_factor or max(16, math.ceil((tokens - 1 - window) / (train_len - 1 - window)))
+    if leaky_reach(window, factor, train_len) < tokens:
+        raise ConfigError(
+            f"--leaky-factor {factor} with --neighbor-window {window} reaches {leaky_reach(window, factor, train_len)} "
+            f"tokens within train_len {train_len}; the input has {tokens}: raise --leaky-factor"
+        )
+    install(model, ReRoPE(window, train_len, factor, settings.logn))
+    return {"train_len": train_len, "neighbor_window": window, "leaky_factor": factor, "logn": settings.logn}
+
+
+def _apply_dpe(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # The authors' settings hold for the model's own window only.
+    published = published_settings(config) if train_len == config.max_position_embeddings else None
+    window = _window(settings, train_len, published[1] if published else train_len // 8)
+    scales = settings.dpe_scales or (published[2] if published else
+                                     (smallest_group(window, train_len, tokens),) * default_groups(head_dim))
+    install(model, DPE(tuple(scales), window, train_len, head_dim))
+    return {"train_len": train_len, "neighbor_window": window, "dpe_scales": list(scales),
+            "dpe_published": published[0] if published and not settings.dpe_scales else None}
+
+
 METHODS = {
     "original": Method("original", "the unpatched model: positions simply run past train_len",
                        lambda model, settings, train_len, tokens: {}),
@@ -97,6 +144,9 @@ METHODS = {
     "self-extend": Method("self-extend", "SelfExtend: grouped positions beyond a neighbour window",
                           _apply_self_extend),
     "chunk-llama": Method("chunk-llama", "ChunkLlama's Dual Chunk Attention", _apply_chunk_llama),
+    "rerope": Method("rerope", "ReRoPE: distances beyond a window clamped to it", _apply_rerope),
+    "leaky-rerope": Method("leaky-rerope", "Leaky ReRoPE: distances beyond a window compressed", _apply_leaky_rerope),
+    "dpe": Method("dpe", "DPE: SelfExtend per group of RoPE frequencies", _apply_dpe),
     "gali": Method("gali", "Greedy Attention Logit Interpolation", _apply_gali, _gali_boundaries),
 }
 
