@@ -1,4 +1,5 @@
-"""Prefill and decode cost of the GALI engine against the unpatched model, on random Llama weights.
+"""Prefill and decode cost of the GALI engine (and of ReRoPE, Leaky ReRoPE and DPE) against the unpatched model, on
+random Llama weights.
 
 Each variant runs in its own worker process, so that peak memory is the variant's own (peak RSS on CPU,
 torch.cuda.max_memory_allocated on CUDA); rounds interleave the variants, and the tables report medians over rounds
@@ -40,7 +41,11 @@ VARIANTS = {
     "sdpa-pieces": "the unpatched model, one forward per GALI chunk",
     "anchor": "two-matmul GALI as the authors compute it (noise on): per chunk, keys rotated at ceil and at floor "
               "and repeated per head, two float32 logit matrices",
+    "rerope": "ReRoPE, its defaults (window train_len/4, log n), one forward",
+    "leaky-rerope": "Leaky ReRoPE, its defaults (window train_len/4, k 16, log n), one forward",
+    "dpe": "DPE, its defaults (window train_len/8, 8 groups at the scale that reaches the input), one forward",
 }
+METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe")  # applied by name with their default settings
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
@@ -107,7 +112,9 @@ def two_matmul_gali(settings):
 def worker(args: argparse.Namespace) -> dict:
     """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
     from gali_cli import GaliConfig, apply_gali
+    from gali_cli.config import MethodSettings
     from gali_cli.engine.hooks import install
+    from gali_cli.methods import apply_method
     from gali_cli.engine.positions import chunk_plan
     from transformers import DynamicCache
 
@@ -121,6 +128,8 @@ def worker(args: argparse.Namespace) -> dict:
     elif args.variant == "anchor":
         install(model, two_matmul_gali(settings))
     length = int(args.factors) * args.train_len  # a worker gets one factor
+    if args.variant in METHOD_VARIANTS:
+        apply_method(model, args.variant, MethodSettings(), length + args.decode_tokens)
     ids = torch.randint(0, model.config.vocab_size, (1, length + args.decode_tokens), device=args.device)
     prompt = ids[:, :length]
     pieces = chunk_plan(0, length, args.train_len, settings.chunk_size) if args.variant.endswith("pieces") else None
@@ -203,7 +212,7 @@ def main() -> None:
         for factor in factors:
             for variant in variants:
                 prefill[(variant, factor)].append(run_worker(args, variant, factor, 0, args.repeats))
-    decode_variants = [v for v in ("sdpa", "gali") if v in variants]
+    decode_variants = [v for v in ("sdpa", "gali", *METHOD_VARIANTS) if v in variants]
     decode_factors = [int(factor) for factor in args.decode_factors.split(",") if factor]
     decode = {(variant, factor): run_worker(args, variant, factor, args.decode_tokens, 1)
               for factor in decode_factors for variant in decode_variants}

@@ -2,11 +2,12 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig
 from gali_cli.config import METHOD_NAMES, MethodSettings, parse_methods
-from gali_cli.methods import METHODS, apply_method, remove_method
+from gali_cli.methods import METHODS, apply_method, preview_method, remove_method
+from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
 from conftest import VOCAB
 from naive import NaiveDPE, NaiveDualChunk, NaiveReRoPE, NaiveSelfExtend
@@ -268,3 +269,44 @@ def test_the_command_line_knows_every_method_by_name():
     for bad in ("magic", "gali,magic", ",", ""):
         with pytest.raises(ConfigError, match="--method must be one of"):
             parse_methods(bad)
+
+
+def llama3_config(version: str) -> LlamaConfig:
+    """The architecture of Llama-3-8B(-Instruct) or Llama-3.1-8B(-Instruct), without weights."""
+    rope = {"rope_type": "default", "rope_theta": 500000.0} if version == "3" else {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, rope_parameters=rope,
+                       max_position_embeddings=8192 if version == "3" else 131072)
+
+
+@pytest.mark.parametrize("version, name, scales", [
+    ("3", "Meta-Llama-3-8B-Instruct", [2, 8, 2, 8, 32, 32, 32, 4]),
+    ("3.1", "Meta-Llama-3.1-8B-Instruct", [2, 32, 32, 2, 2, 2, 2, 1]),
+])
+def test_dpe_takes_its_authors_settings_for_their_models(version, name, scales):
+    config = llama3_config(version)
+    assert preview_method(config, "dpe", MethodSettings()) == {
+        "train_len": config.max_position_embeddings, "neighbor_window": 1024, "dpe_scales": scales,
+        "dpe_published": name}
+    # A narrower window, or scales of one's own, are not what the authors searched: the documented defaults.
+    narrower = preview_method(config, "dpe", MethodSettings(train_len=4096))
+    assert narrower["dpe_published"] is None and narrower["neighbor_window"] == 512
+    given = preview_method(config, "dpe", MethodSettings(dpe_scales=(4, 4)))
+    assert given["dpe_scales"] == [4, 4] and given["dpe_published"] is None and given["neighbor_window"] == 1024
+    other = llama3_config(version)
+    other.vocab_size = 32000
+    assert published_settings(other) is None
+
+
+def test_previews_refuse_what_apply_would_refuse():
+    config = llama3_config("3")
+    assert preview_method(config, "rerope", MethodSettings()) == {"train_len": 8192, "neighbor_window": 2048,
+                                                                  "logn": True}
+    assert preview_method(config, "leaky-rerope", MethodSettings())["reaches"] == 2048 + 16 * 6143 + 1
+    assert preview_method(config, "gali", MethodSettings()) is None
+    for name, settings in [("rerope", MethodSettings(neighbor_window=8192)),
+                           ("dpe", MethodSettings(dpe_scales=(2, 2, 2))), ("dpe", MethodSettings(train_len=9000))]:
+        with pytest.raises(ConfigError):
+            preview_method(config, name, settings)

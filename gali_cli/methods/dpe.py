@@ -60,17 +60,21 @@ def default_groups(head_dim: int) -> int:
     return math.gcd(8, head_dim // 2)
 
 
+def check_scales(scales: tuple[int, ...], head_dim: int) -> None:
+    """A ConfigError unless `scales` are whole numbers >= 1 whose count splits the head's frequencies evenly."""
+    if not scales or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in scales):
+        raise ConfigError(f"--dpe-scales must be whole numbers >= 1, got {','.join(map(str, scales))}")
+    if (head_dim // 2) % len(scales):
+        raise ConfigError(f"--dpe-scales gives {len(scales)} groups: they must split the model's {head_dim // 2} RoPE "
+                          "frequencies evenly")
+
+
 class DPE(PositionalAttention):
     name = "dpe"
 
     def __init__(self, scales: tuple[int, ...], window: int, train_len: int, head_dim: int) -> None:
         half = head_dim // 2
-        if not scales or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in scales):
-            raise ConfigError(f"--dpe-scales must be whole numbers >= 1, got {','.join(map(str, scales))}")
-        if half % len(scales):
-            raise ConfigError(
-                f"--dpe-scales gives {len(scales)} groups: they must split the model's {half} RoPE frequencies evenly"
-            )
+        check_scales(scales, head_dim)
         if not 0 < window < train_len:
             raise ConfigError(f"--neighbor-window must be between 1 and train_len - 1 ({train_len - 1}), got {window}")
         self.scales, self.window, self.train_len = tuple(scales), window, train_len

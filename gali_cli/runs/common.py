@@ -24,6 +24,7 @@ from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration
 from ..generate import Finished
 from ..loading import LoadedModel, load_config, load_model
+from ..methods import preview_method
 from . import ModelChoice, Reading
 
 Params, Result = ParamSpec("Params"), TypeVar("Result")
@@ -78,11 +79,14 @@ def _quiet_libraries() -> Iterator[None]:
 
 def check(choice: ModelChoice) -> None:
     """Settings that depend on the model (its window) are checked from its config, before any file is read."""
-    window = load_config(choice.model).max_position_embeddings
+    config = load_config(choice.model)
+    window = config.max_position_embeddings
     if "gali" in choice.methods:
         choice.settings.gali().resolved(window)
     elif choice.settings.train_len is not None and choice.settings.train_len > window:
         raise ConfigError(f"--train-len ({choice.settings.train_len}) exceeds the model's training window ({window})")
+    for method in choice.methods:
+        preview_method(config, method, choice.settings)
 
 
 def read(file: str, reading: Reading) -> Document:

@@ -4,13 +4,15 @@ from .. import display
 from ..display import print_json, say
 from ..errors import GaliError
 from ..loading import environment_facts, load_config, model_facts
+from ..methods import preview_method
 from . import ModelChoice
 from .common import entry_point, store
 
 
 @entry_point
 def show_info(choice: ModelChoice, json_output: bool) -> None:
-    """What is known without the model, then its architecture and the GALI settings that would be used."""
+    """What is known without the model, then its architecture and the settings GALI (and the other methods chosen,
+    where they are known before the input) would use."""
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
     try:
@@ -19,7 +21,10 @@ def show_info(choice: ModelChoice, json_output: bool) -> None:
         display.print_facts(facts, json_output)  # what is known without the model, then the error
         raise
     gali = choice.settings.gali().resolved(config.max_position_embeddings).facts()
-    display.print_facts({**facts, **model_facts(config), "gali": gali}, json_output)
+    others = {method: preview_method(config, method, choice.settings) for method in choice.methods if method != "gali"}
+    display.print_facts({**facts, **model_facts(config), "gali": gali,
+                         **{method: settings for method, settings in others.items() if settings is not None}},
+                        json_output)
 
 
 @entry_point
