@@ -310,3 +310,23 @@ def test_previews_refuse_what_apply_would_refuse():
                            ("dpe", MethodSettings(dpe_scales=(2, 2, 2))), ("dpe", MethodSettings(train_len=9000))]:
         with pytest.raises(ConfigError):
             preview_method(config, name, settings)
+
+
+@pytest.mark.parametrize("method, settings", [
+    ("rerope", MethodSettings(neighbor_window=5)),
+    ("leaky-rerope", MethodSettings(neighbor_window=5, leaky_factor=8.0)),
+    ("dpe", MethodSettings(neighbor_window=5, dpe_scales=(2, 6))),
+])
+def test_windowed_methods_in_batches_and_half_precision(make_llama, method, settings):
+    """A batch gives each row's own logits (and decoding keeps each row's far keys); bf16 and fp16 models track the
+    fp32 one."""
+    model = make_llama(train_len=16)
+    ids = torch.cat((prompt(60, seed=4), prompt(60, seed=5)))
+    apply_method(model, method, settings, 70)
+    alone = [forwards(model, ids[row : row + 1], [40, 50, 51, 52, 60]) for row in range(2)]
+    torch.testing.assert_close(forwards(model, ids, [40, 50, 51, 52, 60]), torch.cat(alone), rtol=1e-5, atol=1e-5)
+    reference = alone[0][0]
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = model.to(dtype)(ids[:1]).logits[0].float()
+        assert (logits - reference).norm() / reference.norm() < 0.05, dtype
+        model.float()

@@ -166,7 +166,7 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
 
     Rows of tokens below `window` have none: their lse is -inf.
     """
-    rows, stop = query.shape[2], start + query.shape[2]
+    stop = start + query.shape[2]
     first = max(start, window)  # the first query with a far key
     if first >= stop:
         return None
