@@ -193,6 +193,10 @@ def test_info(gali, tiny_model_dir):
     if facts["device"] == "cpu":
         forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "triton", "TRITON_INTERPRET": "0"}).stdout)
         assert forced["noisy_attention"] in ("error: GALI_KERNEL=triton needs CUDA", "PyTorch (triton is not installed)")
+    previews = json.loads(gali("info", "--json", "--method", "all", "--leaky-factor", "4").stdout)
+    assert previews["rerope"] == {"train_len": 32, "neighbor_window": 8, "logn": True}
+    assert previews["leaky-rerope"]["reaches"] == 8 + 4 * (31 - 8) + 1  # how far k = 4 takes the window
+    assert previews["dpe"]["neighbor_window"] == 4 and previews["dpe"]["dpe_published"] is None
     text = gali("info")
     assert text.exit_code == 0 and "train_len" in text.stdout
     assert gali("info", env={"GALI_MODEL": str(tiny_model_dir)}, model=False).exit_code == 0
