@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from .documents import link_problem
 from .errors import ConfigError, GaliError, InputError
 
 # Files a directory contributes; anything else in it (images, binaries, code) is left alone.
@@ -78,7 +79,7 @@ def _expand(spec: str, base: Path, manifests_seen: set[Path]) -> Iterator[Path]:
             raise InputError(f"{spec}: no file matches")
         yield from matches
     else:
-        raise InputError(f"{spec}: no such file or directory")
+        raise InputError(f"{spec}: {link_problem(path) or 'no such file or directory'}")
 
 
 def content_hash(path: Path) -> str:

@@ -4,7 +4,9 @@ Problems come back as `InputError` with a message naming the file; recoverable o
 replaced bytes, PDF pages without text) come back as warnings on the `Document`.
 """
 
+import errno
 import io
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,13 +62,26 @@ def read_document(
 
 def _read_bytes(path: Path, name: str) -> bytes:
     if not path.exists():
-        raise InputError(f"{name}: no such file")
+        raise InputError(f"{name}: {link_problem(path) or 'no such file'}")
     if path.is_dir():
         raise InputError(f"{name} is a directory, not a document")
     try:
         return path.read_bytes()
     except OSError as error:
         raise InputError(f"cannot read {name}: {error.strerror or error}") from error
+
+
+def link_problem(path: Path) -> str | None:
+    """Why a path that does not exist to Path.exists() is there all the same: a loop of symbolic links, or a
+    symbolic link to nothing; None when there is simply nothing there."""
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "a symbolic link loop (following it leads back to itself)"
+        if path.is_symlink():
+            return f"a broken symbolic link (to {os.readlink(path)}, which does not exist)"
+    return None
 
 
 def _decode(data: bytes, name: str) -> tuple[str, list[str]]:

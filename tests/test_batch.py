@@ -44,6 +44,7 @@ def test_documents_from_files_directories_globs_and_manifests(folder, monkeypatc
 
 @pytest.mark.parametrize("specs, error, message", [
     (["missing.txt"], InputError, "missing.txt: no such file or directory"),
+    (["cycle.txt"], InputError, "cycle.txt: a symbolic link loop"),
     (["docs/*.pdf"], InputError, "no file matches"),
     (["@nowhere.txt"], InputError, "cannot read manifest"),
     (["-"], ConfigError, "not from standard input"),
@@ -52,6 +53,7 @@ def test_documents_from_files_directories_globs_and_manifests(folder, monkeypatc
 def test_documents_that_are_not_there(folder, monkeypatch, specs, error, message):
     monkeypatch.chdir(folder)
     (folder / "empty").mkdir()
+    (folder / "cycle.txt").symlink_to(folder / "cycle.txt")
     with pytest.raises(error, match=message):
         expand_documents(specs)
     (folder / "loop.txt").write_text("@loop.txt\n")
