@@ -72,12 +72,7 @@ def _read_question(interactive: bool) -> str | None:
         line = sys.stdin.readline()
         return line.strip() if line else None
     try:
-        import readline  # noqa: F401 - importing it gives input() line editing
-    except ImportError:
-        pass
-    display.err.print("[bold]>[/bold] ", end="")
-    try:
-        return input().strip()
+        return display.read_line("> ").strip()
     except EOFError:
         display.err.print()
         return None
@@ -89,29 +84,52 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
     stream = answering.stream and not answering.json_output
     pieces, finished = [], None
     with display.progress_bar("Reading") as bar:
+        reading = _Reading(talk, bar)
         try:
-            for event in talk.ask(instruction, sampler, answering.max_new_tokens, bar):
-                bar.hide()
+            for event in talk.ask(instruction, sampler, answering.max_new_tokens, reading):
+                reading.over()
                 if isinstance(event, TextPiece):
                     pieces.append(event.text)
                     if stream:
-                        sys.stdout.write(event.text)
-                        sys.stdout.flush()
+                        display.write(event.text)
                 else:
                     finished = event
         except KeyboardInterrupt:
             if stream and pieces:
-                sys.stdout.write("\n")
+                display.write("\n")
             raise
     text = "".join(pieces)
     if not answering.json_output:
-        sys.stdout.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
-        sys.stdout.flush()
-    if talk.from_store and len(talk.questions) == 1:
-        say(f"(document state from the cache: {talk.document_tokens} tokens not read again)", style="dim")
+        display.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
     if finished.reason == "length":
         say(f"(stopped at --max-new-tokens {answering.max_new_tokens})", style="dim")
     return text, finished
+
+
+class _Reading:
+    """The prefill's (done, total) callback: a note first when the document's state came from the cache (known
+    once the prefill starts), then the bar; `over()` takes the bar away before the answer is written (on a
+    terminal that shows stdout too, a live bar would erase the answer's line)."""
+
+    def __init__(self, talk: Conversation, bar: display.Bar) -> None:
+        self.talk, self.bar, self.noted, self.done = talk, bar, False, False
+
+    def __call__(self, done: int, total: int) -> None:
+        self._note()
+        self.bar(done, total)
+
+    def over(self) -> None:
+        if not self.done:
+            self.done = True
+            self._note()
+            self.bar.stop()
+
+    def _note(self) -> None:
+        if not self.noted:
+            self.noted = True
+            if self.talk.from_store and not self.talk.questions:
+                say(f"(document state from the cache: {self.talk.document_tokens} tokens not read again)",
+                    style="dim")
 
 
 def _say_stats(finished: Finished) -> None:

@@ -96,7 +96,7 @@ def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
     """The model; under a launcher, on this process's own GPU (local rank, modulo the GPUs it can see)."""
     gpu = rank.local_rank % max(1, torch.cuda.device_count()) if rank and rank.distributed else None
     kernel_choice()  # a mistyped GALI_KERNEL fails now, not after the model has loaded
-    with display.err.status(f"Loading {choice.model}"):
+    with display.status(f"Loading {choice.model}"):
         return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu,
                           notice=lambda message: say(message, style="dim"))
 
@@ -112,8 +112,14 @@ def store(directory: str | None) -> DocumentCache:
 def conversation(loaded: LoadedModel, choice: ModelChoice, document: Document, system: str | None,
                  cache: DocumentCache | None) -> Conversation:
     """A conversation about `document`, its notices (e.g. a document read again) dim on stderr."""
-    return Conversation(loaded, choice.method, choice.settings, document.text, document.name, system, cache,
+    return Conversation(loaded, choice.method, choice.settings, document.text, cache_name(document), system, cache,
                         notice=lambda message: say(message, style="dim"))
+
+
+def cache_name(document: Document) -> str:
+    """The name a document's cached state is listed under: its absolute path (symbolic links resolved, as batch
+    mode names documents), whatever directory gali ran in; `gali cache list` shows it short."""
+    return document.name if document.name == "<stdin>" else str(Path(document.name).resolve())
 
 
 def say_input(loaded: LoadedModel, method: str, document: Document, tokens: int) -> None:
