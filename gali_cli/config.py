@@ -82,13 +82,17 @@ def _check_int(flag: str, value: object, minimum: int) -> None:
 METHOD_NAMES = ("original", "ntk", "dynamic-ntk", "yarn", "self-extend", "chunk-llama", "gali")
 
 
-def parse_methods(text: str) -> tuple[str, ...]:
-    """'gali, yarn' -> ('gali', 'yarn'); 'all' -> every method; an unknown or missing name is a ConfigError."""
+def parse_methods(text: str, many: bool = True) -> tuple[str, ...]:
+    """'gali, yarn' -> ('gali', 'yarn'); 'all' -> every method. Without `many` (a command that runs one method),
+    one name only. An unknown or missing name is a ConfigError that offers what the command takes."""
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    methods = METHOD_NAMES if names == ("all",) else names
+    if not many and (len(names) > 1 or names == ("all",)):
+        raise ConfigError(f"--method takes one method here, got {text!r} (lists and 'all' are for gali ppl)")
+    methods = METHOD_NAMES if many and names == ("all",) else names
+    takes = f"one of {', '.join(METHOD_NAMES)}" + (", a comma list of them, or all" if many else "")
     for name in methods or ("",):
         if name not in METHOD_NAMES:
-            raise ConfigError(f"--method must be one of {', '.join(METHOD_NAMES)} (or all); got {name!r}")
+            raise ConfigError(f"--method must be {takes}; got {name!r}")
     return methods
 
 

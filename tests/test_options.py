@@ -1,23 +1,26 @@
 """The model options: declared once (MethodSettings' fields carry their flags), parsed into a ModelChoice."""
 
+import re
 import subprocess
 import sys
 from dataclasses import fields
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
+import gali_cli.cli as cli
 from gali_cli.config import MethodSettings
 from gali_cli.options import with_model_options
 from gali_cli.runs import ModelChoice
 
 
-def chosen(*args: str) -> ModelChoice:
+def chosen(*args: str, many_methods: bool = False) -> ModelChoice:
     """The ModelChoice a command gets for `args`."""
     app, seen = typer.Typer(), []
 
     @app.command()
-    @with_model_options
+    @with_model_options(many_methods=many_methods)
     def command(json_output: bool = False, choice: ModelChoice = None) -> None:
         seen.append(choice)
 
@@ -31,7 +34,7 @@ def test_every_flagged_setting_is_an_option_that_reaches_the_settings():
     assert "noise_scale" not in flagged and {"chunk_size", "factor", "dca_chunk_size"} <= set(flagged)
     assert chosen().settings == MethodSettings()
     choice = chosen("--chunk-size", "5", "--no-noise", "--factor", "2.5", "--group-size", "3", "--seed", "7",
-                    "-m", "demo", "--quantize", "4bit", "--method", "gali,yarn")
+                    "-m", "demo", "--quantize", "4bit", "--method", "gali,yarn", many_methods=True)
     assert choice.settings == MethodSettings(chunk_size=5, noise=False, factor=2.5, group_size=3, seed=7)
     assert (choice.model, choice.quantize, choice.device, choice.methods) == ("demo", "4bit", "auto", ("gali", "yarn"))
 
@@ -44,3 +47,36 @@ def test_the_command_line_parses_without_torch():
               "print(codes, sorted({'torch', 'transformers'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[2, 2, 2] []", result.stderr
+
+
+COMMANDS = [[], ["summarize"], ["ask"], ["chat"], ["ppl"], ["info"], ["cache"], ["cache", "list"], ["cache", "clear"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda command: " ".join(command) or "gali")
+def test_help_says_what_each_option_takes(command):
+    """Metavars a person reads (FILE, N, NAME; nothing after a flag), never Python types, and no pointer to a file
+    that an installed gali does not have."""
+    result = CliRunner().invoke(cli.app, [*command, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0
+    assert not re.search(r"<(str|int|float|bool|list|path)\b", result.stdout), result.stdout
+    assert not re.search(r"\bdocs/\w+\.md\b", result.stdout)
+    flags = [line for line in result.stdout.splitlines() if re.search(r"│ --(help|json|no-stream|verbose) ", line)]
+    assert flags and all(re.search(r"--[\w-]+( +-v)? {2,}[A-Z]", line) for line in flags), flags  # help text next
+
+
+def test_usage_lines_name_the_arguments():
+    usage = {name: CliRunner().invoke(cli.app, [name, "--help"]).stdout for name in ("ask", "chat")}
+    assert "Usage: gali ask [OPTIONS] DOCS... QUESTION" in usage["ask"]
+    assert "Usage: gali chat [OPTIONS] FILE" in usage["chat"]
+
+
+@pytest.mark.parametrize("command, method, message", [
+    ("summarize", "bogus", "must be one of original, ntk, dynamic-ntk, yarn, self-extend, chunk-llama, gali; got"),
+    ("ppl", "bogus", "a comma list of them, or all; got 'bogus'"),
+    ("summarize", "gali,yarn", "--method takes one method here, got 'gali,yarn' (lists and 'all' are for gali ppl)"),
+    ("ask", "all", "--method takes one method here"),
+])
+def test_method_errors_offer_what_the_command_takes(capsys, command, method, message):
+    args = [command, "x", *(["Q"] if command == "ask" else []), "--method", method]
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err

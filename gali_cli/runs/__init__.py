@@ -24,10 +24,12 @@ class ModelChoice:
     settings: MethodSettings
 
     @classmethod
-    def parse(cls, model: str | None, quantize: str, device: str, dtype: str, method: str, **settings: object
-              ) -> "ModelChoice":
-        """From the command line's values (`settings`: MethodSettings' fields); a bad one raises ConfigError."""
-        return cls(model or None, quantize, device, dtype, parse_methods(method), MethodSettings(**settings))
+    def parse(cls, model: str | None, quantize: str, device: str, dtype: str, method: str,
+              many_methods: bool = False, **settings: object) -> "ModelChoice":
+        """From the command line's values (`settings`: MethodSettings' fields; `many_methods`: whether --method may
+        name several); a bad one raises ConfigError."""
+        return cls(model or None, quantize, device, dtype, parse_methods(method, many_methods),
+                   MethodSettings(**settings))
 
     @functools.cached_property
     def model(self) -> str:
