@@ -278,7 +278,7 @@ def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> N
 
     Example: gali cache list
     """
-    from .runs.info import list_cache
+    from .runs.cache import list_cache
 
     list_cache(cache_dir, json_output)
 
@@ -290,7 +290,7 @@ def cache_clear(cache_dir: CacheDir = None) -> None:
 
     Example: gali cache clear
     """
-    from .runs.info import clear_cache
+    from .runs.cache import clear_cache
 
     clear_cache(cache_dir)
 

@@ -1,5 +1,6 @@
 """The model options: declared once (MethodSettings' fields carry their flags), parsed into a ModelChoice."""
 
+import os
 import re
 import subprocess
 import sys
@@ -39,14 +40,20 @@ def test_every_flagged_setting_is_an_option_that_reaches_the_settings():
     assert (choice.model, choice.quantize, choice.device, choice.methods) == ("demo", "4bit", "auto", ("gali", "yarn"))
 
 
-def test_the_command_line_parses_without_torch():
-    """--help, --version and usage errors answer before torch or transformers is imported (each run imports them)."""
+def test_the_command_line_answers_without_torch(tiny_model_dir):
+    """--help, --version, gali info and usage errors answer before torch or transformers is imported (the runs
+    that load a model import them)."""
     script = ("import sys; from gali_cli.cli import main; "
-              "codes = [main(a) for a in (['summarize', 'x', '--method', 'magic'], ['ppl', 'x', '--lengths', 'two'],"
-              " ['info', '--chunk-size', '0'])]; "
+              "codes = [main(args.split()) for args in sys.argv[1].split('|')]; "
               "print(codes, sorted({'torch', 'transformers'} & set(sys.modules)))")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == "[2, 2, 2] []", result.stderr
+    runs = {"--help": 0, "--version": 0, "summarize --help": 0, "summarize x --method magic": 2,
+            "ppl x --lengths two": 2, "info --chunk-size 0 -m demo": 2, "info -m demo": 0, "info --json -m demo": 0,
+            f"info -m {tiny_model_dir} --method all": 0, "info -m no-such-org/no-such-model": 4}
+    result = subprocess.run([sys.executable, "-c", script, "|".join(runs)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.stdout.strip().splitlines()[-1] == f"{list(runs.values())} []", result.stdout + result.stderr
+    assert "train_len" in result.stdout and '"kv_heads": 2' in result.stdout
+    assert "no-such-org/no-such-model" in result.stderr.splitlines()[-1]
 
 
 COMMANDS = [[], ["summarize"], ["ask"], ["chat"], ["ppl"], ["info"], ["cache"], ["cache", "list"], ["cache", "clear"]]

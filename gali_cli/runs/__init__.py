@@ -1,8 +1,9 @@
 """What each command does once its options are parsed: read, load, run, report (cli.py only parses and calls).
 
-answer.py (summarize, ask, chat), ppl.py (perplexity), batches.py (many documents into a JSON-lines file), info.py
-(gali info, gali cache), serve.py (gali serve), common.py (what they share). Those import torch; this file does not,
-so that the command line can build a ModelChoice, and refuse a bad option, before anything heavy loads.
+answer.py (summarize, ask, chat), ppl.py (perplexity), batches.py (many documents into a JSON-lines file), cache.py
+(gali cache), serve.py (gali serve), common.py (what they share): those import torch. This file does not, so that the
+command line can build a ModelChoice, and refuse a bad option, before anything heavy loads; nor does info.py (gali
+info).
 """
 
 import functools
@@ -33,11 +34,11 @@ class ModelChoice:
 
     @functools.cached_property
     def model(self) -> str:
-        """The model named with -m, else the default for the device: loading.default_model, which needs torch, so
-        it is imported only when a run needs the name (usage errors and --help stay free of it)."""
+        """The model named with -m, else the default for the device (model_config.default_model, which asks torch
+        about GPUs only where it could see one), decided when a run needs the name."""
         if self.named_model:
             return self.named_model
-        from ..loading import default_model
+        from ..model_config import default_model
 
         return default_model(self.device)
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from .. import display
-from ..engine.noisy_attention import kernel_choice
+from ..engine.kernel_choice import kernel_choice
 from ..batch import Rank
 from ..conversation import Conversation
 from ..display import say, warn

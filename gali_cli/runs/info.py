@@ -1,47 +1,23 @@
-"""gali info (the model, the machine and the settings, without loading weights) and gali cache list / clear."""
+"""gali info: the model, the machine and the settings, without loading weights, and without importing torch or
+transformers where they are not needed to tell (machine.py, model_config.py): it answers at once."""
 
 from dataclasses import asdict
 
 from .. import display
-from ..display import print_json, say
 from ..errors import GaliError
-from ..loading import environment_facts, load_config, model_facts
+from ..machine import environment_facts
+from ..model_config import read_model_config
 from . import ModelChoice
-from .common import entry_point, store
 
 
-@entry_point
 def show_info(choice: ModelChoice, json_output: bool) -> None:
     """What is known without the model, then its architecture and the GALI settings that would be used."""
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
     try:
-        config = load_config(choice.model)
+        config = read_model_config(choice.model)
     except GaliError:
         display.print_facts(facts, json_output)  # what is known without the model, then the error
         raise
-    gali = asdict(choice.settings.gali().resolved(config.max_position_embeddings))
-    display.print_facts({**facts, **model_facts(config), "gali": gali}, json_output)
-
-
-@entry_point
-def list_cache(cache_dir: str | None, json_output: bool) -> None:
-    """The cached document states, most recently used first."""
-    cache = store(cache_dir)
-    entries = cache.entries()
-    if json_output:
-        print_json({"directory": str(cache.directory), "limit_bytes": cache.limit,
-                    "entries": [{"document": entry.document, "model": entry.model, "method": entry.method,
-                                 "tokens": entry.tokens, "bytes": entry.size, "last_used": entry.last_used,
-                                 "path": str(entry.path)} for entry in entries]})
-    else:
-        display.print_cache_entries(entries, cache.directory, cache.limit)
-
-
-@entry_point
-def clear_cache(cache_dir: str | None) -> None:
-    """Delete every cached document state, and say how much that freed."""
-    cache = store(cache_dir)
-    count, size = cache.clear()
-    say(f"Removed {count} cached document state{'s' if count != 1 else ''} ({size / 2**20:.1f} MiB) from "
-        f"{cache.directory}.")
+    gali = asdict(choice.settings.gali().resolved(config.train_len))
+    display.print_facts({**facts, **config.facts(), "gali": gali}, json_output)

@@ -1,0 +1,28 @@
+"""gali cache list / clear: the document cache's entries, and emptying it."""
+
+from .. import display
+from ..display import print_json, say
+from .common import entry_point, store
+
+
+@entry_point
+def list_cache(cache_dir: str | None, json_output: bool) -> None:
+    """The cached document states, most recently used first."""
+    cache = store(cache_dir)
+    entries = cache.entries()
+    if json_output:
+        print_json({"directory": str(cache.directory), "limit_bytes": cache.limit,
+                    "entries": [{"document": entry.document, "model": entry.model, "method": entry.method,
+                                 "tokens": entry.tokens, "bytes": entry.size, "last_used": entry.last_used,
+                                 "path": str(entry.path)} for entry in entries]})
+    else:
+        display.print_cache_entries(entries, cache.directory, cache.limit)
+
+
+@entry_point
+def clear_cache(cache_dir: str | None) -> None:
+    """Delete every cached document state, and say how much that freed."""
+    cache = store(cache_dir)
+    count, size = cache.clear()
+    say(f"Removed {count} cached document state{'s' if count != 1 else ''} ({size / 2**20:.1f} MiB) from "
+        f"{cache.directory}.")
