@@ -68,11 +68,7 @@ def stop_drawing() -> None:
 def write(text: str) -> None:
     """A piece of a streamed answer on stdout, at once. On a terminal, control characters (escape sequences, a
     carriage return) are shown as symbols instead of being obeyed: a model must not be able to rewrite the screen."""
-    stop_drawing()
-    if _stdout_is_terminal():
-        text = text.translate(_CONTROLS)
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    _print(text.translate(_CONTROLS) if _stdout_is_terminal() else text)
 
 
 def _stdout_is_terminal() -> bool:

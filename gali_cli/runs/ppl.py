@@ -1,7 +1,6 @@
 """gali ppl on one document: each method's perplexity at each length, in one pass per method."""
 
 import os
-import sys
 import time
 
 import torch
@@ -80,6 +79,6 @@ def print_rows(rows: list[dict], csv: bool, single: bool) -> None:
     if csv:
         display.print_ppl_csv(rows)
     elif single:
-        sys.stdout.write(f"{rows[0]['ppl']:.4f}\n")
+        display.print_number(rows[0]["ppl"])
     else:
         display.print_ppl_table(rows)
