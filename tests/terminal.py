@@ -73,12 +73,16 @@ class Terminal:
         self.stream.feed(data)
         return bool(data)
 
-    def wait_for(self, condition: Callable[["Terminal"], bool], timeout: float = 240.0) -> None:
-        """Read until `condition(self)` holds; AssertionError with the screen when it does not in time."""
+    def wait_for(self, condition: Callable[["Terminal"], bool], *others: "Terminal", timeout: float = 240.0) -> None:
+        """Read until `condition(self)` holds (drawing on `others` too: terminals its stderr goes to, which must be
+        read or the process blocks once their buffer is full); AssertionError with the screen when it does not in
+        time."""
         deadline = time.monotonic() + timeout
         while not condition(self):
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out; the screen shows:\n{self.text()}")
+            for other in others:
+                other.read(0)
             if not self.read() and not condition(self):
                 raise AssertionError(f"the terminal closed; the screen shows:\n{self.text()}")
 

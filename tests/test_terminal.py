@@ -171,17 +171,51 @@ def test_the_cache_note_comes_before_the_answer(code, tmp_path):
 
 
 @pytest.mark.slow
-def test_batch_lines_stay_above_the_bar_and_the_bar_goes(code, tmp_path):
+@pytest.mark.parametrize("screens", ["one terminal", "two terminals"])
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "-v"])
+def test_chat_answers_stay_on_the_screen(code, tmp_path, screens, verbose):
+    """Each answer stays between its question and the next prompt, and stderr's terminal gets the rest."""
+    args = demo("chat", str(code)) + (["-v"] if verbose else [])
+    expected = gali_answers(tmp_path, args, [QUESTION, "And then?"])
+    with Terminal() as terminal, Terminal() as other, open(tmp_path / "stderr.log", "wb") as log:
+        terminal.run(*args, **SCREENS[screens](terminal, other, log))
+        at_prompt = lambda t: t.lines()[t.screen.cursor.y].startswith(">")  # noqa: E731
+        terminal.wait_for(at_prompt, other)
+        terminal.type(QUESTION + "\r")
+        terminal.wait_for(lambda t: prompts(t) == 2, other)
+        terminal.type("And then?\r")
+        terminal.wait_for(lambda t: prompts(t) == 3, other)
+        terminal.type("\x04")
+        assert terminal.finish(other) == 0
+        screen, stderr = terminal.text(), other.text()
+    first, second = screen.split(f"> {QUESTION}")[1].split("> And then?")
+    assert squeeze(expected[0]) in squeeze(first) and squeeze(expected[1]) in squeeze(second)
+    if screens == "two terminals":
+        assert "-token window" in stderr and "-token window" not in screen
+        assert squeeze(expected[0]) not in squeeze(stderr)
+        assert ("prompt " in stderr) == verbose
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("screens", ["one terminal", "two terminals"])
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "-v"])
+def test_batch_lines_stay_above_the_bar_and_the_bar_goes(code, tmp_path, screens, verbose):
+    """A line per finished document, in order, left on stderr's screen; the progress bar gone at the end; stdout's
+    terminal (when it is another) gets nothing: the summaries are in the JSON-lines file."""
     folder = tmp_path / "docs"
     folder.mkdir()
     for name in ("a.txt", "b.txt", "c.txt"):
         (folder / name).write_text(code.read_text())
-    with Terminal() as terminal:
+    with Terminal() as terminal, Terminal() as other, open(tmp_path / "stderr.log", "wb") as log:
         terminal.run("summarize", str(folder), "--out", str(tmp_path / "out.jsonl"), "-m", "demo",
-                     "--max-new-tokens", "8", "--no-cache")
-        assert terminal.finish() == 0, terminal.text()
-        lines = terminal.lines()
+                     "--max-new-tokens", "8", "--no-cache", *(["-v"] if verbose else []),
+                     **SCREENS[screens](terminal, other, log))
+        assert terminal.finish(other) == 0, terminal.text()
+        lines = (other if screens == "two terminals" else terminal).lines()
+        screen = terminal.text()
     done = [line for line in lines if line.startswith("[")]
     assert [line.split(":")[0].rsplit("/", 1)[-1] for line in done] == ["a.txt", "b.txt", "c.txt"], lines
     assert any(line.startswith("3 documents: 3 done") for line in lines)
     assert not any("━" in line for line in lines)  # the bar is gone
+    if screens == "two terminals":
+        assert screen == ""

@@ -66,8 +66,8 @@ def _start(file: str, choice: ModelChoice, password: str | None, answering: Answ
 
 
 def _read_question(interactive: bool) -> str | None:
-    """The next question from stdin (the prompt on stderr when a person types, with line editing and history
-    where the readline module exists), stripped; None at end of input."""
+    """The next question from stdin (when a person types: after a prompt they see but stdout's file never gets,
+    with line editing and history where the readline module exists), stripped; None at end of input."""
     if not interactive:
         line = sys.stdin.readline()
         return line.strip() if line else None
