@@ -60,11 +60,22 @@ def read_document(
     return Document(text=text.replace("\r\n", "\n"), name=name, kind="text", warnings=tuple(warnings))
 
 
-def _read_bytes(path: Path, name: str) -> bytes:
+def check_source(source: str) -> None:
+    """Refuse at once a document path that names no file (nothing there, a broken link or a loop, a directory):
+    the command line calls it before anything heavy is imported, so a typo costs no wait."""
+    if source != STDIN:
+        _check_path(Path(source), source)
+
+
+def _check_path(path: Path, name: str) -> None:
     if not path.exists():
         raise InputError(f"{name}: {link_problem(path) or 'no such file'}")
     if path.is_dir():
         raise InputError(f"{name} is a directory, not a document")
+
+
+def _read_bytes(path: Path, name: str) -> bytes:
+    _check_path(path, name)
     try:
         return path.read_bytes()
     except OSError as error:

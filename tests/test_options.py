@@ -40,15 +40,20 @@ def test_every_flagged_setting_is_an_option_that_reaches_the_settings():
     assert (choice.model, choice.quantize, choice.device, choice.methods) == ("demo", "4bit", "auto", ("gali", "yarn"))
 
 
-def test_the_command_line_answers_without_torch(tiny_model_dir):
-    """--help, --version, gali info and usage errors answer before torch or transformers is imported (the runs
-    that load a model import them)."""
+def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_path):
+    """--help, --version, gali info (a GGUF's and the default model's too), usage errors and a document that is not
+    there answer before torch or transformers is imported (the runs that load a model import them)."""
+    from gali_cli.model_config import smollm2_gguf
+
     script = ("import sys; from gali_cli.cli import main; "
               "codes = [main(args.split()) for args in sys.argv[1].split('|')]; "
               "print(codes, sorted({'torch', 'transformers'} & set(sys.modules)))")
     runs = {"--help": 0, "--version": 0, "summarize --help": 0, "summarize x --method magic": 2,
             "ppl x --lengths two": 2, "info --chunk-size 0 -m demo": 2, "info -m demo": 0, "info --json -m demo": 0,
-            f"info -m {tiny_model_dir} --method all": 0, "info -m no-such-org/no-such-model": 4}
+            f"info -m {tiny_model_dir} --method all": 0, f"info -m {tiny_gguf}": 0,
+            "info": 0 if smollm2_gguf() else 4, f"summarize {tmp_path}/missing.txt -m demo": 3,
+            f"ask {tmp_path} question -m demo": 3, f"chat {tmp_path}/missing.txt": 3, f"ppl {tmp_path}/x -m demo": 3,
+            "info -m no-such-org/no-such-model": 4}
     result = subprocess.run([sys.executable, "-c", script, "|".join(runs)], capture_output=True, text=True,
                             timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.stdout.strip().splitlines()[-1] == f"{list(runs.values())} []", result.stdout + result.stderr
