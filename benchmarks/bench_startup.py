@@ -1,4 +1,4 @@
-"""How long `gali` takes to answer when it loads no model: --help, --version, gali info, a usage error.
+"""How long `gali` takes to answer when it loads no model: --help, --version, gali info, usage errors.
 
     python benchmarks/bench_startup.py                # 15 rounds
     python benchmarks/bench_startup.py --rounds 30
@@ -27,7 +27,9 @@ COMMANDS = {
     "gali --help": [GALI, "--help"],
     "gali --version": [GALI, "--version"],
     "gali info -m demo": [GALI, "info", "-m", "demo"],
+    "gali info (default model)": [GALI, "info"],
     "gali summarize x --method bogus": [GALI, "summarize", "x", "--method", "bogus"],
+    "gali summarize missing.txt": [GALI, "summarize", "missing.txt", "-m", "demo"],
     "import torch, transformers": [sys.executable, "-c", "import torch, transformers"],
 }
 HEAVY = ("torch", "transformers")
