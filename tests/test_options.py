@@ -61,7 +61,8 @@ def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_p
     assert "no-such-org/no-such-model" in result.stderr.splitlines()[-1]
 
 
-COMMANDS = [[], ["summarize"], ["ask"], ["chat"], ["ppl"], ["info"], ["cache"], ["cache", "list"], ["cache", "clear"]]
+COMMANDS = [[], ["summarize"], ["ask"], ["chat"], ["ppl"], ["serve"], ["info"], ["cache"], ["cache", "list"],
+            ["cache", "clear"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda command: " ".join(command) or "gali")
@@ -74,6 +75,13 @@ def test_help_says_what_each_option_takes(command):
     assert not re.search(r"\bdocs/\w+\.md\b", result.stdout)
     flags = [line for line in result.stdout.splitlines() if re.search(r"│ --(help|json|no-stream|verbose) ", line)]
     assert flags and all(re.search(r"--[\w-]+( +-v)? {2,}[A-Z]", line) for line in flags), flags  # help text next
+
+
+@pytest.mark.parametrize("command, extra", [("ppl", "plot"), ("serve", "serve")])
+def test_help_names_the_extra_to_install(command, extra):
+    """Rich would take "[plot]" for markup and show "gali-cli" alone: what to install must be shown whole."""
+    result = CliRunner().invoke(cli.app, [command, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert f"pip install 'gali-cli[{extra}]'" in result.stdout, result.stdout
 
 
 def test_usage_lines_name_the_arguments():
