@@ -124,10 +124,12 @@ def ask(
     _answer(files, out, "ask", ask_instruction(question), question, choice, password, answering)
 
 
-def _check_document(source: str) -> None:
-    """A document path that names no file is refused before the run (and torch) is imported: a typo costs no wait."""
+def _check_first(choice: ModelChoice, source: str) -> None:
+    """The settings against the model's window, then the document's path, before the run (and torch) is imported:
+    a usage error or a typo in a path costs no wait."""
     from .documents import check_source
 
+    choice.check()
     check_source(source)
 
 
@@ -140,7 +142,7 @@ def _answer(files: list[str], out: str | None, command: str, instruction: str, q
         if answer_batch(files, out, command, instruction, question, choice, password, answering):
             raise typer.Exit(1)
     else:
-        _check_document(files[0])
+        _check_first(choice, files[0])
         from .runs.answer import answer
 
         answer(files[0], instruction, choice, password, answering)
@@ -183,7 +185,7 @@ def ppl(
         if perplexity_batch(files, out, choice, password, max_tokens, wanted, json_output, csv, plot, verbose):
             raise typer.Exit(1)
     else:
-        _check_document(files[0])
+        _check_first(choice, files[0])
         from .runs.ppl import perplexity
 
         perplexity(files[0], choice, password, max_tokens, wanted, json_output, csv, plot, verbose)
@@ -226,7 +228,7 @@ def chat(
     """
     if file == "-":
         raise ConfigError("gali chat reads its questions from standard input: give FILE as a path")
-    _check_document(file)
+    _check_first(choice, file)
     from .runs.answer import chat as run_chat
 
     run_chat(file, choice, password, Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream,

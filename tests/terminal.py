@@ -79,12 +79,14 @@ class Terminal:
         time."""
         deadline = time.monotonic() + timeout
         while not condition(self):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out; the screen shows:\n{self.text()}")
             for other in others:
                 other.read(0)
-            if not self.read() and not condition(self):
-                raise AssertionError(f"the terminal closed; the screen shows:\n{self.text()}")
+            screens = "\n".join([self.text(), *(other.text() for other in others)])
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; the screens show:\n{screens}")
+            exited = self.process is not None and self.process.poll() is not None
+            if (not self.read() or exited and not self.read(0.5)) and not condition(self):
+                raise AssertionError(f"gali exited or the terminal closed; the screens show:\n{screens}")
 
     def shows(self, text: str) -> bool:
         return squeeze(text) in squeeze(self.text())

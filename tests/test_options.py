@@ -52,7 +52,8 @@ def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_p
             "ppl x --lengths two": 2, "info --chunk-size 0 -m demo": 2, "info -m demo": 0, "info --json -m demo": 0,
             f"info -m {tiny_model_dir} --method all": 0, f"info -m {tiny_gguf}": 0,
             "info": 0 if smollm2_gguf() else 4, f"summarize {tmp_path}/missing.txt -m demo": 3,
-            f"ask {tmp_path} question -m demo": 3, f"chat {tmp_path}/missing.txt": 3, f"ppl {tmp_path}/x -m demo": 3,
+            f"ask {tmp_path} question -m demo": 3, f"chat {tmp_path}/missing.txt -m demo": 3,
+            f"ppl {tmp_path}/x -m demo": 3,
             "info -m no-such-org/no-such-model": 4}
     result = subprocess.run([sys.executable, "-c", script, "|".join(runs)], capture_output=True, text=True,
                             timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})

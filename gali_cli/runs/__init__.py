@@ -42,6 +42,18 @@ class ModelChoice:
 
         return default_model(self.device)
 
+    def check(self) -> None:
+        """Settings that depend on the model (its window), checked from its config (read without torch:
+        model_config.py) before any file is read or anything heavy is imported."""
+        from ..model_config import read_model_config
+
+        window = read_model_config(self.model).train_len
+        if "gali" in self.methods:
+            self.settings.gali().resolved(window)
+        elif self.settings.train_len is not None and self.settings.train_len > window:
+            raise ConfigError(f"--train-len ({self.settings.train_len}) exceeds the model's training window "
+                              f"({window})")
+
     @property
     def method(self) -> str:
         """The one method of an answering command."""

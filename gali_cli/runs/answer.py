@@ -10,7 +10,7 @@ from ..generate import Finished, Sampler, TextPiece, make_sampler
 from ..loading import LoadedModel
 from ..prompts import ask_instruction
 from . import Answering, ModelChoice
-from .common import check, conversation, entry_point, facts, finished_facts, load, read, say_input, store
+from .common import conversation, entry_point, facts, finished_facts, load, read, say_input, store
 
 
 @entry_point
@@ -58,7 +58,7 @@ def _start(file: str, choice: ModelChoice, password: str | None, answering: Answ
     """The sampler, model, document and conversation, checked in the order that fails soonest: settings, the
     cache directory and the document before the model loads."""
     sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
-    check(choice)
+    choice.check()
     cache = None if answering.no_cache else store(answering.cache_dir)
     document = read(file, password)
     loaded = load(choice)

@@ -24,7 +24,7 @@ from ..errors import ConfigError, InputError
 from ..generate import TextPiece, make_sampler
 from ..loading import resolve_device, resolve_dtype
 from . import Answering, ModelChoice
-from .common import check, conversation, entry_point, finished_facts, load, store
+from .common import conversation, entry_point, finished_facts, load, store
 from .ppl import method_perplexities, ppl_ids, print_rows
 
 
@@ -107,7 +107,7 @@ def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> _Batch:
     """Everything checked before the model loads: the documents, the results file, the launcher's processes."""
     if not out:
         raise ConfigError("several documents need --out FILE.jsonl for their results")
-    check(choice)
+    choice.check()
     rank = Rank.from_environment()
     results = ResultsFile(Path(out), rank)
     documents = [document for document in expand_documents(specs) if not results.is_output(document)]

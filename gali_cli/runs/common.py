@@ -21,7 +21,7 @@ from ..doc_cache import DocumentCache, default_directory, default_limit
 from ..documents import Document, read_document
 from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..generate import Finished
-from ..loading import LoadedModel, load_config, load_model
+from ..loading import LoadedModel, load_model
 from . import ModelChoice
 
 Params, Result = ParamSpec("Params"), TypeVar("Result")
@@ -72,15 +72,6 @@ def _quiet_libraries() -> Iterator[None]:
                 transformers.logging.enable_progress_bar()
             for logger, level in zip(loggers, levels):
                 logger.setLevel(level)
-
-
-def check(choice: ModelChoice) -> None:
-    """Settings that depend on the model (its window) are checked from its config, before any file is read."""
-    window = load_config(choice.model).max_position_embeddings
-    if "gali" in choice.methods:
-        choice.settings.gali().resolved(window)
-    elif choice.settings.train_len is not None and choice.settings.train_len > window:
-        raise ConfigError(f"--train-len ({choice.settings.train_len}) exceeds the model's training window ({window})")
 
 
 def read(file: str, password: str | None) -> Document:

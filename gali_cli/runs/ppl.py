@@ -16,14 +16,14 @@ from ..methods import METHODS, apply_method
 from ..perplexity import Perplexity, perplexities
 from ..prompts import text_ids
 from . import ModelChoice
-from .common import check, entry_point, facts, load, read, say_input
+from .common import entry_point, facts, load, read, say_input
 
 
 @entry_point
 def perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens: int | None, lengths: list[int],
                json_output: bool, csv: bool, plot: str | None, verbose: bool) -> None:
     """Print the perplexity of `file` (a number, a table, CSV or JSON), and plot it against length if asked."""
-    check(choice)
+    choice.check()
     document = read(file, password)
     loaded = load(choice)
     limit = lengths[-1] if lengths else max_tokens
