@@ -239,22 +239,23 @@ def chat(
 @_guarded
 @with_model_options
 def serve(
-    host: Annotated[str, typer.Option(metavar="HOST", help="Address to listen on; 0.0.0.0 opens the server to the network (then "
-                                           "set --api-key).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, metavar="N", help="Port to listen on (0: any free one).")] = 8000,
+    host: Annotated[str, typer.Option(metavar="HOST", help="Address to listen on; 0.0.0.0 opens the server to the "
+                                                           "network (then set --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, metavar="N",
+                                      help="Port to listen on (0: any free one).")] = 8000,
     api_key: Annotated[str | None, typer.Option(envvar="GALI_API_KEY", show_default=False, metavar="KEY",
                                                 help="Require 'Authorization: Bearer KEY' on /v1/.")] = None,
-    model_name: Annotated[str | None, typer.Option(metavar="NAME", help="The model's name for clients (default: the --model "
-                                                        "value).")] = None,
+    model_name: Annotated[str | None, typer.Option(metavar="NAME", help="The model's name for clients (default: "
+                                                                        "the --model value).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Longest answer when a request sets no "
-                                                            "max_tokens.")] = 512,
-    temperature: Annotated[float, typer.Option(min=0.0, max=2.0, metavar="X", help="When a request sets none; 0 is "
-                                                                      "greedy.")] = 0.0,
+                                                                         "max_tokens.")] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0, max=2.0, metavar="X", help="When a request sets none; 0 "
+                                                                                   "is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, metavar="X", help="When a request sets none.")] = 1.0,
-    queue_size: Annotated[int, typer.Option(min=1, metavar="N", help="Requests that may wait for the model; past them, 429 "
-                                                        "with Retry-After.")] = 16,
-    max_request_mib: Annotated[int, typer.Option(min=1, metavar="N", help="Largest request body, in MiB (413 past "
-                                                             "it).")] = 32,
+    queue_size: Annotated[int, typer.Option(min=1, metavar="N", help="Requests that may wait for the model; past "
+                                                                     "them, 429 with Retry-After.")] = 16,
+    max_request_mib: Annotated[int, typer.Option(min=1, metavar="N", help="Largest request body, in MiB (413 "
+                                                                          "past it).")] = 32,
     cache_dir: CacheDir = None, no_cache: NoCache = False, choice: ModelChoice = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API that reads prompts longer than its window.
