@@ -9,13 +9,19 @@ flushed to disk; a line cut by a kill is dropped when the file is next opened.
 Under torchrun or `accelerate launch` (RANK / WORLD_SIZE in the environment) each process takes every WORLD_SIZE-th
 document of the sorted list, writes its own part file next to the results file, and rank 0 merges the parts once all
 processes are done.
+
+One run at a time per results file: a run holds a lock on a hidden file beside it (`.NAME.lock`, with its process id)
+from before it merges or appends anything until it is done, and a second run refuses to start. The lock is the
+operating system's (flock; POSIX systems only), so a run that is killed leaves it free.
 """
 
+import errno
 import glob
 import hashlib
 import json
 import math
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -134,6 +140,45 @@ class ResultsFile:
         self.rank = rank
         self.part = (self.path.with_name(f"{self.path.name}.rank{rank.rank}-of-{rank.world}.part")
                      if rank.distributed else self.path)
+        self.lock_path = self.path.with_name(f".{self.path.name}.lock")
+        self._lock: int | None = None  # the locked file's descriptor while this run holds it
+
+    def lock(self) -> str | None:
+        """Take the results file for this run; returns None, or (leaving it alone) who holds it: another run.
+        Where the file system cannot lock at all, the run goes on unlocked, as it would have without the lock."""
+        while self._lock is None:
+            try:
+                descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                return None  # cannot even create it (then --out could not be written either: prepare() says so)
+            try:
+                _lock_file(descriptor)
+            except OSError as error:
+                holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip()
+                os.close(descriptor)
+                if error.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    return holder or "another gali run"
+                return None
+            try:
+                if os.stat(self.lock_path).st_ino != os.fstat(descriptor).st_ino:
+                    raise FileNotFoundError  # its holder removed it between our open and our lock: take the new one
+            except FileNotFoundError:
+                os.close(descriptor)
+                continue
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, f"gali run {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            self._lock = descriptor
+        return None
+
+    def unlock(self) -> None:
+        """Let the next run have the results file (removing the lock file first, then releasing it)."""
+        if self._lock is not None:
+            try:
+                self.lock_path.unlink()
+            except OSError:
+                pass
+            os.close(self._lock)
+            self._lock = None
 
     def prepare(self) -> None:
         """Before any work: refuse a file that is not ours (it is never touched), and make sure ours can be
@@ -147,9 +192,10 @@ class ResultsFile:
             raise ConfigError(f"--out {self.path}: cannot write there ({error.strerror})") from None
 
     def is_output(self, document: Path) -> bool:
-        """Whether `document` is the results file or a part of it (never a document of the batch)."""
-        return document == self.path or (document.parent == self.path.parent and document.name.startswith(
-            f"{self.path.name}.rank") and document.suffix == ".part")
+        """Whether `document` is the results file, a part of it or its lock (never a document of the batch)."""
+        return document in (self.path, self.lock_path) or (document.parent == self.path.parent and document.name
+                                                           .startswith(f"{self.path.name}.rank")
+                                                           and document.suffix == ".part")
 
     def finished(self) -> set[tuple[str, str, str]]:
         """(path, content hash, job) of every document some earlier run (or process) finished without error."""
@@ -191,6 +237,16 @@ class ResultsFile:
 
     def _parts(self) -> list[Path]:
         return sorted(self.path.parent.glob(f"{glob.escape(self.path.name)}.rank*-of-*.part"))
+
+
+def _lock_file(descriptor: int) -> None:
+    """An exclusive lock on the open file, or OSError (EAGAIN / EWOULDBLOCK) at once if another process holds one;
+    OSError(ENOTSUP) where there is no flock (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        raise OSError(errno.ENOTSUP, "no flock here") from None
+    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def _check_ours(path: Path) -> None:

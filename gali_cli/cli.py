@@ -17,6 +17,7 @@ import typer
 
 from . import display
 from .display import fail, say
+from .config import MAX_INPUT_BYTES
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
 from .options import (
     CacheDir,
@@ -25,11 +26,13 @@ from .options import (
     Files,
     Group,
     JsonOutput,
+    MaxInputSize,
     MaxNewTokens,
     NoCache,
     NoStream,
     Out,
     Password,
+    Seed,
     System,
     Temperature,
     TopK,
@@ -38,7 +41,7 @@ from .options import (
     with_model_options,
 )
 from .prompts import SUMMARIZE, ask_instruction
-from .runs import Answering, ModelChoice, Serving
+from .runs import Answering, ModelChoice, Reading, Serving
 
 EXIT_CODES = {ConfigError: 2, InputError: 3, ModelLoadError: 4, UnsupportedModelError: 4}
 app = typer.Typer(name="gali", cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -76,8 +79,9 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
 @_guarded
 @with_model_options
 def summarize(
-    files: Files, out: Out = None, password: Password = None, max_new_tokens: MaxNewTokens = 512,
-    temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0, system: System = None,
+    files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = 0, system: System = None,
     no_stream: NoStream = False, cache_dir: CacheDir = None, no_cache: NoCache = False,
     json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
@@ -93,8 +97,8 @@ def summarize(
     Example: gali summarize reports/ --out summaries.jsonl
     """
     answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
-                          cache_dir, no_cache)
-    _answer(files, out, "summarize", SUMMARIZE, None, choice, password, answering)
+                          cache_dir, no_cache, seed)
+    _answer(files, out, "summarize", SUMMARIZE, None, choice, Reading(password, max_input_size), answering)
 
 
 @app.command(cls=Command)
@@ -103,10 +107,10 @@ def summarize(
 def ask(
     files: Files,
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="The question about the document(s).")],
-    out: Out = None, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
-    top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False,
-    choice: ModelChoice = None,
+    out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
+    no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
     """Answer QUESTION about a document: the answer streams to stdout.
 
@@ -120,8 +124,9 @@ def ask(
     if not question.strip():
         raise ConfigError("QUESTION is empty")
     answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
-                          cache_dir, no_cache)
-    _answer(files, out, "ask", ask_instruction(question), question, choice, password, answering)
+                          cache_dir, no_cache, seed)
+    _answer(files, out, "ask", ask_instruction(question), question, choice, Reading(password, max_input_size),
+            answering)
 
 
 def _check_first(choice: ModelChoice, source: str) -> None:
@@ -134,25 +139,25 @@ def _check_first(choice: ModelChoice, source: str) -> None:
 
 
 def _answer(files: list[str], out: str | None, command: str, instruction: str, question: str | None,
-            choice: ModelChoice, password: str | None, answering: Answering) -> None:
+            choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """One document streams its answer; several (or --out) make a batch, which exits 1 if any failed."""
     if out or len(files) > 1:
         from .runs.batches import answer_batch
 
-        if answer_batch(files, out, command, instruction, question, choice, password, answering):
+        if answer_batch(files, out, command, instruction, question, choice, reading, answering):
             raise typer.Exit(1)
     else:
         _check_first(choice, files[0])
         from .runs.answer import answer
 
-        answer(files[0], instruction, choice, password, answering)
+        answer(files[0], instruction, choice, reading, answering)
 
 
 @app.command(cls=Command)
 @_guarded
 @with_model_options(many_methods=True)
 def ppl(
-    files: Files, out: Out = None, password: Password = None,
+    files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     max_tokens: Annotated[int | None, typer.Option(min=2, metavar="N", help="Evaluate the first N tokens only.")]
     = None,
     lengths: Annotated[str | None, typer.Option(metavar="L,L...", help="PPL over the first L tokens for each L, e.g. "
@@ -178,17 +183,21 @@ def ppl(
     if json_output and csv:
         raise ConfigError("--json and --csv both print on stdout: choose one")
     if plot:
-        display.check_plotting()
+        if (out or len(files) > 1) and not wanted:
+            raise ConfigError("--plot draws perplexity against length: with several documents it needs --lengths")
+        display.check_plotting(plot)
     if out or len(files) > 1:
         from .runs.batches import perplexity_batch
 
-        if perplexity_batch(files, out, choice, password, max_tokens, wanted, json_output, csv, plot, verbose):
+        reading = Reading(password, max_input_size)
+        if perplexity_batch(files, out, choice, reading, max_tokens, wanted, json_output, csv, plot, verbose):
             raise typer.Exit(1)
     else:
         _check_first(choice, files[0])
         from .runs.ppl import perplexity
 
-        perplexity(files[0], choice, password, max_tokens, wanted, json_output, csv, plot, verbose)
+        perplexity(files[0], choice, Reading(password, max_input_size), max_tokens, wanted, json_output, csv, plot,
+                   verbose)
 
 
 def _parse_lengths(text: str | None) -> list[int]:
@@ -212,9 +221,10 @@ def _parse_lengths(text: str | None) -> list[int]:
 @_guarded
 @with_model_options
 def chat(
-    file: File, password: Password = None, max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0,
-    top_p: TopP = 1.0, top_k: TopK = 0, system: System = None, no_stream: NoStream = False,
-    cache_dir: CacheDir = None, no_cache: NoCache = False,
+    file: File, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
+    no_cache: NoCache = False,
     json_output: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object per answer, a line "
                                                                        "each.")] = False,
     verbose: Verbose = False, choice: ModelChoice = None,
@@ -231,8 +241,9 @@ def chat(
     _check_first(choice, file)
     from .runs.answer import chat as run_chat
 
-    run_chat(file, choice, password, Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream,
-                                               json_output, verbose, cache_dir, no_cache))
+    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
+                          cache_dir, no_cache, seed)
+    run_chat(file, choice, Reading(password, max_input_size), answering)
 
 
 @app.command(cls=Command)
@@ -262,8 +273,8 @@ def serve(
 
     Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health. Needs pip install 'gali-cli\\[serve]'.
     One model, many clients: requests queue for it, and a client that disconnects stops its answer. A second question
-    about a document starts from the document's prefilled state. --seed seeds the noise; a request without a seed
-    samples with a random one. SIGTERM or Ctrl-C stop it cleanly; access log lines go to stderr.
+    about a document starts from the document's prefilled state. --noise-seed seeds the noise; a request without a
+    seed samples with a random one. SIGTERM or Ctrl-C stop it cleanly; access log lines go to stderr.
 
     Example: gali serve -m demo
 

@@ -27,7 +27,7 @@ class GaliConfig:
             (SmolLM2-135M, KJV Genesis) and on the demo model it raised perplexity, and on a CPU it slows prefill
             (docs/benchmarks.md, "A real model on real prose").
         noise_scale: multiplies the noise's standard deviation (i - j) / T.
-        seed: makes the noise reproducible.
+        seed: makes the noise reproducible (the command line's --noise-seed).
     """
 
     train_len: int | None = None
@@ -41,7 +41,7 @@ class GaliConfig:
         _check_int("--train-len", self.train_len, minimum=2)
         _check_int("--chunk-size", self.chunk_size, minimum=1)
         _check_int("--local-window", self.local_window, minimum=0)
-        _check_int("--seed", self.seed, minimum=0)
+        _check_int("--noise-seed", self.seed, minimum=0)
         if isinstance(self.noise_scale, bool) or not isinstance(self.noise_scale, (int, float)):
             raise ConfigError(f"--noise-scale must be a number, got {self.noise_scale!r}")
         if not 0 <= self.noise_scale < float("inf"):
@@ -51,6 +51,13 @@ class GaliConfig:
                 f"--local-window ({self.local_window}) must be smaller than --train-len ({self.train_len}): "
                 "interpolated positions have to fit between them"
             )
+
+    def facts(self) -> dict:
+        """The settings as the command line names them (the noise's seed is --noise-seed there: --seed seeds
+        sampling), without the noise's when it is off: what a document's prefilled state depends on."""
+        noise = {"noise_scale": self.noise_scale, "noise_seed": self.seed} if self.noise else {}
+        return {"train_len": self.train_len, "chunk_size": self.chunk_size, "local_window": self.local_window,
+                "noise": self.noise, **noise}
 
     def resolved(self, model_train_len: int) -> "GaliConfig":
         """This config with every None filled in, for a model trained on `model_train_len` tokens."""
@@ -66,6 +73,33 @@ class GaliConfig:
             chunk_size=self.chunk_size if self.chunk_size is not None else max(1, train_len // 4),
             local_window=self.local_window if self.local_window is not None else train_len // 2,
         )
+
+
+MAX_INPUT_BYTES = 256 * 2**20  # inputs are refused past this (--max-input-size): more than almost any PDF, ~60M tokens
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30, "t": 2**40,
+          "tb": 2**40}
+
+
+def parse_size(text: str, setting: str) -> int:
+    """ "20G", "512mb", "1000000" -> bytes (binary units); `setting` (a flag or variable) names it in the error."""
+    cleaned = text.strip().lower().replace(" ", "").removesuffix("ib")
+    number = cleaned.rstrip("kmgtb")
+    unit = cleaned[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1
+    if unit not in _UNITS or not 0 <= value < float("inf"):
+        raise ConfigError(f"{setting} must be a size such as 20G or 512M, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def format_size(count: int) -> str:
+    """1536 -> "1.5K", 268435456 -> "256M": binary units, as parse_size reads them."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.4g}{unit}"
+    return str(count)
 
 
 def _check_int(flag: str, value: object, minimum: int) -> None:
@@ -130,7 +164,8 @@ class MethodSettings:
                                           "perplexity, and it slows each forward).",
                         "--noise/--no-noise")
     noise_scale: float = 1.0  # gali; the Python API's alone
-    seed: int = _flag(0, _GALI, "Seed of the noise and of sampling.")
+    noise_seed: int = _flag(0, _GALI, "Seed of the noise: fixed, so that a document always reads the same (and "
+                                      "its cached state serves every later question).")
     factor: float | None = _flag(None, _OTHER, "ntk, dynamic-ntk, yarn: the scaling factor (default: input tokens / "
                                                "train-len, rounded up).")
     group_size: int | None = _flag(None, _OTHER, "self-extend: tokens per group (default: the smallest that reaches "
@@ -149,4 +184,5 @@ class MethodSettings:
             raise ConfigError(f"--factor must be a number >= 1, got {self.factor!r}")
 
     def gali(self) -> GaliConfig:
-        return GaliConfig(self.train_len, self.chunk_size, self.local_window, self.noise, self.noise_scale, self.seed)
+        return GaliConfig(self.train_len, self.chunk_size, self.local_window, self.noise, self.noise_scale,
+                          self.noise_seed)

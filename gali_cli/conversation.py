@@ -47,6 +47,7 @@ class Conversation:
         self.cached_ids: list[int] = []  # the tokens whose K/V `cache` holds
         self.document_tokens = 0
         self.from_store = False  # whether the document's state came from the document cache
+        self._turns = 0  # answers begun: a stopped answer's generator rolls back only while its turn is the last
         self._last_prompt: tuple[tuple[str, int], Prompt] | None = None
 
     def prompt(self, instruction: str) -> Prompt:
@@ -63,8 +64,12 @@ class Conversation:
     ) -> Iterator[TextPiece | Finished]:
         """Answer `instruction` (the first one follows the document in the same user turn); yields the answer piece
         by piece, then `Finished`. The question and answer join the conversation once the answer is complete; an
-        answer cut short (Ctrl-C, or a consumer that stops early) leaves the conversation as it was before it."""
+        answer cut short (Ctrl-C, or a consumer that stops early) leaves the conversation as it was before it: at
+        once when the interruption reaches the generator, and at the latest when the next answer begins."""
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        self._turns += 1
+        turn = self._turns
+        self._roll_back()  # what an answer left unfinished may have added, whether or not its generator was closed
         prompt = self.prompt(instruction)
         self.document_tokens = prompt.document_end
         resolved = apply_method(model, self.method, self.settings, len(prompt.ids))
@@ -93,7 +98,7 @@ class Conversation:
                     recorded = True
                 yield event
         finally:
-            if not recorded:
+            if not recorded and turn == self._turns:  # a later turn has already rolled this one back
                 self._roll_back()
 
     def _roll_back(self) -> None:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 
 from rich import box
 from rich.console import Console
@@ -246,12 +247,24 @@ def print_ppl_csv(rows: list[dict]) -> None:
     _print("method,length,ppl\n" + "".join(f"{r['method']},{r['length']},{r['ppl']:.6f}\n" for r in rows))
 
 
-def check_plotting() -> None:
-    """Fail before any work when --plot cannot be honoured."""
+def check_plotting(path: str) -> None:
+    """Fail before any work when --plot cannot be honoured: no matplotlib, a format it cannot write (named by the
+    file's suffix), or a folder that is not there or not writable."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.figure import Figure
     except ImportError as error:
         raise ConfigError("--plot needs matplotlib: pip install 'gali-cli[plot]'") from error
+    formats = set(Figure().canvas.get_supported_filetypes()) - {"pgf"}  # pgf needs a LaTeX installation
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    if suffix not in formats:
+        raise ConfigError(f"--plot {path}: {'.' + suffix + ' is not' if suffix else 'no suffix names'} an image "
+                          f"format matplotlib writes ({', '.join(sorted(formats))})")
+    target = Path(path).expanduser()
+    folder = target.parent
+    if target.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        problem = ("is a directory" if target.is_dir() else f"{folder} is not a directory" if not folder.is_dir()
+                   else f"{folder} is not writable")
+        raise ConfigError(f"--plot {path}: {problem}")
 
 
 def plot_ppl(rows: list[dict], path: str, title: str) -> None:
@@ -270,7 +283,7 @@ def plot_ppl(rows: list[dict], path: str, title: str) -> None:
     figure.tight_layout()
     try:
         figure.savefig(path)
-    except OSError as error:
-        raise ConfigError(f"--plot {path}: {error.strerror or error}") from error
+    except (OSError, RuntimeError, ValueError) as error:  # e.g. the disk filled up, or Pillow lacks a codec
+        raise ConfigError(f"--plot {path}: {getattr(error, 'strerror', None) or error}") from error
     finally:
         plt.close(figure)

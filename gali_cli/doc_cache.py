@@ -6,8 +6,15 @@ of the document, cached or not). An entry holds one document's K/V for one model
 
 Entries are safetensors files (plain tensors, no pickled objects) named by a SHA-256 of everything the K/V depend
 on; they are written to a temporary file and renamed, so a crash or a full disk never leaves half an entry, and are
-checked on load (format version, key, token hash, shapes, dtype): a file that fails is ignored, deleted and rebuilt.
-Least recently used entries go first when the directory grows past its size limit.
+checked on load (format version, key, token hash, shapes, dtype, and a CRC-32 of every tensor's bytes): a file that
+fails is ignored, deleted and rebuilt. Least recently used entries go first when the directory grows past its size
+limit.
+
+Why CRC-32: the checksum guards against damage (a disk, a copy, a stray write), not against someone who can write the
+cache directory (they could rewrite any digest stored beside the data). CRC-32 catches every burst of up to 32 bits
+and any other damage but one in 2^32, and zlib computes it at about 3 GiB/s, 2.6x SHA-256 and 4.7x BLAKE2b on our
+CPUs; each tensor is checked on its own thread (zlib lets go of the GIL), so more cores check faster.
+docs/performance.md has its cost against a prefill.
 """
 
 import hashlib
@@ -15,7 +22,9 @@ import json
 import os
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +34,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
-from .errors import ConfigError
+from .config import parse_size
 
-FORMAT = "1"
+FORMAT = "2"  # 2: with checksums
 SUFFIX = ".safetensors"
 DEFAULT_LIMIT = 20 * 2**30
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30, "t": 2**40,
-          "tb": 2**40}
 
 
 def default_directory() -> Path:
@@ -41,24 +48,10 @@ def default_directory() -> Path:
     return Path(platformdirs.user_cache_dir("gali")) / "documents"
 
 
-def parse_size(text: str) -> int:
-    """ "20G", "512mb", "1000000" -> bytes (binary units)."""
-    cleaned = text.strip().lower().replace(" ", "").removesuffix("ib")
-    number = cleaned.rstrip("kmgtb")
-    unit = cleaned[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1
-    if unit not in _UNITS or not 0 <= value < float("inf"):
-        raise ConfigError(f"GALI_CACHE_LIMIT must be a size such as 20G or 512M, got {text!r}")
-    return int(value * _UNITS[unit])
-
-
 def default_limit() -> int:
     """$GALI_CACHE_LIMIT (e.g. 20G), else 20 GiB."""
     limit = os.environ.get("GALI_CACHE_LIMIT")
-    return parse_size(limit) if limit else DEFAULT_LIMIT
+    return parse_size(limit, "GALI_CACHE_LIMIT") if limit else DEFAULT_LIMIT
 
 
 def entry_key(identity: dict, prefix_ids: list[int]) -> str:
@@ -85,6 +78,22 @@ class Entry:
     method: str
 
 
+@dataclass(frozen=True)
+class Cleared:
+    """What `DocumentCache.clear` did: the files it removed, with their sizes, and those it could not, with why."""
+
+    removed: tuple[tuple[Path, int], ...]
+    kept: tuple[tuple[Path, int, str], ...]
+
+    @property
+    def removed_bytes(self) -> int:
+        return sum(size for _, size in self.removed)
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(size for _, size, _ in self.kept)
+
+
 class DocumentCache:
     """Prefilled document states in `directory`, at most `limit` bytes in all."""
 
@@ -108,9 +117,10 @@ class DocumentCache:
             return None
         try:
             with safe_open(path, framework="pt") as file:  # one handle: a concurrent replace cannot mix two files
-                _check_metadata(file.metadata() or {}, key, prefix_ids)
+                metadata = file.metadata() or {}
+                _check_metadata(metadata, key, prefix_ids)
                 tensors = {name: file.get_tensor(name) for name in file.keys()}
-            _check_tensors(tensors, len(prefix_ids), model)
+            _check_tensors(tensors, len(prefix_ids), model, json.loads(metadata.get("crc32", "{}")))
         except FileNotFoundError:
             return None  # evicted by another gali meanwhile
         except (OSError, SafetensorError, ValueError, KeyError, TypeError, AttributeError) as error:
@@ -140,7 +150,7 @@ class DocumentCache:
                       f"limit of {self.limit / 2**30:.2f} GiB (GALI_CACHE_LIMIT)")
             return
         metadata = {"format": FORMAT, "key": key, "tokens": str(tokens), "ids_sha256": _ids_digest(prefix_ids),
-                    **description}
+                    "crc32": json.dumps(checksums(tensors)), **description}
         temporary = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -176,25 +186,40 @@ class DocumentCache:
                                str(metadata.get("model", "?")), str(metadata.get("method", "?"))))
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
-    def clear(self) -> tuple[int, int]:
-        """Delete every entry (and leftovers of interrupted writes); returns (files, bytes) removed."""
-        count = size = 0
-        for path in self._files(partial=True):
-            try:
-                size += path.stat().st_size
-                path.unlink()
-                count += 1
-            except OSError:
-                continue
-        return count, size
-
-    def _files(self, partial: bool = False) -> list[Path]:
-        """The regular files in the directory that look like entries (and with `partial`, unfinished ones too)."""
+    def clear(self) -> Cleared:
+        """Delete every entry (and leftovers of interrupted writes); says what was removed and what could not be."""
+        removed, kept = [], []
         try:
-            paths = list(self.directory.glob(f"*{SUFFIX}"))  # pathlib's glob includes dot files
+            paths = self._files(partial=True, strict=True)
+        except FileNotFoundError:
+            paths = []
+        except OSError as error:
+            return Cleared((), ((self.directory, 0, error.strerror or str(error)),))
+        for path in paths:
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                path.unlink()
+                removed.append((path, size))
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                kept.append((path, size, error.strerror or str(error)))
+        return Cleared(tuple(removed), tuple(kept))
+
+    def _files(self, partial: bool = False, strict: bool = False) -> list[Path]:
+        """The regular files in the directory that look like entries (and with `partial`, unfinished ones too); an
+        unreadable directory has none, or with `strict` raises OSError."""
+        try:
+            with os.scandir(self.directory) as found:
+                paths = [Path(entry.path) for entry in found if entry.name.endswith(SUFFIX) and entry.is_file()]
         except OSError:
+            if strict:
+                raise
             return []
-        return [path for path in paths if path.is_file() and (partial or not path.name.startswith(".partial-"))]
+        return [path for path in paths if partial or not path.name.startswith(".partial-")]
 
     def _evict(self, keep: int) -> None:
         """Delete least recently used entries until the others take at most `keep` bytes."""
@@ -228,8 +253,20 @@ def _check_metadata(metadata: dict[str, str], key: str, prefix_ids: list[int]) -
         raise ValueError("it belongs to another document or setting")
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], tokens: int, model: PreTrainedModel) -> None:
-    """Raise ValueError unless `tensors` are finite keys and values of `tokens` tokens for every layer of `model`."""
+def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The CRC-32 of each tensor's bytes (contiguous CPU tensors), as 8 hex digits; computed in threads."""
+    with ThreadPoolExecutor() as pool:
+        return dict(zip(tensors, pool.map(_crc32, tensors.values())))
+
+
+def _crc32(tensor: torch.Tensor) -> str:
+    return f"{zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy()):08x}"
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], tokens: int, model: PreTrainedModel, expected_sums: dict
+                   ) -> None:
+    """Raise ValueError unless `tensors` are the keys and values of `tokens` tokens for every layer of `model`, with
+    the bytes they were saved with."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     expected = (1, config.num_key_value_heads, tokens, head_dim)
@@ -240,8 +277,9 @@ def _check_tensors(tensors: dict[str, torch.Tensor], tokens: int, model: PreTrai
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected or tensor.dtype != dtype:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)} {tensor.dtype}, expected {expected}")
-        if not torch.isfinite(tensor).all():
-            raise ValueError(f"{name} holds non-finite values")
+    for name, found in checksums(tensors).items():
+        if expected_sums.get(name) != found:
+            raise ValueError(f"the data of {name} does not match its checksum")
 
 
 def _unlink_if_same(path: Path, inode: int) -> None:

@@ -1,7 +1,8 @@
 """Reading the documents gali is asked about: text in any encoding, PDF (page by page, with pypdf), or stdin.
 
 Problems come back as `InputError` with a message naming the file; recoverable oddities (a guessed encoding,
-replaced bytes, PDF pages without text) come back as warnings on the `Document`.
+replaced bytes, PDF pages without text) come back as warnings on the `Document`. Inputs are read up to a size limit
+(256 MiB unless the caller says otherwise), so that `gali summarize /dev/zero` stops there instead of filling memory.
 """
 
 import errno
@@ -14,15 +15,20 @@ from pathlib import Path
 from typing import BinaryIO
 
 import charset_normalizer
+from charset_normalizer.md import mess_ratio
 from pypdf import PdfReader
 from pypdf.errors import DependencyError, PyPdfError
 
+from .config import MAX_INPUT_BYTES, format_size
 from .errors import InputError
 
 STDIN = "-"
 _BOMS = ((b"\xef\xbb\xbf", "utf-8-sig"), (b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
          (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
 _SNIFF = 8192  # bytes looked at to tell binary from text
+# A legacy encoding other than cp1252 needs evidence: this many non-ASCII bytes, and cp1252 reading as a mess.
+_EVIDENCE_BYTES, _WESTERN_MESS = 16, 0.1
+_MESS_SAMPLE = 65536  # characters whose mess ratio is measured (it is computed in Python, character by character)
 
 
 @dataclass(frozen=True)
@@ -41,15 +47,20 @@ def read_document(
     password: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     stdin: BinaryIO | None = None,
+    max_bytes: int = MAX_INPUT_BYTES,
 ) -> Document:
     """Read a file path, or standard input for "-"; PDFs are recognised by their first bytes, not their name.
 
     Args:
         password: for encrypted PDFs.
         progress: called with (pages read, pages in all) while a PDF is read.
+        max_bytes: a larger input is refused (InputError) once this much has been read.
     """
     name = "<stdin>" if source == STDIN else source
-    data = (stdin or sys.stdin.buffer).read() if source == STDIN else _read_bytes(Path(source), name)
+    if source == STDIN:
+        data = _read_limited(stdin or sys.stdin.buffer, name, max_bytes)
+    else:
+        data = _read_bytes(Path(source), name, max_bytes)
     if not data.strip():
         raise InputError(f"{name} is empty")
     if data.lstrip()[:5] == b"%PDF-":
@@ -74,10 +85,13 @@ def _check_path(path: Path, name: str) -> None:
         raise InputError(f"{name} is a directory, not a document")
 
 
-def _read_bytes(path: Path, name: str) -> bytes:
+def _read_bytes(path: Path, name: str, max_bytes: int) -> bytes:
     _check_path(path, name)
     try:
-        return path.read_bytes()
+        if path.stat().st_size > max_bytes:  # a regular file says its size; /dev/zero and pipes say 0
+            raise _too_large(name, max_bytes)
+        with open(path, "rb") as file:
+            return _read_limited(file, name, max_bytes)
     except OSError as error:
         raise InputError(f"cannot read {name}: {error.strerror or error}") from error
 
@@ -95,8 +109,22 @@ def link_problem(path: Path) -> str | None:
     return None
 
 
+def _read_limited(stream: BinaryIO, name: str, max_bytes: int) -> bytes:
+    """All of `stream`, or InputError once more than `max_bytes` have come (memory never holds more)."""
+    data = stream.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise _too_large(name, max_bytes)
+    return data
+
+
+def _too_large(name: str, max_bytes: int) -> InputError:
+    return InputError(f"{name} is larger than the input limit of {format_size(max_bytes)}: raise it with "
+                      f"--max-input-size (e.g. --max-input-size {format_size(4 * max_bytes)})")
+
+
 def _decode(data: bytes, name: str) -> tuple[str, list[str]]:
-    """UTF-8 if it is; otherwise the encoding charset-normalizer finds; otherwise UTF-8 with replacements."""
+    """UTF-8 when it is, or mostly is (bad bytes replaced); else a legacy encoding, cp1252 unless the text is clearly
+    in another one."""
     for bom, encoding in _BOMS:
         if data.startswith(bom):
             return data.decode(encoding, errors="replace"), []
@@ -112,14 +140,40 @@ def _decode(data: bytes, name: str) -> tuple[str, list[str]]:
         return data.decode("utf-8"), []
     except UnicodeDecodeError:
         pass
-    guess = charset_normalizer.from_bytes(data).best()
-    western = charset_normalizer.from_bytes(data, cp_isolation=["cp1252"]).best()
-    if western is not None and (guess is None or western.percent_chaos <= guess.percent_chaos):
-        guess = western  # short texts fit several code pages equally well: take the most common one
-    if guess is not None and guess.encoding not in ("utf_8", "ascii"):
-        return str(guess), [f"{name} is not UTF-8; read it as {guess.encoding}"]
     text = data.decode("utf-8", errors="replace")
-    return text, [f"{name}: {text.count(chr(0xFFFD))} undecodable bytes replaced with U+FFFD"]
+    bad = text.count("\ufffd") - data.count("\ufffd".encode())  # the replacements, not U+FFFDs of the text
+    characters = len(text) - len(text.encode("ascii", errors="ignore")) - bad  # well-formed multi-byte ones
+    replaced = f"{bad} invalid UTF-8 byte sequence{'s' if bad != 1 else ''} replaced with U+FFFD"
+    if characters > bad:  # UTF-8 with a few damaged bytes: a legacy reading would garble every good character
+        return text, [f"{name} is UTF-8 but for {replaced}"]
+    legacy = _legacy_decode(data)
+    if legacy is None:
+        return text, [f"{name} is not UTF-8 nor a known legacy encoding: read it as UTF-8, {replaced}"]
+    text, encoding = legacy
+    return text, [f"{name} is not UTF-8; read it as {encoding} (if that is wrong, convert it to UTF-8 first, e.g. "
+                  "with iconv)"]
+
+
+def _legacy_decode(data: bytes) -> tuple[str, str] | None:
+    """The text of non-UTF-8 `data` and its encoding: cp1252 (Windows Western, a superset of printable Latin-1) unless
+    there are enough non-ASCII bytes to judge, cp1252 reads as a mess, and charset-normalizer finds a reading with
+    less of one (Cyrillic, Greek, Central European, CJK...). A short text fits many code pages equally well, so
+    detection alone would pick one at random (cp775 for a Latin-1 "café")."""
+    try:
+        western = data.decode("cp1252")
+    except UnicodeDecodeError:
+        western = None  # bytes that cp1252 leaves undefined
+    non_ascii = len(data.translate(None, bytes(range(128))))  # ASCII bytes deleted
+    western_mess = mess_ratio(western[:_MESS_SAMPLE], maximum_threshold=1.0) if western is not None else 1.0
+    if western is not None and (non_ascii < _EVIDENCE_BYTES or western_mess <= _WESTERN_MESS):
+        return western, "cp1252"
+    for threshold in (0.2, 0.5):  # charset-normalizer keeps readings below a mess threshold; a short text needs 0.5
+        guess = charset_normalizer.from_bytes(data, threshold=threshold).best()
+        if guess is not None:
+            break
+    if guess is not None and guess.encoding not in ("utf_8", "ascii") and guess.percent_chaos / 100 < western_mess:
+        return str(guess), guess.encoding
+    return (western, "cp1252") if western is not None else None
 
 
 def _read_pdf(

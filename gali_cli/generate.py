@@ -101,8 +101,12 @@ def prefill(
     spans: list[tuple[int, int]],
     progress: Progress | None = None,
 ) -> torch.Tensor:
-    """Run the prompt `ids` (1, n) through the model span by span; returns the last position's logits (vocab,)."""
+    """Run the prompt `ids` (1, n) through the model span by span; returns the last position's logits (vocab,).
+
+    `progress` hears (0, tokens) before the first forward, then (tokens done, tokens) after each."""
     logits = None
+    if progress:
+        progress(0, spans[-1][1] - spans[0][0])
     for first, last in spans:
         logits = model(input_ids=ids[:, first:last], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         if progress:
@@ -129,6 +133,7 @@ def decode(
         logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
 
 
+@torch.inference_mode()  # the generator form: only this function's own steps run in inference mode, not the caller's
 def stream_generate(
     model: PreTrainedModel,
     tokenizer,
@@ -149,27 +154,26 @@ def stream_generate(
     ids = torch.tensor([prompt_ids], device=device)
     reset_peak_memory(device)
     started = time.perf_counter()
-    with torch.inference_mode():
-        cache = cache if cache is not None else DynamicCache(config=model.config)
-        if spans[0][0] != cache.get_seq_length():
-            raise ValueError(f"the cache holds {cache.get_seq_length()} tokens but the spans start at {spans[0][0]}")
-        logits = prefill(model, ids, cache, spans, progress)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # kernels run asynchronously: wait for them before reading the clock
-        prefilled = time.perf_counter()
-        detokenizer = _Detokenizer(tokenizer)
-        generated, answer, reason = 0, [], "length"
-        for token in decode(model, cache, logits, sampler, max_new_tokens, stop_ids):
-            generated += 1
-            if token in stop_ids:
-                reason = "stop"
-                break
-            answer.append(token)
-            piece = detokenizer.add(token)
-            if piece:
-                yield TextPiece(piece)
-        if tail := detokenizer.finish():
-            yield TextPiece(tail)
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    if spans[0][0] != cache.get_seq_length():
+        raise ValueError(f"the cache holds {cache.get_seq_length()} tokens but the spans start at {spans[0][0]}")
+    logits = prefill(model, ids, cache, spans, progress)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # kernels run asynchronously: wait for them before reading the clock
+    prefilled = time.perf_counter()
+    detokenizer = _Detokenizer(tokenizer)
+    generated, answer, reason = 0, [], "length"
+    for token in decode(model, cache, logits, sampler, max_new_tokens, stop_ids):
+        generated += 1
+        if token in stop_ids:
+            reason = "stop"
+            break
+        answer.append(token)
+        piece = detokenizer.add(token)
+        if piece:
+            yield TextPiece(piece)
+    if tail := detokenizer.finish():
+        yield TextPiece(tail)
     yield Finished(
         reason=reason,
         prompt_tokens=len(prompt_ids),

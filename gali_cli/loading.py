@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError
@@ -23,6 +24,7 @@ from .model_config import (  # noqa: F401
 )
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # torch.save / pickle checkpoints: never opened
 
 
 @dataclass
@@ -92,6 +94,7 @@ def load_model(
     location = source.location
     if source.gguf is not None:
         location = str(DequantizedModels(notice=notice).directory_for(source.gguf, torch_dtype))
+    check_weights(name, location)
     quantization = None
     if quantize == "8bit":
         quantization = BitsAndBytesConfig(load_in_8bit=True)
@@ -100,25 +103,68 @@ def load_model(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, report = AutoModelForCausalLM.from_pretrained(
             location,
             config=config,
             dtype=torch_dtype,
             device_map=("auto" if gpu is None else {"": gpu}) if target.type == "cuda" else "cpu",
             quantization_config=quantization,
             trust_remote_code=False,
+            use_safetensors=True,  # a hub repository with pickle checkpoints only is refused, not unpickled
+            ignore_mismatched_sizes=True,  # reported below with the missing and unexpected weights, by name
+            output_loading_info=True,
         )
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
     except torch.cuda.OutOfMemoryError as error:
         raise ModelLoadError(f"CUDA ran out of memory loading {name}: try --quantize 4bit") from error
-    except (OSError, ValueError, ImportError) as error:
+    except (OSError, ValueError, ImportError, SafetensorError) as error:
         raise ModelLoadError(load_failure(name, source.location, error)) from error
+    check_loading_report(name, report)
     model.eval()
     where = source.location
     identity = {"model": name, "source": str(Path(where).resolve()) if Path(where).exists() else where,
                 "weights": [source.gguf.fingerprint()] if source.gguf else weights_fingerprint(where, config),
                 "quantize": quantize, "dtype": str(torch_dtype), "device": target.type}
     return LoadedModel(model, tokenizer, target, torch_dtype, identity)
+
+
+def check_weights(name: str, source: str) -> None:
+    """Refuse a local model directory whose weights are pickle checkpoints only (unpickling can run code, so they
+    are never opened) or whose safetensors files are damaged or cut short, before transformers reads any of them."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return  # a hub id: from_pretrained(use_safetensors=True) refuses pickles there
+    files = sorted(folder.glob("*.safetensors"))
+    pickles = sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_SUFFIXES and path.is_file())
+    if not files and pickles:
+        raise ModelLoadError(
+            f"cannot load model {name!r}: {pickles[0]} is a pickle checkpoint, which gali never opens (unpickling "
+            f"can run code); convert it to safetensors once, e.g. python -c \"from transformers import "
+            f"AutoModelForCausalLM as M; M.from_pretrained('{folder}', use_safetensors=False)"
+            f".save_pretrained('{folder}')\""
+        )
+    for path in files:
+        try:
+            with safe_open(path, framework="pt"):  # reads and checks the header: tensors must cover the file
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ModelLoadError(f"cannot load model {name!r}: {path.name} is damaged or incomplete "
+                                 f"({_first_line(error)}); copy or download it again") from error
+
+
+def check_loading_report(name: str, report: dict) -> None:
+    """ModelLoadError naming the weights that the checkpoint lacks, has in excess, or has in another shape: with
+    any of them the model would run on random weights."""
+    problems = []
+    for kind, keys in (("missing", report.get("missing_keys")), ("unexpected", report.get("unexpected_keys")),
+                       ("of the wrong shape", [key for key, *_ in report.get("mismatched_keys") or ()])):
+        if keys:
+            keys = sorted(keys)
+            listed = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            problems.append(f"{len(keys)} {kind} ({listed})")
+    if problems:
+        raise ModelLoadError(f"cannot load model {name!r}: its weights do not match its config.json: "
+                             f"{'; '.join(problems)}")
 
 
 def weights_fingerprint(source: str, config) -> list:
@@ -129,3 +175,7 @@ def weights_fingerprint(source: str, config) -> list:
         return [getattr(config, "_commit_hash", None)]
     return sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns) for entry in os.scandir(path)
                   if entry.is_file() and entry.name.endswith((".safetensors", ".bin", ".json", ".model")))
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -14,7 +14,8 @@ from typing import Annotated
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
-from .config import METHOD_NAMES, MethodSettings
+from .config import MAX_INPUT_BYTES, METHOD_NAMES, MethodSettings, format_size, parse_size
+from .errors import ConfigError
 from .runs import ModelChoice
 
 class Quantize(str, Enum):
@@ -152,6 +153,19 @@ Files = Annotated[list[str], typer.Argument(metavar="DOCS", show_default=False,
 Out = Annotated[str | None, typer.Option(metavar="FILE", help="Batch mode: append one JSON line per document here; "
                                                               "a rerun skips the documents already done.")]
 Password = Annotated[str | None, typer.Option(metavar="TEXT", help="Password of an encrypted PDF.")]
+
+
+def _size(value: str | int) -> int:
+    """--max-input-size's value, e.g. 256M or 1G (binary units), as bytes; a bad one is a usage error."""
+    try:
+        return value if isinstance(value, int) else parse_size(value, "--max-input-size")
+    except ConfigError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+MaxInputSize = Annotated[int, typer.Option(parser=_size, metavar="SIZE", envvar="GALI_MAX_INPUT_SIZE",
+                                           show_default=format_size(MAX_INPUT_BYTES),
+                                           help="Refuse a larger input (exit 3), checked while it is read, e.g. 1G.")]
 JsonOutput = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object on stdout.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Stats on stderr: tokens, speed, peak "
                                                                             "memory.")]
@@ -159,6 +173,8 @@ MaxNewTokens = Annotated[int, typer.Option(min=1, metavar="N", help="Longest ans
 Temperature = Annotated[float, typer.Option(min=0.0, metavar="X", help="0 is greedy.")]
 TopP = Annotated[float, typer.Option(min=0.0, max=1.0, metavar="X", help="Nucleus sampling.")]
 TopK = Annotated[int, typer.Option(min=0, metavar="N", help="0 keeps every token.")]
+Seed = Annotated[int, typer.Option(min=0, metavar="N", help="Seed of sampling (with --temperature above 0); GALI's "
+                                                            "noise has its own, --noise-seed.")]
 System = Annotated[str | None, typer.Option(metavar="TEXT", help="A system prompt.")]
 NoStream = Annotated[bool, typer.Option("--no-stream", metavar="", help="Print the answer at the end.")]
 CacheDir = Annotated[str | None, typer.Option(envvar="GALI_CACHE_DIR", metavar="DIR",

@@ -33,7 +33,7 @@ def perplexities(
 
     The model's body runs forward by forward (its cache carrying the prefix); the LM head runs on slices of each
     forward's hidden states, cut at the method's chunk `boundaries` too, so that logits never span two chunks.
-    `progress` gets (tokens done, N, perplexity of the first `done` tokens) after every slice.
+    `progress` gets (tokens done, N, perplexity of the first `done` tokens) after every forward.
     """
     total = ids.shape[1]
     for length in lengths:
@@ -56,7 +56,7 @@ def perplexities(
                     targets = ids[0, piece.start + 1 : piece.stop + 1].to(logits.device)
                     nll[piece] = F.cross_entropy(logits, targets, reduction="none").double().cpu()
                 start = end
-                if progress and end >= 2:
-                    progress(end, total, math.exp(nll[: end - 1].mean().item()))
+            if progress and last >= 2:
+                progress(last, total, math.exp(nll[: last - 1].mean().item()))
     return [Perplexity(length, math.exp(nll[: length - 1].mean().item()), nll[: length - 1].mean().item())
             for length in lengths]

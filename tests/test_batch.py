@@ -4,8 +4,11 @@ import json
 import math
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +132,16 @@ def test_a_file_that_is_not_ours_is_refused_and_left_alone(folder):
     assert notes.read_text() == "my important notes"
     with pytest.raises(ConfigError, match="cannot write there"):
         ResultsFile(notes / "out.jsonl", Rank()).prepare()
+
+
+def test_one_run_at_a_time_holds_the_results_file(folder):
+    first, second = (ResultsFile(folder / "out.jsonl", Rank()) for _ in range(2))
+    assert first.lock() is None and first.lock_path.read_text().startswith(f"gali run {os.getpid()} on ")
+    assert second.lock() == first.lock_path.read_text()  # who holds it, to tell the user
+    assert first.is_output(first.lock_path)
+    first.unlock()
+    assert not first.lock_path.exists() and second.lock() is None
+    second.unlock()
 
 
 def test_results_file_is_never_a_document(folder, monkeypatch):
@@ -262,6 +275,42 @@ def test_a_killed_batch_leaves_a_line_per_finished_document(gali, folder, monkey
     assert result.exit_code == 130
     done = [line for line in result.stderr.splitlines() if line.startswith("[")]
     assert len(done) == 1 and done[0].startswith("[1/3] ") and "a.txt: " in done[0]
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_results_file_refuses(tiny_model_dir, folder):
+    """Two real processes on one --out: the second says who holds it and leaves; the first does every document
+    once (before the lock, both did them all: 14 lines for 8 documents). The first is paused (SIGSTOP) while the
+    second tries, so that however slowly the second starts, the first still holds the file."""
+    for index in range(12):
+        (folder / "docs" / f"more-{index:02}.txt").write_text(TEXT * 3)
+    out = folder / "summaries.jsonl"
+    command = [sys.executable, "-m", "gali_cli", "summarize", str(folder / "docs"), "--out", str(out),
+               "-m", str(tiny_model_dir), "--max-new-tokens", "48"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().count("\n") >= 1):  # the first is at work, lock held
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else ""
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)
+        assert first.poll() is None, "the first run ended before it could be paused"
+        try:
+            second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+        finally:
+            first.send_signal(signal.SIGCONT)
+    finally:
+        _, errors = first.communicate(timeout=300)
+    assert second.returncode == 2 and not second.stdout
+    assert second.stderr.strip() == (f"gali: --out {out} is being written by gali run {first.pid} on "
+                                     f"{socket.gethostname()}: wait for it to finish, or choose another --out")
+    assert first.returncode == 0, errors
+    paths = [json.loads(line)["path"] for line in out.read_text().splitlines()]
+    assert len(paths) == len(set(paths)) == 15
+    assert not (folder / ".summaries.jsonl.lock").exists()
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 0 and "15 already done" in again.stderr  # the lock is free again
 
 
 def test_batch_usage_errors_come_before_the_model(gali, folder):

@@ -52,7 +52,7 @@ def test_summarize_prints_only_the_answer(gali, doc):
     assert "tokens" in plain.stderr and "x the model's 32-token window" in plain.stderr
     assert answer["finish_reason"] == "length" and answer["generated_tokens"] == 8
     assert answer["method"] == "gali" and answer["settings"] == {
-        "train_len": 32, "chunk_size": 8, "local_window": 16, "noise": False, "noise_scale": 1.0, "seed": 0}
+        "train_len": 32, "chunk_size": 8, "local_window": 16, "noise": False}
     assert "stopped at --max-new-tokens 8" in plain.stderr
     assert answer["document"] == {"name": str(doc), "kind": "text", "pages": 0}
     assert answer["prompt_tokens"] > 32 and answer["peak_memory_mib"] > 0
@@ -75,6 +75,25 @@ def test_sampling_is_reproducible_with_a_seed(gali, doc):
     greedy = gali("summarize", str(doc), "--max-new-tokens", "12").stdout
     for narrow in (["--top-k", "1"], ["--top-p", "0.000001"]):  # sampling flags reach the sampler
         assert gali("summarize", str(doc), "--max-new-tokens", "12", "--temperature", "5", *narrow).stdout == greedy
+
+
+def test_sampling_seeds_share_a_document_state_and_noise_seeds_do_not(gali, doc, tmp_path):
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+
+    def ask(*options: str) -> dict:
+        result = gali("ask", str(doc), "When?", "--max-new-tokens", "6", "--json", *options, env=env)
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    for noise in ("--noise", "--no-noise"):
+        first, second = (ask(noise, "--temperature", "0.8", "--seed", seed) for seed in ("1", "2"))
+        assert first["cached_tokens"] == 0 and second["cached_tokens"] > 32  # --seed 2 did not read it again
+    assert second["settings"] == {"train_len": 32, "chunk_size": 8, "local_window": 16, "noise": False}
+    assert ask("--noise-seed", "3")["cached_tokens"] > 32  # without noise (the default) its seed changes nothing
+    other_noise = ask("--noise", "--noise-seed", "1")
+    assert other_noise["cached_tokens"] == 0 and other_noise["settings"]["noise_seed"] == 1
+    assert gali("ppl", str(doc), "--noise-seed", "2").exit_code == 0
+    assert gali("ppl", str(doc), "--seed", "2").exit_code == 2  # nothing is sampled there
 
 
 def test_the_answer_stays_on_stdout_when_stderr_is_a_terminal(gali, doc, monkeypatch):
@@ -310,6 +329,28 @@ def test_a_damaged_cache_entry_is_rebuilt(gali, doc, tmp_path):
     assert again.exit_code == 0 and again.stdout == first.stdout
     assert "warning: ignoring the damaged document cache entry" in again.stderr
     assert len(list(states.glob("*.safetensors"))) == 1  # rebuilt
+
+
+def test_cache_clear_says_what_it_could_not_remove(gali, doc, tmp_path, monkeypatch):
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    for question in ("When?", "Who?"):
+        assert gali("ask", str(doc), question, "--max-new-tokens", "2", "--method", "original", env=env).exit_code == 0
+    assert gali("ask", str(doc), "Who?", "--max-new-tokens", "2", env=env).exit_code == 0  # a second entry (gali)
+    unlink = Path.unlink
+    stuck = []
+
+    def refuse_one(path, missing_ok=False):  # as a directory without write permission would (root ignores modes)
+        if not stuck:
+            stuck.append(path)
+        if path in stuck:
+            raise PermissionError(13, "Permission denied")
+        unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse_one)
+    result = gali("cache", "clear", env=env, model=False)
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "unexpected" not in result.stderr
+    assert result.stderr.startswith("gali: removed 1 cached document state (")
+    assert "but not the other 1 (" in result.stderr and f"Permission denied ({stuck[0]})" in result.stderr
 
 
 def test_no_cache_writes_nothing_and_a_bad_cache_dir_is_a_usage_error(gali, doc, tmp_path):

@@ -11,7 +11,7 @@ from gali_cli import ConfigError, GaliConfig
         (dict(train_len=1), "--train-len"),
         (dict(local_window=-1), "--local-window"),
         (dict(noise_scale=-1.0), "--noise-scale"),
-        (dict(seed=1.5), "--seed"),
+        (dict(seed=1.5), "--noise-seed"),
         (dict(chunk_size=True), "--chunk-size"),
     ],
 )

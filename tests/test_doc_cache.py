@@ -10,7 +10,8 @@ from transformers import DynamicCache
 import gali_cli.doc_cache as doc_cache
 from gali_cli.config import MethodSettings
 from gali_cli.conversation import Conversation
-from gali_cli.doc_cache import DocumentCache, entry_key, parse_size
+from gali_cli.config import parse_size
+from gali_cli.doc_cache import DocumentCache, entry_key
 from gali_cli.errors import ConfigError
 from gali_cli.generate import Finished, TextPiece, make_sampler, stop_token_ids, stream_generate
 from gali_cli.loading import load_model
@@ -70,13 +71,14 @@ def test_a_cached_document_gives_the_same_answers(loaded, store, method, setting
 def test_other_settings_or_documents_do_not_share_a_state(loaded, store):
     answer(Conversation(loaded, "gali", MethodSettings(), DOCUMENT, "a", store=store), SUMMARIZE, 2)
     for method, settings, document in [("gali", MethodSettings(local_window=4), DOCUMENT),
-                                       ("gali", MethodSettings(seed=1), DOCUMENT),
+                                       ("gali", MethodSettings(noise=True), DOCUMENT),
+                                       ("gali", MethodSettings(noise=True, noise_seed=1), DOCUMENT),
                                        ("self-extend", MethodSettings(), DOCUMENT),
                                        ("gali", MethodSettings(), DOCUMENT + "One more line.")]:
         conversation = Conversation(loaded, method, settings, document, "b", store=store)
         answer(conversation, SUMMARIZE, 2)
         assert not conversation.from_store
-    assert len(store.entries()) == 5
+    assert len(store.entries()) == 6
 
 
 def test_dynamic_ntk_never_reuses_a_prefix(loaded, store):
@@ -133,28 +135,61 @@ def _damage_by_garbage(path: Path) -> None:
 
 def _damage_by_a_foreign_format(path: Path) -> None:
     data = path.read_bytes()
-    path.write_bytes(data.replace(b'"format":"1"', b'"format":"9"'))
+    path.write_bytes(data.replace(f'"format":"{doc_cache.FORMAT}"'.encode(), b'"format":"9"'))
 
 
 def _damage_by_nan(path: Path) -> None:
+    _resave(path, lambda tensors: tensors["keys.0"][0, 0, 0].fill_(float("nan")))
+
+
+def _damage_inside_the_data(path: Path) -> None:
+    """4 KiB of finite values written over the middle of the tensor data; header and size unchanged."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    middle = start + (len(data) - start) // 2
+    data[middle : middle + 4096] = torch.full((1024,), 0.25).numpy().tobytes()
+    path.write_bytes(bytes(data))
+
+
+def _damage_by_scaling_a_layer(path: Path) -> None:
+    """One layer's values times 1.5, saved again with the entry's metadata."""
+    _resave(path, lambda tensors: tensors["values.1"].mul_(1.5))
+
+
+def _resave(path: Path, change) -> None:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(path)
     metadata = doc_cache._metadata(path)
-    tensors["keys.0"][0, 0, 0, 0] = float("nan")
+    change(tensors)
     save_file(tensors, path, metadata)
 
 
 @pytest.mark.parametrize("damage", [_damage_by_truncation, _damage_by_garbage, _damage_by_a_foreign_format,
-                                    _damage_by_nan])
+                                    _damage_by_nan, _damage_inside_the_data, _damage_by_scaling_a_layer])
 def test_a_damaged_entry_is_ignored_with_a_warning(loaded, store, damage):
-    ids, cache = filled_cache(loaded, 6)
+    ids, cache = filled_cache(loaded, 48)  # 24 KiB of tensor data
     key = entry_key({"model": "tiny"}, ids)
     store.save(key, ids, cache, {})
     damage(store.path(key))
     assert store.load(key, ids, loaded.model) is None
     assert len(store.warnings) == 1 and "damaged" in store.warnings[0] and str(store.path(key)) in store.warnings[0]
     assert not store.path(key).exists()
+
+
+def test_a_changed_state_is_noticed_and_rebuilt(loaded, store):
+    """Values scaled with the metadata kept (finite, right shapes): the next question must not answer from them."""
+    settings = MethodSettings(noise=False)
+    fresh, _ = answer(Conversation(loaded, "gali", settings, DOCUMENT, "lease.txt"), SUMMARIZE)
+    answer(Conversation(loaded, "gali", settings, DOCUMENT, "lease.txt", store=store), SUMMARIZE)
+    entry, = store.entries()
+    _damage_by_scaling_a_layer(entry.path)
+    again = Conversation(loaded, "gali", settings, DOCUMENT, "lease.txt", store=store)
+    ids, _ = answer(again, SUMMARIZE)
+    assert not again.from_store and ids == fresh
+    assert len(store.warnings) == 1 and "values.1 does not match its checksum" in store.warnings[0]
+    rebuilt = Conversation(loaded, "gali", settings, DOCUMENT, "lease.txt", store=store)
+    assert answer(rebuilt, SUMMARIZE)[0] == fresh and rebuilt.from_store and len(store.warnings) == 1
 
 
 def test_a_failed_write_leaves_no_file(loaded, store, monkeypatch):
@@ -187,15 +222,17 @@ def test_least_recently_used_entries_go_first(loaded, tmp_path):
     tiny.save(keys[0], ids, cache, {})
     assert tiny.entries() == [] and "more than the cache limit" in warnings[-1]
     total = sum(entry.size for entry in store.entries())
-    assert store.clear() == (2, total) and store.entries() == []
+    cleared = store.clear()
+    assert (len(cleared.removed), cleared.removed_bytes, cleared.kept) == (2, total, ()) and store.entries() == []
 
 
 def test_sizes_and_directories(monkeypatch, tmp_path):
-    assert parse_size("20G") == parse_size("20 GiB") == 20 * 2**30
-    assert parse_size("512m") == 512 * 2**20 and parse_size("1000") == 1000 and parse_size("1.5k") == 1536
+    assert parse_size("20G", "x") == parse_size("20 GiB", "x") == 20 * 2**30
+    assert parse_size("512m", "x") == 512 * 2**20 and parse_size("1000", "x") == 1000
+    assert parse_size("1.5k", "x") == 1536
     for bad in ("lots", "-1G", "5X", "nan", "inf"):
         with pytest.raises(ConfigError, match="GALI_CACHE_LIMIT"):
-            parse_size(bad)
+            parse_size(bad, "GALI_CACHE_LIMIT")
     monkeypatch.setenv("GALI_CACHE_DIR", str(tmp_path / "mine"))
     assert doc_cache.default_directory() == tmp_path / "mine"
     monkeypatch.delenv("GALI_CACHE_DIR")
@@ -229,8 +266,34 @@ def test_odd_files_in_the_directory_are_listed_or_skipped_never_fatal(loaded, st
     store.save(entry_key({}, ids), ids, cache, {"document": "[notes] draft.txt"})  # eviction reads them all
     assert store.load(entry_key({}, ids), ids, loaded.model) is not None and store.warnings == []
     remaining = store.entries()
-    assert len(remaining) == 3 and store.clear() == (3, sum(entry.size for entry in remaining))
+    assert len(remaining) == 3 and store.clear().removed_bytes == sum(entry.size for entry in remaining)
     assert store.entries() == []
+
+
+def test_clear_says_what_it_could_not_remove(loaded, store, monkeypatch):
+    ids, cache = filled_cache(loaded, 6)
+    for n in range(3):
+        store.save(entry_key({"n": n}, ids), ids, cache, {})
+    sizes = {entry.path: entry.size for entry in store.entries()}
+    stuck = sorted(sizes)[:2]
+    unlink = Path.unlink
+
+    def refuse(path, missing_ok=False):
+        if path in stuck:
+            raise PermissionError(13, "Permission denied")
+        unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    cleared = store.clear()
+    assert [path for path, _ in cleared.removed] == sorted(set(sizes) - set(stuck))
+    assert sorted((path, reason) for path, _, reason in cleared.kept) == [(path, "Permission denied") for path in stuck]
+    assert cleared.kept_bytes == sum(sizes[path] for path in stuck)
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(doc_cache.os, "scandir", unreadable)
+    assert store.clear().kept == ((store.directory, 0, "Permission denied"),)
 
 
 def test_an_interrupted_write_leaves_no_file(loaded, store, monkeypatch):
@@ -265,6 +328,28 @@ def test_an_interrupted_turn_leaves_the_conversation_as_it_was(loaded, stop_at):
         return answer(conversation, "Who repairs the roof?", 5)[0]
 
     assert conversation_with_interruption(True) == conversation_with_interruption(False)
+
+
+def test_a_stopped_answer_is_rolled_back_even_if_its_generator_is_never_closed(loaded):
+    """Ctrl-C in the consumer's own code leaves the generator suspended (alive while a traceback holds it): the next
+    question must not depend on its finalisation, and a late finalisation must not touch a later turn."""
+    def conversation_with_a_stopped_answer(stop: bool) -> list[list[int]]:
+        conversation = Conversation(loaded, "gali", MethodSettings(chunk_size=4, local_window=8), DOCUMENT, "doc")
+        answer(conversation, SUMMARIZE, 5)
+        stopped = conversation.ask("Who repairs the roof?", make_sampler(), 8) if stop else None
+        if stop:
+            for index, event in enumerate(stopped):
+                if index == 2:
+                    break  # `stopped` stays referenced, suspended after its third event
+            assert conversation.cache.get_seq_length() > len(conversation.cached_ids)
+        answers = [answer(conversation, "Who repairs the roof?", 5)[0]]
+        if stop:
+            stopped.close()  # finalised only now, after a newer turn
+            assert conversation.questions == [SUMMARIZE, "Who repairs the roof?"]
+        answers.append(answer(conversation, "And the rent?", 5)[0])
+        return answers
+
+    assert conversation_with_a_stopped_answer(True) == conversation_with_a_stopped_answer(False)
 
 
 def test_an_interrupted_first_prefill_reads_the_document_again(loaded):

@@ -133,3 +133,54 @@ def test_encoding_corner_cases(tmp_path):
     PdfWriter().write(empty)
     with pytest.raises(InputError, match="without pages"):
         read_document(str(empty))
+
+
+@pytest.mark.parametrize("text, encoding", [
+    ("café\n", "latin-1"),  # too few non-ASCII bytes to tell code pages apart: cp1252, the common one
+    ("£10\n", "latin-1"),  # charset-normalizer alone: cp1006 (Urdu)
+    ("© 2024\n", "latin-1"),  # cp932
+    ("Hyvää päivää, mitä kuuluu? Kiitos hyvää.\n", "latin-1"),  # hp_roman8
+    ("Müller, Jürgen\nHauptstraße 5\n", "cp1252"),
+    ("Привет, как дела? Это тест кодировки. " * 10, "cp1251"),  # enough text, and cp1252 would read as a mess
+    ("Привет, как дела? " * 3, "koi8-r"),
+    ("Zażółć gęślą jaźń. " * 5, "cp1250"),
+    ("中文文本测试。" * 10, "gb2312"),
+])
+def test_a_legacy_encoding_is_chosen_on_evidence_only(text, encoding):
+    document = read_document("-", stdin=io.BytesIO(text.encode(encoding)))
+    assert document.text == text
+    assert len(document.warnings) == 1 and "is not UTF-8; read it as" in document.warnings[0]
+
+
+@pytest.mark.parametrize("bad", [b"\x92", b"\xe9", b"\xff\xfe"])
+def test_mostly_utf8_stays_utf8_with_the_bad_bytes_replaced(bad):
+    text = "The naïve café serves crème brûlée — and Grüße from Köln. "
+    document = read_document("-", stdin=io.BytesIO(text.encode() * 3 + bad + b" tail"))
+    assert document.text.startswith(text * 3) and document.text.endswith("\ufffd tail")
+    assert document.warnings == (f"<stdin> is UTF-8 but for {document.text.count(chr(0xFFFD))} invalid UTF-8 byte "
+                                 f"sequence{'s' if document.text.count(chr(0xFFFD)) > 1 else ''} replaced with "
+                                 "U+FFFD",)
+
+
+def test_inputs_past_the_size_limit_are_refused_while_reading(tmp_path):
+    with pytest.raises(InputError, match=r"<stdin> is larger than the input limit of 1K: raise it with "
+                                         r"--max-input-size \(e\.g\. --max-input-size 4K\)"):
+        read_document("-", stdin=io.BytesIO(b"x" * 1025), max_bytes=1024)
+    assert read_document("-", stdin=io.BytesIO(b"x" * 1024), max_bytes=1024).text == "x" * 1024
+    big = write(tmp_path, "big.txt", b"words " * 1000)
+    with pytest.raises(InputError, match="big.txt is larger than the input limit of 5K"):
+        read_document(str(big), max_bytes=5 * 1024)
+
+    class Endless(io.RawIOBase):  # /dev/zero or `yes |`: never ends, so only the limit stops it
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer) -> int:
+            buffer[:] = b"y" * len(buffer)
+            return len(buffer)
+
+    with pytest.raises(InputError, match="larger than the input limit of 2M"):
+        read_document("-", stdin=io.BufferedReader(Endless()), max_bytes=2 * 2**20)
+    if Path("/dev/zero").exists():
+        with pytest.raises(InputError, match="/dev/zero is larger than the input limit of 1M"):
+            read_document("/dev/zero", max_bytes=2**20)

@@ -95,3 +95,15 @@ def test_detokenizer_holds_back_partial_characters(tiny):
     detokenizer = _Detokenizer(tokenizer)
     pieces = [detokenizer.add(token) for token in ids]
     assert "".join(pieces) == "東京 café" and not any("\ufffd" in piece for piece in pieces)
+
+
+def test_only_the_generator_runs_in_inference_mode(tiny):
+    """The caller's code between two events runs as it would anyway (here under no_grad, not inference mode)."""
+    model, tokenizer = tiny
+    cache = DynamicCache(config=model.config)
+    prompt = tokenizer("The lease ends in March. " * 4).input_ids
+    modes = [torch.is_inference_mode_enabled()
+             for _ in stream_generate(model, tokenizer, prompt, make_sampler(), 6, set(), [(0, len(prompt))],
+                                      cache=cache)]
+    assert len(modes) > 1 and not any(modes)
+    assert cache.layers[0].keys.is_inference()  # the model itself ran in inference mode

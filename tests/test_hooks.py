@@ -435,3 +435,25 @@ def test_decoding_may_switch_between_inference_mode_and_no_grad(make_llama):
         model(input_ids=torch.randint(0, VOCAB, (2, 1)), past_key_values=cache)
     with torch.no_grad():
         assert model(input_ids=torch.randint(0, VOCAB, (2, 1)), past_key_values=cache).logits.isfinite().all()
+
+
+def test_models_built_from_one_config_object_are_patched_apart(make_llama):
+    """Transformers picks the attention from the config object: patching one model must not switch the other."""
+    from transformers import LlamaForCausalLM
+
+    first = make_llama(train_len=16)
+    second = LlamaForCausalLM(first.config).eval()
+    second.load_state_dict(first.state_dict())
+    ids = prompt(40)
+    plain = first(ids).logits
+    apply_gali(first, GaliConfig(chunk_size=4, local_window=2))
+    patched = first(ids).logits
+    assert torch.equal(second(ids).logits, plain)  # untouched by the first model's patch
+    apply_gali(second, GaliConfig(chunk_size=4, local_window=2))
+    assert torch.equal(second(ids).logits, patched)
+    shared = second.config
+    remove_gali(first)
+    assert torch.equal(first(ids).logits, plain) and torch.equal(second(ids).logits, patched)
+    remove_gali(second)
+    assert torch.equal(second(ids).logits, plain) and second.config is first.config is not shared
+    assert first.config._attn_implementation == "sdpa"

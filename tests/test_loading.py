@@ -1,10 +1,14 @@
 import importlib.machinery
 import importlib.util
+import re
 import shutil
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import MistralConfig, MistralForCausalLM
 
 from gali_cli.errors import ConfigError, ModelLoadError, UnsupportedModelError
@@ -129,3 +133,55 @@ def test_devices_and_dtypes():
         resolve_dtype("float8", torch.device("cpu"))
     with pytest.raises(ConfigError, match="--quantize"):
         load_model("demo", quantize="2bit")
+
+
+class _Exploit:
+    """Unpickling this writes a file: a checkpoint that proves it was never unpickled when the file is absent."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "unpickled"))
+
+
+def _truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-5000])
+
+
+def _pickle_only(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    torch.save({"weights": _Exploit(folder / "unpickled.txt")}, folder / "pytorch_model.bin")
+
+
+def _edit_weights(change) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        tensors = load_file(folder / "model.safetensors")
+        change(tensors)
+        save_file(tensors, folder / "model.safetensors", {"format": "pt"})
+
+    return edit
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_truncate, "model.safetensors is damaged or incomplete (Error while deserializing header: incomplete metadata"),
+    (_pickle_only, ("pytorch_model.bin is a pickle checkpoint, which gali never opens (unpickling can run code); "
+                    "convert it to safetensors once, e.g. python -c")),
+    (_edit_weights(lambda tensors: tensors.pop("model.layers.0.self_attn.q_proj.weight")),
+     "its weights do not match its config.json: 1 missing (model.layers.0.self_attn.q_proj.weight)"),
+    (_edit_weights(lambda tensors: tensors.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(2)})),
+     "1 unexpected (model.layers.9.mlp.up_proj.weight)"),
+    (_edit_weights(lambda tensors: [tensors.pop(name) for name in list(tensors) if "layers.1." in name]),
+     ("9 missing (model.layers.1.input_layernorm.weight, model.layers.1.mlp.down_proj.weight, "
+      "model.layers.1.mlp.gate_proj.weight and 6 more)")),
+    (_edit_weights(lambda tensors: tensors.update({"model.norm.weight": torch.ones(3)})),
+     "1 of the wrong shape (model.norm.weight)"),
+], ids=["truncated", "pickle-only", "missing", "unexpected", "many-missing", "wrong-shape"])
+def test_broken_model_folders_are_refused_by_name(tiny_model_dir, tmp_path, damage, message):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    damage(folder)
+    with pytest.raises(ModelLoadError, match=re.escape(message)) as error:
+        load_model(str(folder), device="cpu")
+    assert "\n" not in str(error.value) and not (folder / "unpickled.txt").exists()

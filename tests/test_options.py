@@ -34,9 +34,9 @@ def test_every_flagged_setting_is_an_option_that_reaches_the_settings():
     flagged = [setting.name for setting in fields(MethodSettings) if "flag" in setting.metadata]
     assert "noise_scale" not in flagged and {"chunk_size", "factor", "dca_chunk_size"} <= set(flagged)
     assert chosen().settings == MethodSettings()
-    choice = chosen("--chunk-size", "5", "--no-noise", "--factor", "2.5", "--group-size", "3", "--seed", "7",
+    choice = chosen("--chunk-size", "5", "--no-noise", "--factor", "2.5", "--group-size", "3", "--noise-seed", "7",
                     "-m", "demo", "--quantize", "4bit", "--method", "gali,yarn", many_methods=True)
-    assert choice.settings == MethodSettings(chunk_size=5, noise=False, factor=2.5, group_size=3, seed=7)
+    assert choice.settings == MethodSettings(chunk_size=5, noise=False, factor=2.5, group_size=3, noise_seed=7)
     assert (choice.model, choice.quantize, choice.device, choice.methods) == ("demo", "4bit", "auto", ("gali", "yarn"))
 
 

@@ -7,11 +7,14 @@ its public extension points only.
   down as the keyword `rope_forward`, which transformers forwards to the attention function.
 - The method's attention is registered in `AttentionInterface` under its name; a mask function under the same name
   keeps transformers from building a (q x T) mask: the methods mask their own way.
+- Transformers picks the attention from the model's config object, which models built from one config share: the
+  patched model gets its own copy first, so that patching one never switches the others.
 
 Position ids given to the model must stay a plain arange: the methods never fake them (transformers would read
 non-arange positions as packed sequences).
 """
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +60,7 @@ class Installed:
     method: PositionalAttention
     rotary: nn.Module
     original_attention: str
+    config: Any  # the config object the model had, perhaps shared with other models
     hook: RemovableHandle | None = None
 
 
@@ -120,7 +124,8 @@ def install(model: PreTrainedModel, method: PositionalAttention) -> None:
         uninstall(model)
     AttentionInterface.register(method.name, _attention)
     AttentionMaskInterface.register(method.name, _no_mask)
-    installed = Installed(method, base.rotary_emb, model.config._attn_implementation)
+    installed = Installed(method, base.rotary_emb, model.config._attn_implementation, model.config)
+    _replace_config(model, model.config, copy.deepcopy(model.config))
     base.rotary_emb = _UnrotatedQueriesAndKeys(base.rotary_emb, model.config)
     model.set_attn_implementation(method.name)
     installed.hook = base.register_forward_pre_hook(partial(_plan_forward, installed), with_kwargs=True)
@@ -135,13 +140,21 @@ def uninstall(model: PreTrainedModel) -> None:
         raise GaliError("no position-remapping method is applied to this model")
     installed.hook.remove()
     base.rotary_emb = installed.rotary
-    model.set_attn_implementation(installed.original_attention)
+    _replace_config(model, model.config, installed.config)  # it still names the original attention
     del base._positional
 
 
 def installed_method(model: PreTrainedModel) -> PositionalAttention | None:
     installed = getattr(llama_model(model), "_positional", None)
     return None if installed is None else installed.method
+
+
+def _replace_config(model: nn.Module, old: Any, new: Any) -> None:
+    """Every module of `model` that holds the config object `old` (the model, its layers, attention, rotary) gets
+    `new` instead."""
+    for module in model.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new
 
 
 class _UnrotatedQueriesAndKeys(nn.Module):

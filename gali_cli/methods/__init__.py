@@ -50,7 +50,7 @@ def default_factor(settings: MethodSettings, train_len: int, tokens: int) -> flo
 
 def _apply_gali(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
     apply_gali(model, replace(settings.gali(), train_len=train_len))
-    return asdict(gali_settings(model))
+    return gali_settings(model).facts()
 
 
 def _gali_boundaries(model: PreTrainedModel, start: int, stop: int) -> list[int]:

@@ -9,7 +9,7 @@ info).
 import functools
 from dataclasses import dataclass
 
-from ..config import MethodSettings, parse_methods
+from ..config import MAX_INPUT_BYTES, MethodSettings, parse_methods
 from ..errors import ConfigError
 
 
@@ -63,6 +63,14 @@ class ModelChoice:
 
 
 @dataclass(frozen=True)
+class Reading:
+    """How documents are read: an encrypted PDF's password, and the size past which an input is refused."""
+
+    password: str | None = None
+    max_bytes: int = MAX_INPUT_BYTES
+
+
+@dataclass(frozen=True)
 class Answering:
     """How an answer is generated and shown."""
 
@@ -76,6 +84,7 @@ class Answering:
     verbose: bool
     cache_dir: str | None = None
     no_cache: bool = False
+    seed: int = 0  # sampling's
 
 
 @dataclass(frozen=True)

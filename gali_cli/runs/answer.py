@@ -9,14 +9,16 @@ from ..documents import Document
 from ..generate import Finished, Sampler, TextPiece, make_sampler
 from ..loading import LoadedModel
 from ..prompts import ask_instruction
-from . import Answering, ModelChoice
-from .common import conversation, entry_point, facts, finished_facts, load, read, say_input, store
+from . import Answering, ModelChoice, Reading
+from .common import (
+    announcing, conversation, entry_point, facts, finished_facts, load, read, say_input, store,
+)
 
 
 @entry_point
-def answer(file: str, instruction: str, choice: ModelChoice, password: str | None, answering: Answering) -> None:
+def answer(file: str, instruction: str, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """Answer `instruction` about `file` (summarize, ask)."""
-    sampler, loaded, document, talk = _start(file, choice, password, answering)
+    sampler, loaded, document, talk = _start(file, choice, reading, answering)
     say_input(loaded, choice.method, document, len(talk.prompt(instruction).ids))
     text, finished = _stream_answer(talk, instruction, sampler, answering)
     if answering.json_output:
@@ -27,9 +29,9 @@ def answer(file: str, instruction: str, choice: ModelChoice, password: str | Non
 
 
 @entry_point
-def chat(file: str, choice: ModelChoice, password: str | None, answering: Answering) -> None:
+def chat(file: str, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """Read `file` once, then answer each question from stdin in turn, keeping the conversation."""
-    sampler, loaded, document, talk = _start(file, choice, password, answering)
+    sampler, loaded, document, talk = _start(file, choice, reading, answering)
     say_input(loaded, choice.method, document, talk.prompt(ask_instruction("?")).document_end)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):
@@ -53,14 +55,14 @@ def chat(file: str, choice: ModelChoice, password: str | None, answering: Answer
             _say_stats(finished)
 
 
-def _start(file: str, choice: ModelChoice, password: str | None, answering: Answering
+def _start(file: str, choice: ModelChoice, reading: Reading, answering: Answering
            ) -> tuple[Sampler, LoadedModel, Document, Conversation]:
     """The sampler, model, document and conversation, checked in the order that fails soonest: settings, the
     cache directory and the document before the model loads."""
-    sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
+    sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
     choice.check()
     cache = None if answering.no_cache else store(answering.cache_dir)
-    document = read(file, password)
+    document = read(file, reading)
     loaded = load(choice)
     return sampler, loaded, document, conversation(loaded, choice, document, answering.system, cache)
 
@@ -85,8 +87,9 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
     pieces, finished = [], None
     with display.progress_bar("Reading") as bar:
         reading = _Reading(talk, bar)
+        events = talk.ask(instruction, sampler, answering.max_new_tokens, reading)
         try:
-            for event in talk.ask(instruction, sampler, answering.max_new_tokens, reading):
+            for event in events:
                 reading.over()
                 if isinstance(event, TextPiece):
                     pieces.append(event.text)
@@ -95,6 +98,7 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
                 else:
                     finished = event
         except KeyboardInterrupt:
+            events.close()  # the turn is rolled back now, whether Ctrl-C came inside the generator or out here
             if stream and pieces:
                 display.write("\n")
             raise
@@ -108,15 +112,17 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
 
 class _Reading:
     """The prefill's (done, total) callback: a note first when the document's state came from the cache (known
-    once the prefill starts), then the bar; `over()` takes the bar away before the answer is written (on a
-    terminal that shows stdout too, a live bar would erase the answer's line)."""
+    once the prefill starts), then the bar (and, for a long prefill, its estimate: common.announcing); `over()`
+    takes the bar away before the answer is written (on a terminal that shows stdout too, a live bar would erase
+    the answer's line)."""
 
     def __init__(self, talk: Conversation, bar: display.Bar) -> None:
         self.talk, self.bar, self.noted, self.done = talk, bar, False, False
+        self.progress = announcing(bar, talk.loaded)
 
     def __call__(self, done: int, total: int) -> None:
         self._note()
-        self.bar(done, total)
+        self.progress(done, total)
 
     def over(self) -> None:
         if not self.done:

@@ -2,7 +2,8 @@
 and under a launcher each process takes its share and rank 0 merges (gali_cli.batch keeps the books)."""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,74 +24,75 @@ from ..documents import read_document
 from ..errors import ConfigError, InputError
 from ..generate import TextPiece, make_sampler
 from ..loading import resolve_device, resolve_dtype
-from . import Answering, ModelChoice
+from . import Answering, ModelChoice, Reading
 from .common import conversation, entry_point, finished_facts, load, store
 from .ppl import method_perplexities, ppl_ids, print_rows
 
 
 @entry_point
 def answer_batch(specs: list[str], out: str | None, command: str, instruction: str, question: str | None,
-                 choice: ModelChoice, password: str | None, answering: Answering) -> int:
+                 choice: ModelChoice, reading: Reading, answering: Answering) -> int:
     """Answer `instruction` about each document into `out`; returns how many documents failed (in all processes)."""
-    batch = _setup(specs, out, choice)
-    cache = None if answering.no_cache else store(answering.cache_dir)
-    job = _job(command, choice, question=question, system=answering.system,
-               generation={"max_new_tokens": answering.max_new_tokens, "temperature": answering.temperature,
-                           "top_p": answering.top_p, "top_k": answering.top_k})
-    loaded = load(choice, batch.rank)
+    with _setup(specs, out, choice) as batch:
+        cache = None if answering.no_cache else store(answering.cache_dir)
+        job = _job(command, choice, question=question, system=answering.system,
+                   generation={"max_new_tokens": answering.max_new_tokens, "temperature": answering.temperature,
+                               "top_p": answering.top_p, "top_k": answering.top_k, "seed": answering.seed})
+        loaded = load(choice, batch.rank)
 
-    def work(path: Path) -> list[dict]:
-        document = read_document(str(path), password=password)
-        talk = conversation(loaded, choice, document, answering.system, cache)
-        sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, choice.settings.seed)
-        events = list(talk.ask(instruction, sampler, answering.max_new_tokens))
-        answer = "".join(event.text for event in events if isinstance(event, TextPiece)).strip()
-        return [{"output": answer, "settings": talk.resolved, "tokens": events[-1].prompt_tokens,
-                 "warnings": [*document.warnings], **finished_facts(events[-1])}]
+        def work(path: Path) -> list[dict]:
+            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
+            talk = conversation(loaded, choice, document, answering.system, cache)
+            sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
+            events = list(talk.ask(instruction, sampler, answering.max_new_tokens))
+            answer = "".join(event.text for event in events if isinstance(event, TextPiece)).strip()
+            return [{"output": answer, "settings": talk.resolved, "tokens": events[-1].prompt_tokens,
+                     "warnings": [*document.warnings], **finished_facts(events[-1])}]
 
-    failed = _run(batch, job, work, _answer_line)
-    if answering.json_output and batch.rank.rank == 0:
-        print_json({"out": str(batch.results.path), **batch_summary(batch.results.records(), job, batch.documents)})
-    return failed
+        failed = _run(batch, job, work, _answer_line)
+        if answering.json_output and batch.rank.rank == 0:
+            print_json({"out": str(batch.results.path),
+                        **batch_summary(batch.results.records(), job, batch.documents)})
+        return failed
 
 
 @entry_point
-def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, password: str | None,
+def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, reading: Reading,
                      max_tokens: int | None, lengths: list[int], json_output: bool, csv: bool, plot: str | None,
                      verbose: bool) -> int:
     """Each document's perplexity into `out`, then the corpus's (token-weighted) on stdout; returns how many
     documents failed (in all processes)."""
-    batch = _setup(specs, out, choice)
-    job = _job("ppl", choice, max_tokens=max_tokens, lengths=lengths)
-    loaded = load(choice, batch.rank)
+    with _setup(specs, out, choice) as batch:
+        job = _job("ppl", choice, max_tokens=max_tokens, lengths=lengths)
+        loaded = load(choice, batch.rank)
 
-    def work(path: Path) -> list[dict]:
-        document = read_document(str(path), password=password)
-        ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens)
-        reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
-        records = []
-        for method in choice.methods:
-            settings, found = (method_perplexities(loaded, ids, method, choice, reachable, verbose,
-                                                   show_progress=False)  # the batch has its own bar
-                               if reachable else ({}, []))
-            records.append({"method": method, "settings": settings, "tokens": len(ids),
-                            "results": [asdict(result) for result in found], "warnings": [*document.warnings]
-                            + ([] if reachable else [f"{len(ids)} tokens: shorter than every --lengths value"])})
-        return records
+        def work(path: Path) -> list[dict]:
+            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
+            ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens)
+            reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
+            records = []
+            for method in choice.methods:
+                settings, found = (method_perplexities(loaded, ids, method, choice, reachable, verbose,
+                                                       show_progress=False)  # the batch has its own bar
+                                   if reachable else ({}, []))
+                records.append({"method": method, "settings": settings, "tokens": len(ids),
+                                "results": [asdict(result) for result in found], "warnings": [*document.warnings]
+                                + ([] if reachable else [f"{len(ids)} tokens: shorter than every --lengths value"])})
+            return records
 
-    failed = _run(batch, job, work, _ppl_line)
-    if batch.rank.rank == 0:
-        records = batch.results.records()
-        rows = corpus_perplexities(records, job, batch.documents, by_length=bool(lengths))
-        if json_output:
-            print_json({"corpus": rows, "out": str(batch.results.path),
-                        **batch_summary(records, job, batch.documents)})
-        elif rows:
-            print_rows(rows, csv, single=len(rows) == 1)
-        if plot and lengths and rows:
-            display.plot_ppl(rows, plot, f"{len(batch.documents)} documents, {choice.model}")
-            say(f"Saved {plot}.")
-    return failed
+        failed = _run(batch, job, work, _ppl_line)
+        if batch.rank.rank == 0:
+            records = batch.results.records()
+            rows = corpus_perplexities(records, job, batch.documents, by_length=bool(lengths))
+            if json_output:
+                print_json({"corpus": rows, "out": str(batch.results.path),
+                            **batch_summary(records, job, batch.documents)})
+            elif rows:
+                print_rows(rows, csv, single=len(rows) == 1)
+            if plot and lengths and rows:
+                display.plot_ppl(rows, plot, f"{len(batch.documents)} documents, {choice.model}")
+                say(f"Saved {plot}.")
+        return failed
 
 
 @dataclass
@@ -103,8 +105,10 @@ class _Batch:
     collective: Collective | None
 
 
-def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> _Batch:
-    """Everything checked before the model loads: the documents, the results file, the launcher's processes."""
+@contextmanager
+def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> Iterator[_Batch]:
+    """Everything checked before the model loads: the documents, the results file (held by this run until it is
+    done: a second run on it refuses), the launcher's processes."""
     if not out:
         raise ConfigError("several documents need --out FILE.jsonl for their results")
     choice.check()
@@ -115,9 +119,16 @@ def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> _Batch:
         raise InputError(f"no documents in {' '.join(specs)} besides --out")
     results.prepare()
     collective = Collective(rank) if rank.distributed else None
-    if not rank.distributed:
-        results.merge()  # part files an interrupted distributed run left behind
-    return _Batch(documents, results, rank, collective)
+    holder = results.lock() if rank.rank == 0 else None  # rank 0 holds it for all the processes of its run
+    try:
+        if (collective.total(int(holder is not None)) if collective else holder is not None):
+            raise ConfigError(f"--out {results.path} is being written by {holder or 'another gali run'}: wait for "
+                              "it to finish, or choose another --out")
+        if not rank.distributed:
+            results.merge()  # part files an interrupted distributed run left behind
+        yield _Batch(documents, results, rank, collective)
+    finally:
+        results.unlock()
 
 
 def _job(command: str, choice: ModelChoice, **details) -> dict:

@@ -2,6 +2,7 @@
 
 from .. import display
 from ..display import print_json, say
+from ..errors import GaliError
 from .common import entry_point, store
 
 
@@ -21,8 +22,16 @@ def list_cache(cache_dir: str | None, json_output: bool) -> None:
 
 @entry_point
 def clear_cache(cache_dir: str | None) -> None:
-    """Delete every cached document state, and say how much that freed."""
+    """Delete every cached document state, and say how much that freed; GaliError if some could not be deleted."""
     cache = store(cache_dir)
-    count, size = cache.clear()
-    say(f"Removed {count} cached document state{'s' if count != 1 else ''} ({size / 2**20:.1f} MiB) from "
-        f"{cache.directory}.")
+    cleared = cache.clear()
+    removed = (f"{len(cleared.removed)} cached document state{'s' if len(cleared.removed) != 1 else ''} "
+               f"({cleared.removed_bytes / 2**20:.1f} MiB)")
+    if not cleared.kept:
+        say(f"Removed {removed} from {cache.directory}.")
+        return
+    path, _, reason = cleared.kept[0]
+    if path == cache.directory:
+        raise GaliError(f"cannot clear the document cache: {cache.directory}: {reason}")
+    raise GaliError(f"removed {removed} from {cache.directory}, but not the other {len(cleared.kept)} "
+                    f"({cleared.kept_bytes / 2**20:.1f} MiB): {reason} ({path})")

@@ -3,6 +3,7 @@ facts every answer reports."""
 
 import functools
 import logging
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,9 +21,10 @@ from ..display import say, warn
 from ..doc_cache import DocumentCache, default_directory, default_limit
 from ..documents import Document, read_document
 from ..errors import ConfigError, GaliWarning, ModelLoadError
+from ..estimate import PrefillClock, duration
 from ..generate import Finished
 from ..loading import LoadedModel, load_model
-from . import ModelChoice
+from . import ModelChoice, Reading
 
 Params, Result = ParamSpec("Params"), TypeVar("Result")
 
@@ -74,10 +76,10 @@ def _quiet_libraries() -> Iterator[None]:
                 logger.setLevel(level)
 
 
-def read(file: str, password: str | None) -> Document:
+def read(file: str, reading: Reading) -> Document:
     """The document, with a bar over its pages and its warnings on stderr."""
     with display.progress_bar("Pages") as bar:
-        document = read_document(file, password=password, progress=bar)
+        document = read_document(file, password=reading.password, progress=bar, max_bytes=reading.max_bytes)
     for warning in document.warnings:
         warn(warning)
     return document
@@ -111,6 +113,29 @@ def cache_name(document: Document) -> str:
     """The name a document's cached state is listed under: its absolute path (symbolic links resolved, as batch
     mode names documents), whatever directory gali ran in; `gali cache list` shows it short."""
     return document.name if document.name == "<stdin>" else str(Path(document.name).resolve())
+
+
+LONG_PREFILL = 300.0  # seconds: a prefill expected to take longer is announced with its estimate
+
+
+def announcing(progress: Callable[..., None], loaded: LoadedModel) -> Callable[..., None]:
+    """`progress` (a bar's (done, total, ...) callback), which also says once on stderr how long a prefill still
+    needs when that is more than LONG_PREFILL: after two forwards (the first fit of gali_cli.estimate: "about"), or
+    after a minute if the first forward alone takes that long (a lower bound: "at least")."""
+    clock = PrefillClock(loaded.model.config)
+    said = False
+
+    def update(done: int, total: int, *figures: float) -> None:
+        nonlocal said
+        progress(done, total, *figures)
+        left = clock.seconds_left(done, total)
+        fitted = len(clock.forwards) >= 2 or time.perf_counter() - clock.started >= 60
+        if left is not None and fitted and left >= LONG_PREFILL and not said:
+            say(f"Reading {total:,} tokens: {'about' if clock.fitted else 'at least'} {duration(left)} to go at "
+                f"this pace (measured on the first {done:,}; Ctrl-C stops)")
+            said = True
+
+    return update
 
 
 def say_input(loaded: LoadedModel, method: str, document: Document, tokens: int) -> None:

@@ -1,8 +1,6 @@
 """gali info: the model, the machine and the settings, without loading weights, and without importing torch or
 transformers where they are not needed to tell (machine.py, model_config.py): it answers at once."""
 
-from dataclasses import asdict
-
 from .. import display
 from ..errors import GaliError
 from ..machine import environment_facts
@@ -19,5 +17,5 @@ def show_info(choice: ModelChoice, json_output: bool) -> None:
     except GaliError:
         display.print_facts(facts, json_output)  # what is known without the model, then the error
         raise
-    gali = asdict(choice.settings.gali().resolved(config.train_len))
+    gali = choice.settings.gali().resolved(config.train_len).facts()
     display.print_facts({**facts, **config.facts(), "gali": gali}, json_output)

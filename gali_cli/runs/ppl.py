@@ -15,16 +15,16 @@ from ..loading import LoadedModel
 from ..methods import METHODS, apply_method
 from ..perplexity import Perplexity, perplexities
 from ..prompts import text_ids
-from . import ModelChoice
-from .common import entry_point, facts, load, read, say_input
+from . import ModelChoice, Reading
+from .common import announcing, entry_point, facts, load, read, say_input
 
 
 @entry_point
-def perplexity(file: str, choice: ModelChoice, password: str | None, max_tokens: int | None, lengths: list[int],
+def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int | None, lengths: list[int],
                json_output: bool, csv: bool, plot: str | None, verbose: bool) -> None:
     """Print the perplexity of `file` (a number, a table, CSV or JSON), and plot it against length if asked."""
     choice.check()
-    document = read(file, password)
+    document = read(file, reading)
     loaded = load(choice)
     limit = lengths[-1] if lengths else max_tokens
     ids, total = ppl_ids(loaded, document, limit)
@@ -66,7 +66,7 @@ def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice
     started = time.perf_counter()
     with display.progress_bar(method) as bar:
         results = perplexities(loaded.model, torch.tensor([ids], device=device), lengths, spans,
-                               bar.with_figure("ppl") if show_progress else None, boundaries)
+                               announcing(bar.with_figure("ppl"), loaded) if show_progress else None, boundaries)
     if verbose:
         seconds = time.perf_counter() - started
         say(f"{method}: {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.0f} tokens/s); "

@@ -1,0 +1,88 @@
+"""How long a prefill still needs, fitted to the time its forwards have taken so far.
+
+A forward's time is modelled as `a * tokens + b * pairs`, where `pairs` counts (query, earlier key) pairs: a
+token's projections and MLP cost the same everywhere, while it attends to every earlier key (GALI too: each chunk's
+queries see all T keys), so tokens get dearer as the context grows. `a` and `b` are fitted by least squares to the
+forwards already run, which measures what this machine, method and noise path really cost per key (on CPU, noisy
+GALI's attention costs ten times more per FLOP than the matrix products around it: a FLOP count alone misses that).
+With a single forward timed (or a fit that comes out negative), the ratio of `b` to `a` comes from the FLOPs: as
+attention never costs less per FLOP than the matrix products, that estimate is a lower bound. The estimate is an
+extrapolation: docs/performance.md says how close it came.
+"""
+
+import time
+
+from transformers import PretrainedConfig
+
+
+def prefill_flops(config: PretrainedConfig) -> tuple[float, float]:
+    """FLOPs of a Llama's forward per token (the projections and the MLP: a multiply-add per weight) and per
+    (query, earlier key) pair (q·k and the value sum: a multiply-add per head and dimension each)."""
+    heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * config.intermediate_size
+    return config.num_hidden_layers * 2 * weights, config.num_hidden_layers * 4 * heads * head_dim
+
+
+def pairs(start: int, stop: int) -> float:
+    """(query, key) pairs of causal attention for queries [start, stop) over all keys before them."""
+    return (stop * stop - start * start) / 2
+
+
+class PrefillClock:
+    """Projects the seconds a prefill still needs from its progress, fed the same (done, total) as a progress bar:
+    each call after the first closes a forward, whose time joins the fit.
+
+    The clock starts at a call with done == 0 (prefill's call before its first forward), or else when it is made;
+    `start` tokens are already in the model's cache (they count as context, not as work done).
+    """
+
+    def __init__(self, config: PretrainedConfig, start: int = 0) -> None:
+        self.per_token, self.per_pair = prefill_flops(config)
+        self.start = start
+        self.started = self._last = time.perf_counter()
+        self._done = 0
+        self.forwards: list[tuple[float, float, float]] = []  # (tokens, pairs, seconds) of each forward timed
+        self.fitted = False  # whether the last estimate was fitted (else: a lower bound from the FLOPs' shape)
+
+    def seconds_left(self, done: int, total: int) -> float | None:
+        """The expected seconds to reach `total`, or None before any forward was timed."""
+        now = time.perf_counter()
+        if done <= 0:
+            self.started = self._last = now
+            self._done, self.forwards = 0, []
+            return None
+        if done > self._done:
+            self.forwards.append((done - self._done, pairs(self.start + self._done, self.start + done),
+                                  now - self._last))
+            self._last, self._done = now, done
+        if not self.forwards:
+            return None
+        per_token, per_pair, self.fitted = self._fit()
+        return per_token * (total - done) + per_pair * pairs(self.start + done, self.start + total)
+
+    def _fit(self) -> tuple[float, float, bool]:
+        """Seconds per token and per pair, and whether they were fitted: least squares over the forwards, neither
+        negative; else the FLOPs' ratio, scaled to the time spent."""
+        tt = sum(n * n for n, _, _ in self.forwards)
+        tp = sum(n * p for n, p, _ in self.forwards)
+        pp = sum(p * p for _, p, _ in self.forwards)
+        ts = sum(n * s for n, _, s in self.forwards)
+        ps = sum(p * s for _, p, s in self.forwards)
+        determinant = tt * pp - tp * tp
+        if len(self.forwards) > 1 and determinant > 1e-9 * tt * pp:
+            per_token, per_pair = (ts * pp - ps * tp) / determinant, (ps * tt - ts * tp) / determinant
+            if per_token >= 0 and per_pair >= 0:
+                return per_token, per_pair, True
+        flops = sum(n * self.per_token + p * self.per_pair for n, p, _ in self.forwards)
+        scale = sum(s for _, _, s in self.forwards) / flops
+        return scale * self.per_token, scale * self.per_pair, False
+
+
+def duration(seconds: float) -> str:
+    """37 -> "37 seconds", 5000 -> "83 minutes", 3e6 -> "35 days": as precise as an estimate can be."""
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= 1.5 * size:
+            value = seconds / size
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:,.0f} {unit}"
+    return f"{seconds:.0f} seconds"

@@ -1,0 +1,64 @@
+"""The prefill's time estimate: a cost per token and per (query, key) pair, fitted to the forwards timed so far."""
+
+import pytest
+from transformers import LlamaConfig
+
+import gali_cli.estimate as estimate
+from gali_cli.estimate import PrefillClock, duration, pairs, prefill_flops
+
+CONFIG = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64)  # the demo model's shapes
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A PrefillClock on a fake clock: `clock.at(seconds)` sets the time."""
+    now = [0.0]
+    monkeypatch.setattr(estimate.time, "perf_counter", lambda: now[0])
+    made = PrefillClock(CONFIG)
+    made.at = lambda seconds: now.__setitem__(0, seconds)
+    return made
+
+
+def test_flops_per_token_and_per_pair():
+    assert prefill_flops(CONFIG) == (6 * 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 768), 6 * 4 * 4 * 64)
+    assert pairs(0, 100) + pairs(100, 300) == pairs(0, 300) == 300 * 300 / 2
+
+
+def test_one_forward_scales_the_flops_and_later_tokens_cost_more(clock):
+    clock.at(30.0)  # loading a cached state, tokenizing: not prefill
+    assert clock.seconds_left(0, 4096) is None  # the prefill begins
+    clock.at(32.0)
+    per_token, per_pair = prefill_flops(CONFIG)
+    flops = lambda start, stop: per_token * (stop - start) + per_pair * pairs(start, stop)  # noqa: E731
+    assert clock.seconds_left(512, 4096) == pytest.approx(2.0 * flops(512, 4096) / flops(0, 512))
+    assert clock.seconds_left(512, 4096) > 2.0 * 7  # attention's share grows with the context
+    assert not clock.fitted  # a lower bound: attention costs at least its FLOPs' share
+
+
+def test_forwards_fit_the_cost_per_token_and_per_pair(clock):
+    """Forwards that take 1 ms a token plus 1 us a pair (what the FLOPs would not say) predict the rest exactly."""
+    def cost(start: int, stop: int) -> float:
+        return 1e-3 * (stop - start) + 1e-6 * pairs(start, stop)
+
+    clock.seconds_left(0, 8192)
+    spent = 0.0
+    for start in range(0, 2048, 512):
+        spent += cost(start, start + 512)
+        clock.at(spent)
+        left = clock.seconds_left(start + 512, 8192)
+    assert left == pytest.approx(cost(2048, 8192)) and clock.fitted
+    assert clock.seconds_left(8192, 8192) == 0
+
+
+def test_a_noisy_fit_never_goes_negative(clock):
+    clock.seconds_left(0, 4096)
+    for done, seconds in [(512, 2.0), (1024, 2.5), (1536, 2.6)]:  # the second and third forward barely slower
+        clock.at(seconds)
+        assert clock.seconds_left(done, 4096) > 0
+
+
+@pytest.mark.parametrize("seconds, text", [(37, "37 seconds"), (100, "1.7 minutes"), (5000, "83 minutes"),
+                                           (6000, "1.7 hours"), (3e6, "35 days"), (7.6e7, "880 days")])
+def test_durations_read_as_estimates(seconds, text):
+    assert duration(seconds) == text

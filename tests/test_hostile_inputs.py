@@ -1,0 +1,156 @@
+"""The hostile inputs and faults of issue 16, end to end through the `gali` command: each gets its documented exit
+code and a one-line message, and none is ever an "unexpected" error."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import gali_cli.cli as cli
+import gali_cli.runs.common as common
+
+DOCUMENT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n" * 12
+
+
+@dataclass
+class Result:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(capsys, monkeypatch):
+    """Run the `gali` executable's main in-process (usage errors too are one line there, as for a user)."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def gali(*args: str) -> Result:
+        code = cli.main(list(args))
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+
+    return gali
+
+
+@pytest.fixture
+def doc(tmp_path) -> Path:
+    path = tmp_path / "lease.txt"
+    path.write_text(DOCUMENT)
+    return path
+
+
+def broken_model(tiny_model_dir: Path, folder: Path, damage: str) -> Path:
+    shutil.copytree(tiny_model_dir, folder)
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-5000])
+    elif damage == "pickle-only":
+        tensors = load_file(weights)
+        weights.unlink()
+        torch.save(tensors, folder / "pytorch_model.bin")
+    elif damage == "missing-weight":
+        tensors = load_file(weights)
+        del tensors["model.layers.0.self_attn.q_proj.weight"]
+        save_file(tensors, weights, {"format": "pt"})
+    return folder
+
+
+CASES = {  # name: (arguments after the command's name, exit code, what stderr says)
+    "/dev/zero": (["summarize", "/dev/zero"], 3, "/dev/zero is larger than the input limit of 256M"),
+    "past --max-input-size": (["summarize", "{doc}", "--max-input-size", "1K"], 3, "larger than the input limit of 1K"),
+    "bad --max-input-size": (["summarize", "{doc}", "--max-input-size", "lots"], 2, "must be a size such as 20G"),
+    "truncated safetensors": (["summarize", "{doc}", "-m", "{truncated}"], 4,
+                              "model.safetensors is damaged or incomplete"),
+    "pickle-only checkpoint": (["summarize", "{doc}", "-m", "{pickle-only}"], 4,
+                               "pytorch_model.bin is a pickle checkpoint, which gali never opens"),
+    "missing weight": (["summarize", "{doc}", "-m", "{missing-weight}"], 4,
+                       "1 missing (model.layers.0.self_attn.q_proj.weight)"),
+    "--plot out.xyz": (["ppl", "{doc}", "--plot", "{tmp}/out.xyz", "-m", "{tmp}/no-model"], 2,
+                       ".xyz is not an image format"),  # exit 2, not the missing model's 4: checked first
+    "--plot in a missing folder": (["ppl", "{doc}", "--plot", "/missing/dir/p.png", "-m", "{tmp}/no-model"], 2,
+                                   "/missing/dir is not a directory"),
+    "--plot without --lengths in a batch": (["ppl", "{doc}", "{doc}", "--out", "{tmp}/o.jsonl", "--plot",
+                                             "{tmp}/p.png"], 2, "it needs --lengths"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_hostile_input_is_one_line_and_its_exit_code(name, run, tiny_model_dir, doc, tmp_path):
+    arguments, code, message = CASES[name]
+    models = {damage: str(broken_model(tiny_model_dir, tmp_path / damage, damage))
+              for damage in ("truncated", "pickle-only", "missing-weight") if f"{{{damage}}}" in " ".join(arguments)}
+    arguments = [argument.format(doc=doc, tmp=tmp_path, **models) for argument in arguments]
+    if "-m" not in arguments:
+        arguments += ["-m", str(tiny_model_dir)]
+    result = run(*arguments)
+    assert result.exit_code == code, result.stderr
+    assert message in result.stderr and "unexpected" not in result.stderr and not result.stdout
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("gali: ")
+
+
+@pytest.mark.slow
+def test_standard_input_from_dev_zero(tiny_model_dir):
+    with open("/dev/zero", "rb") as zeros:
+        result = subprocess.run([sys.executable, "-m", "gali_cli", "summarize", "-", "-m", str(tiny_model_dir)],
+                                stdin=zeros, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3 and not result.stdout
+    assert result.stderr == "gali: <stdin> is larger than the input limit of 256M: raise it with --max-input-size " \
+                            "(e.g. --max-input-size 1G)\n"
+
+
+@pytest.mark.parametrize("damage", ["overwrite 4 KiB", "scale a layer"])
+def test_a_damaged_cache_entry_is_noticed_and_rebuilt(damage, run, tiny_model_dir, doc, tmp_path):
+    states = tmp_path / "states"
+    arguments = ["summarize", str(doc), "--max-new-tokens", "6", "--no-noise", "--cache-dir", str(states), "-m",
+                 str(tiny_model_dir)]
+    first = run(*arguments)
+    entry, = states.glob("*.safetensors")
+    if damage == "overwrite 4 KiB":
+        data = bytearray(entry.read_bytes())
+        middle = (8 + int.from_bytes(data[:8], "little") + len(data)) // 2
+        data[middle : middle + 4096] = torch.full((1024,), 0.5).numpy().tobytes()
+        entry.write_bytes(bytes(data))
+    else:
+        from safetensors import safe_open
+
+        with safe_open(entry, framework="pt") as file:
+            metadata = file.metadata()
+        tensors = load_file(entry)
+        tensors["values.0"] *= 1.5
+        save_file(tensors, entry, metadata)
+    again = run(*arguments, "--json")
+    assert again.exit_code == 0 and json.loads(again.stdout)["answer"] == first.stdout.strip()
+    assert json.loads(again.stdout)["cached_tokens"] == 0 and "does not match its checksum" in again.stderr
+    assert "unexpected" not in again.stderr
+    third = json.loads(run(*arguments, "--json").stdout)  # rebuilt: from the cache again, the same answer
+    assert third["cached_tokens"] > 0 and third["answer"] == first.stdout.strip()
+
+
+def test_a_small_latin1_file_reads_as_cp1252(run, tiny_model_dir, tmp_path):
+    path = tmp_path / "menu.txt"
+    path.write_bytes("Hyvää päivää, mitä kuuluu?\n".encode("latin-1"))  # charset-normalizer alone: hp_roman8
+    result = run("summarize", str(path), "--max-new-tokens", "2", "-m", str(tiny_model_dir))
+    assert result.exit_code == 0 and "menu.txt is not UTF-8; read it as cp1252" in result.stderr
+    assert "unexpected" not in result.stderr
+
+
+def test_a_long_prefill_says_how_long_it_will_take(run, tiny_model_dir, tmp_path, monkeypatch):
+    """The 50 MB one-line file, in small: past LONG_PREFILL (here 0 s) the estimate is one line, said once."""
+    monkeypatch.setattr(common, "LONG_PREFILL", 0.0)
+    path = tmp_path / "long.txt"
+    path.write_text(DOCUMENT.replace("\n", " ") * 3)  # several forwards of 256 tokens
+    for command in (["summarize", str(path), "--max-new-tokens", "2"], ["ppl", str(path)]):
+        result = run(*command, "-m", str(tiny_model_dir))
+        assert result.exit_code == 0, result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.startswith("Reading ")]
+        # "about" when the first two forwards' times fit (the usual case), "at least" when noisy timings do not
+        assert len(lines) == 1 and re.search(r" tokens: (about|at least) .* to go at this pace \(measured on the "
+                                             r"first 512; Ctrl-C stops\)$", lines[0]), result.stderr
+        assert "unexpected" not in result.stderr
