@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig
-from gali_cli.config import METHOD_NAMES, MethodSettings, parse_methods
+from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
 from gali_cli.methods import METHODS, apply_method, preview_method, remove_method
 from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
@@ -265,6 +265,7 @@ def test_dynamic_ntk_prefills_in_one_forward(make_llama):
 def test_the_command_line_knows_every_method_by_name():
     """config.METHOD_NAMES lets the command line refuse a name before torch loads; it must list what METHODS has."""
     assert METHOD_NAMES == tuple(METHODS)
+    assert PREVIEWED_METHODS == tuple(name for name, method in METHODS.items() if method.preview)
     assert parse_methods("all") == METHOD_NAMES and parse_methods(" yarn, gali,yarn ") == ("yarn", "gali")
     for bad in ("magic", "gali,magic", ",", ""):
         with pytest.raises(ConfigError, match="--method must be one of"):

@@ -1,12 +1,11 @@
 """GALI's logit noise (paper Alg. 3) and the two paths of noisy attention: explicit float32 logits a tile of queries
 at a time (PyTorch), or the fused Triton kernel; which one runs ($GALI_KERNEL, first-use check), and in words for
-`gali info`.
+`gali info` (kernel_choice.py).
 
 Shapes: B batch, H query heads, Hkv key/value heads, q queries (the last q of the T keys), D head dim.
 """
 
 import functools
-import importlib.util
 import os
 import warnings
 from collections.abc import Callable
@@ -15,12 +14,12 @@ import torch
 
 from ..errors import ConfigError, GaliWarning
 from .dense import grouped_logits, mask_future, needs_grad, tiled_attention
+from .kernel_choice import kernel_choice
+from .kernel_choice import triton_installed as _triton_installed  # a name of this module: tests replace it
 from .noise import Noise, standard_normal
 
 # (query, key, value, group, grouped, scale, noise, dropout) -> (B, H, q, D)
 NoisyAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, float, Noise, float], torch.Tensor]
-
-_KERNEL_CHOICES = ("auto", "triton", "torch")
 
 
 def add_noise(logits: torch.Tensor, query_index: torch.Tensor, group: int, grouped: int, noise: Noise) -> None:
@@ -95,14 +94,6 @@ def tiled_noisy_attention(
     return tiled_attention(logits, value, query.shape[1], query.shape[2], dropout)
 
 
-def kernel_choice() -> str:
-    """$GALI_KERNEL (auto, triton or torch; auto when unset), checked."""
-    choice = os.environ.get("GALI_KERNEL", "auto").strip().lower() or "auto"
-    if choice not in _KERNEL_CHOICES:
-        raise ConfigError(f"GALI_KERNEL must be one of {', '.join(_KERNEL_CHOICES)}, got {choice!r}")
-    return choice
-
-
 def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether noisy attention runs the fused Triton kernel, as $GALI_KERNEL says.
 
@@ -128,29 +119,6 @@ def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
         return True
     heads_per_kv = query.shape[1] // key.shape[1]
     return supports(query, key) and kernel_verified(query.device, query.dtype, query.shape[-1], heads_per_kv)
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    """Looked up once: every forward with noise, and `gali info`, ask."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def noisy_attention_path(device: torch.device) -> str:
-    """Which path noisy GALI attention would take on `device`, in words (for `gali info`)."""
-    choice = kernel_choice()
-    if choice == "torch":
-        return "PyTorch (GALI_KERNEL=torch)"
-    if not _triton_installed():
-        return "PyTorch (triton is not installed)"
-    if device.type != "cuda" and choice == "auto":
-        return "PyTorch (the fused kernel needs CUDA)"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "error: GALI_KERNEL=triton needs CUDA"
-    from triton import __version__ as triton_version
-
-    checked = ", checked against PyTorch on first use" if choice == "auto" else ""
-    return f"fused Triton kernel (triton {triton_version}{checked})"
 
 
 @functools.cache

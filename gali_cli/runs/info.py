@@ -1,58 +1,36 @@
-"""gali info (the model, the machine and the settings, without loading weights) and gali cache list / clear."""
+"""gali info: the model, the machine and the settings, without loading weights, and without importing torch or
+transformers where they are not needed to tell (machine.py, model_config.py): it answers at once."""
 
 from .. import display
-from ..display import print_json, say
+from ..config import PREVIEWED_METHODS
 from ..errors import GaliError
-from ..loading import environment_facts, load_config, model_facts
-from ..methods import preview_method
+from ..machine import environment_facts
+from ..model_config import read_model_config
 from . import ModelChoice
-from .common import entry_point, store
 
 
-@entry_point
 def show_info(choice: ModelChoice, json_output: bool) -> None:
     """What is known without the model, then its architecture and the settings GALI (and the other methods chosen,
     where they are known before the input) would use."""
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
     try:
-        config = load_config(choice.model)
+        config = read_model_config(choice.model)
     except GaliError:
         display.print_facts(facts, json_output)  # what is known without the model, then the error
         raise
-    gali = choice.settings.gali().resolved(config.max_position_embeddings).facts()
-    others = {method: preview_method(config, method, choice.settings) for method in choice.methods if method != "gali"}
-    display.print_facts({**facts, **model_facts(config), "gali": gali,
-                         **{method: settings for method, settings in others.items() if settings is not None}},
-                        json_output)
+    gali = choice.settings.gali().resolved(config.train_len).facts()
+    display.print_facts({**facts, **config.facts(), "gali": gali, **_previews(choice)}, json_output)
 
 
-@entry_point
-def list_cache(cache_dir: str | None, json_output: bool) -> None:
-    """The cached document states, most recently used first."""
-    cache = store(cache_dir)
-    entries = cache.entries()
-    if json_output:
-        print_json({"directory": str(cache.directory), "limit_bytes": cache.limit,
-                    "entries": [{"document": entry.document, "model": entry.model, "method": entry.method,
-                                 "tokens": entry.tokens, "bytes": entry.size, "last_used": entry.last_used,
-                                 "path": str(entry.path)} for entry in entries]})
-    else:
-        display.print_cache_entries(entries, cache.directory, cache.limit)
+def _previews(choice: ModelChoice) -> dict:
+    """The settings of the chosen methods whose settings follow the model's config (torch and transformers are
+    imported for them only)."""
+    previewed = [method for method in choice.methods if method in PREVIEWED_METHODS]
+    if not previewed:
+        return {}
+    from ..loading import load_config
+    from ..methods import preview_method
 
-
-@entry_point
-def clear_cache(cache_dir: str | None) -> None:
-    """Delete every cached document state, and say how much that freed; GaliError if some could not be deleted."""
-    cache = store(cache_dir)
-    cleared = cache.clear()
-    removed = (f"{len(cleared.removed)} cached document state{'s' if len(cleared.removed) != 1 else ''} "
-               f"({cleared.removed_bytes / 2**20:.1f} MiB)")
-    if not cleared.kept:
-        say(f"Removed {removed} from {cache.directory}.")
-        return
-    path, _, reason = cleared.kept[0]
-    if path == cache.directory:
-        raise GaliError(f"cannot clear the document cache: {cache.directory}: {reason}")
-    raise GaliError(f"removed {removed} from {cache.directory}, but not the other {len(cleared.kept)} "
-                    f"({cleared.kept_bytes / 2**20:.1f} MiB): {reason} ({path})")
+    config = load_config(choice.model)
+    return {method: preview_method(config, method, choice.settings) for method in previewed}
