@@ -168,7 +168,7 @@ def test_info(gali, tiny_model_dir):
     assert facts["gali"]["chunk_size"] == 6 and facts["gali"]["local_window"] == 16
     assert facts["device"] in ("cpu", "cuda") and "bitsandbytes" in facts["bitsandbytes"]
     if facts["device"] == "cpu":
-        assert facts["noisy_attention"].startswith("PyTorch (")
+        assert facts["noisy_attention"].startswith(("native CPU kernel (built with", "PyTorch ("))
     forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "torch"}).stdout)
     assert forced["noisy_attention"] == "PyTorch (GALI_KERNEL=torch)"
     if facts["device"] == "cpu":
@@ -404,7 +404,7 @@ def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):
 def test_a_mistyped_gali_kernel_fails_before_the_model_loads(gali, doc):
     result = gali("summarize", str(doc), env={"GALI_KERNEL": "fastest"})
     assert result.exit_code == 2 and not result.stdout
-    assert result.stderr.strip() == "gali: GALI_KERNEL must be one of auto, triton, torch, got 'fastest'"
+    assert result.stderr.strip() == "gali: GALI_KERNEL must be one of auto, triton, native, torch, got 'fastest'"
 
 
 def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
