@@ -91,9 +91,8 @@ def two_matmul_gali(settings):
     """GALI computed the straightforward way, as the anchor: Alg. 3 literally, per chunk (the tests' oracle)."""
     from gali_cli.engine.noise import Noise
     from gali_cli.engine.positions import chunk_plan, interpolate
-    from gali_cli.methods.gali import Gali
-
     from gali_cli.engine.reference import reference_gali_attention
+    from gali_cli.methods.gali import Gali
 
     class TwoMatmulGali(Gali):
         def attend(self, forward, module, query, key, value, scaling, dropout, **kwargs):
@@ -199,8 +198,9 @@ def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple
 
 def worker(args: argparse.Namespace) -> dict:
     """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
-    from gali_cli.engine.positions import chunk_plan
     from transformers import DynamicCache
+
+    from gali_cli.engine.positions import chunk_plan
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model = build_model(args)

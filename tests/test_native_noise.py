@@ -4,17 +4,21 @@ import warnings
 
 import pytest
 import torch
+from test_attention import qkv
+from test_hooks import prompt
 
 import gali_cli.engine.native_noise as native_noise
 import gali_cli.engine.noisy_attention as noisy_attention
 from gali_cli import GaliConfig, apply_gali
 from gali_cli.engine.noise import Noise
-from gali_cli.engine.noisy_attention import (explicit_noisy_partial, native_noisy_attention, noisy_route,
-                                             tiled_noisy_attention)
+from gali_cli.engine.noisy_attention import (
+    explicit_noisy_partial,
+    native_noisy_attention,
+    noisy_route,
+    tiled_noisy_attention,
+)
 from gali_cli.engine.positions import grouping
 from gali_cli.errors import ConfigError, GaliWarning
-from test_attention import qkv
-from test_hooks import prompt
 
 
 @pytest.fixture

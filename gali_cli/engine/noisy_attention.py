@@ -270,8 +270,8 @@ def noisy_attention_path(device: torch.device) -> str:
     if device.type == "cpu" and choice in ("auto", "native"):
         from .native_noise import compiler
 
-        checked = ", checked against PyTorch on first use" if choice == "auto" else ""
-        return f"native CPU kernel (built with {' '.join(compiler())} on first use{checked})"
+        checked = " and checked against PyTorch" if choice == "auto" else ""
+        return f"native CPU kernel (built with {' '.join(compiler())}{checked} on first use)"
     if choice == "native":
         return "error: GALI_KERNEL=native runs on the CPU"
     if not _triton_installed():
