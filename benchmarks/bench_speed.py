@@ -53,7 +53,11 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     if args.model:
         from gali_cli.loading import load_model
 
-        return load_model(args.model, device=args.device, dtype=args.dtype).model
+        model = load_model(args.model, device=args.device, dtype=args.dtype).model
+        if args.layers:  # its first layers only: each layer costs the same, so the ratios hold, in less time
+            model.model.layers = model.model.layers[: args.layers]
+            model.config.num_hidden_layers = len(model.model.layers)
+        return model
     hidden, heads, kv_heads, intermediate, layers, vocab = SHAPES[args.shape]
     config = LlamaConfig(
         vocab_size=vocab,
@@ -254,7 +258,7 @@ def run_worker(args: argparse.Namespace, variant: str, train_len: int, factor: i
                str(decode_tokens), "--device", args.device, "--dtype", args.dtype, "--shape", args.shape,
                "--train-len", str(train_len), "--repeats", str(repeats), "--threads", str(args.threads)]
     if args.model:
-        command += ["--model", args.model]
+        command += ["--model", args.model] + (["--layers", str(args.layers)] if args.layers else [])
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         error = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
@@ -274,6 +278,8 @@ def main() -> None:
     parser.add_argument("--train-len", default="256", help="the window GALI and the methods stay within; several, "
                         "comma-separated, are measured in turn")
     parser.add_argument("--factors", default="16", help="prefill lengths as multiples of train_len, e.g. 1,4,16,32")
+    parser.add_argument("--layers", type=int, help="with --model: keep its first N layers (ratios per layer, sooner; "
+                        "tables built once per forward then weigh more than in the whole model)")
     parser.add_argument("--tokens", type=int, help="one prefill length for every train_len instead of --factors")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's)")
     parser.add_argument("--variants", help="comma-separated, from: " + ", ".join(VARIANTS) + " (default: all; "
@@ -319,7 +325,8 @@ def main() -> None:
                        "prefill": {f"{v}@{t}x{f}": results for (v, t, f), results in prefill.items()},
                        "decode": {f"{v}@{f}": run and run["decode_ms"] for (v, f), run in decode.items()}},
                       handle, indent=1)
-    model = args.model or f"{args.shape} Llama (random weights)"
+    model = (f"{args.model}" + (f" (first {args.layers} layers)" if args.layers else "") if args.model
+             else f"{args.shape} Llama (random weights)")
     print(f"# {date.today()} - {platform.node()} - {platform.processor() or platform.machine()} - "
           f"torch {torch.__version__} - {args.threads or torch.get_num_threads()} threads - load average "
           f"{os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} cores")

@@ -464,6 +464,7 @@ def small_self_check(monkeypatch):
 
     monkeypatch.setattr(self_check, "HEAD_SHAPES", ((64, 9, 3), (128, 4, 4)))
     monkeypatch.setattr(self_check, "LENGTHS", {"cuda": (320,), "cpu": (320,), "interpreted": (200,), "gali": (300,)})
+    monkeypatch.setattr(self_check, "TIMED_CALLS", 1)
 
 
 def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, monkeypatch):

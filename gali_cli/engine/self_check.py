@@ -25,6 +25,7 @@ _TRAIN_LEN, _LOCAL_WINDOW, _CHUNK = 256, 128, 64  # a chunk as GALI cuts it at t
 HEAD_SHAPES = ((64, 9, 3), (128, 32, 8), (128, 8, 8))
 # Keys of the checked chunk, per kind of run (the interpreter runs the kernel's code in NumPy: small only).
 LENGTHS = {"cuda": (320, 1024, 4096), "cpu": (320, 2048), "interpreted": (320,), "gali": (300, 1000)}
+TIMED_CALLS = 3  # per path and check, after a first untimed call; the fastest is reported
 
 
 @dataclass(frozen=True)
@@ -128,10 +129,10 @@ def _gali_check(device: torch.device, dtype: torch.dtype, keys: int) -> Check:
 
 
 def _timed(function: Callable, arguments: tuple, device: torch.device) -> tuple[torch.Tensor, float]:
-    """The result, and the fastest of three calls after a first one (which compiles, builds or warms caches)."""
+    """The result, and the fastest of TIMED_CALLS calls after a first one (which compiles, builds or warms caches)."""
     result = function(*arguments)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(TIMED_CALLS):
         _synchronize(device)
         start = time.perf_counter()
         function(*arguments)
