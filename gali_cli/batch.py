@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from .documents import link_problem
 from .errors import ConfigError, GaliError, InputError
 
 # Files a directory contributes; anything else in it (images, binaries, code) is left alone.
@@ -84,7 +85,7 @@ def _expand(spec: str, base: Path, manifests_seen: set[Path]) -> Iterator[Path]:
             raise InputError(f"{spec}: no file matches")
         yield from matches
     else:
-        raise InputError(f"{spec}: no such file or directory")
+        raise InputError(f"{spec}: {link_problem(path) or 'no such file or directory'}")
 
 
 def content_hash(path: Path) -> str:
@@ -328,28 +329,41 @@ class Outcome:
     tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Step:
+    """One document of a batch as `run_batch` reports it: "started", then "ok" (with its records), "skipped"
+    (finished by an earlier run with the same settings) or "error" (with why)."""
+
+    path: Path
+    status: str
+    records: tuple[dict, ...] = ()
+    error: str = ""
+    seconds: float = 0.0
+
+
 def run_batch(
     documents: list[Path],
     results: ResultsFile,
     job: dict,
     work: Callable[[Path], list[dict]],
     rank: Rank,
-    progress: Callable[[Outcome, Path | None], None] = lambda outcome, path: None,
+    progress: Callable[[Outcome, Step], None] = lambda outcome, step: None,
 ) -> Outcome:
     """Run `work` on this process's share of `documents` not already finished, appending its records (one or
     more per document, each with its "tokens") to `results`; a document that fails gets an error record and the
-    batch goes on. `progress` hears about each document before and after it."""
+    batch goes on. `progress` hears about each document as it starts and once it is finished."""
     key = job_hash(job)
     finished = results.finished()
     share = rank.shard(documents)
     outcome = Outcome(documents=len(share))
     for path in share:
-        progress(outcome, path)
+        progress(outcome, Step(path, "started"))
         base = {"path": str(path), "job": key}
         try:
             base["sha256"] = content_hash(path)
             if (base["path"], base["sha256"], key) in finished:
                 outcome.skipped += 1
+                progress(outcome, Step(path, "skipped"))
                 continue
             started = time.perf_counter()
             records = work(path)
@@ -360,11 +374,12 @@ def run_batch(
             message = str(error) if isinstance(error, GaliError) else f"{type(error).__name__}: {error}"
             results.append([{**base, "status": "error", "error": message, **job}])
             outcome.failed += 1
+            progress(outcome, Step(path, "error", error=message))
             continue
         results.append([{**base, "status": "ok", **job, **record, "seconds": seconds} for record in records])
         outcome.done += 1
         outcome.tokens += sum(record.get("tokens", 0) for record in records)
-    progress(outcome, None)
+        progress(outcome, Step(path, "ok", tuple(records), seconds=seconds))
     return outcome
 
 

@@ -21,8 +21,10 @@ from .config import MAX_INPUT_BYTES
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
 from .options import (
     CacheDir,
+    Command,
     File,
     Files,
+    Group,
     JsonOutput,
     MaxInputSize,
     MaxNewTokens,
@@ -42,7 +44,8 @@ from .prompts import SUMMARIZE, ask_instruction
 from .runs import Answering, ModelChoice, Reading, Serving
 
 EXIT_CODES = {ConfigError: 2, InputError: 3, ModelLoadError: 4, UnsupportedModelError: 4}
-app = typer.Typer(name="gali", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(name="gali", cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")  # help paragraphs reflow to the terminal's width
 
 
 def _guarded(command: Callable[..., None]) -> Callable[..., None]:
@@ -72,7 +75,7 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-@app.command()
+@app.command(cls=Command)
 @_guarded
 @with_model_options
 def summarize(
@@ -82,9 +85,15 @@ def summarize(
     no_stream: NoStream = False, cache_dir: CacheDir = None, no_cache: NoCache = False,
     json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
-    """Summarize a document; the summary streams to stdout. With --out, summarize many into a JSON-lines file.
+    """Summarize a document: the summary streams to stdout.
+
+    Batch mode: with several DOCS, or with --out FILE, the model loads once and each document appends a JSON line to
+    FILE as it is done (path, content hash, settings, output, tokens, timings; a line on stderr too). A rerun skips
+    the documents already done; a document that fails is recorded and the rest go on (exit 1). Under torchrun or
+    accelerate launch each process takes its share.
 
     Example: gali summarize report.pdf --quantize 4bit > summary.txt
+
     Example: gali summarize reports/ --out summaries.jsonl
     """
     answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
@@ -92,7 +101,7 @@ def summarize(
     _answer(files, out, "summarize", SUMMARIZE, None, choice, Reading(password, max_input_size), answering)
 
 
-@app.command()
+@app.command(cls=Command)
 @_guarded
 @with_model_options
 def ask(
@@ -103,10 +112,13 @@ def ask(
     seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
     no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
-    """Answer QUESTION about a document; the answer streams to stdout. The document's prefilled state is cached,
-    so the next question about it starts at once. With --out, ask it of many documents.
+    """Answer QUESTION about a document: the answer streams to stdout.
+
+    The document's prefilled state is cached, so the next question about it starts at once. Several DOCS, or
+    --out FILE: batch mode, as in gali summarize --help.
 
     Example: gali ask contract.txt "When does the lease end?"
+
     Example: gali ask contracts/*.pdf "When does the lease end?" --out leases.jsonl
     """
     if not question.strip():
@@ -115,6 +127,15 @@ def ask(
                           cache_dir, no_cache, seed)
     _answer(files, out, "ask", ask_instruction(question), question, choice, Reading(password, max_input_size),
             answering)
+
+
+def _check_first(choice: ModelChoice, source: str) -> None:
+    """The settings against the model's window, then the document's path, before the run (and torch) is imported:
+    a usage error or a typo in a path costs no wait."""
+    from .documents import check_source
+
+    choice.check()
+    check_source(source)
 
 
 def _answer(files: list[str], out: str | None, command: str, instruction: str, question: str | None,
@@ -126,28 +147,34 @@ def _answer(files: list[str], out: str | None, command: str, instruction: str, q
         if answer_batch(files, out, command, instruction, question, choice, reading, answering):
             raise typer.Exit(1)
     else:
+        _check_first(choice, files[0])
         from .runs.answer import answer
 
         answer(files[0], instruction, choice, reading, answering)
 
 
-@app.command()
+@app.command(cls=Command)
 @_guarded
-@with_model_options
+@with_model_options(many_methods=True)
 def ppl(
     files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
-    max_tokens: Annotated[int | None, typer.Option(min=2, help="Evaluate the first N tokens only.")] = None,
-    lengths: Annotated[str | None, typer.Option(help="PPL over the first l tokens for each l, e.g. 1k,2k,4k "
-                                                     "(k = 1024).")] = None,
-    csv: Annotated[bool, typer.Option("--csv", help="Print method,length,ppl rows as CSV.")] = False,
-    plot: Annotated[str | None, typer.Option(help="Also save PPL against length as an image, e.g. ppl.png "
-                                                  "(needs gali-cli[plot]).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(min=2, metavar="N", help="Evaluate the first N tokens only.")]
+    = None,
+    lengths: Annotated[str | None, typer.Option(metavar="L,L...", help="PPL over the first L tokens for each L, e.g. "
+                                                                       "1k,2k,4k (k = 1024).")] = None,
+    csv: Annotated[bool, typer.Option("--csv", metavar="", help="Print method,length,ppl rows as CSV.")] = False,
+    plot: Annotated[str | None, typer.Option(metavar="FILE", help="Also save PPL against length as an image, e.g. "
+                                                                  "ppl.png (needs pip install 'gali-cli\\[plot]').")]
+    = None,
     json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
-    """Perplexity of a document: exp(mean NLL of tokens 2..N), each predicted from its whole prefix, in one pass
-    per method. With --out, of many documents, with the corpus's token-weighted perplexity at the end.
+    """Perplexity of a document, by method and length: exp(mean NLL of tokens 2..N).
+
+    Each token is predicted from its whole prefix, in one pass per method. Several DOCS, or --out FILE: batch mode,
+    as in gali summarize --help, and the corpus's token-weighted perplexity at the end.
 
     Example: gali ppl book.txt --method gali,yarn,original --lengths 2k,4k,8k,16k
+
     Example: gali ppl corpus/ --out ppl.jsonl --method gali,yarn --max-tokens 16384
     """
     wanted = _parse_lengths(lengths)
@@ -166,6 +193,7 @@ def ppl(
         if perplexity_batch(files, out, choice, reading, max_tokens, wanted, json_output, csv, plot, verbose):
             raise typer.Exit(1)
     else:
+        _check_first(choice, files[0])
         from .runs.ppl import perplexity
 
         perplexity(files[0], choice, Reading(password, max_input_size), max_tokens, wanted, json_output, csv, plot,
@@ -189,7 +217,7 @@ def _parse_lengths(text: str | None) -> list[int]:
     return sorted(lengths)
 
 
-@app.command()
+@app.command(cls=Command)
 @_guarded
 @with_model_options
 def chat(
@@ -197,18 +225,20 @@ def chat(
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
     no_cache: NoCache = False,
-    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per answer, a line each.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object per answer, a line "
+                                                                       "each.")] = False,
     verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
-    """Read FILE once, then answer questions typed at the prompt, keeping the conversation (Ctrl-C stops an
-    answer, Ctrl-D leaves).
+    """Read FILE once, then answer the questions typed at the prompt, keeping the conversation.
 
-    Answers stream to stdout, the prompt goes to stderr; questions may also be piped in, one a line.
+    Answers stream to stdout; questions may also be piped in, one a line. Ctrl-C stops an answer, Ctrl-D (or Ctrl-C
+    at the prompt) leaves.
 
     Example: gali chat report.pdf -m demo
     """
     if file == "-":
         raise ConfigError("gali chat reads its questions from standard input: give FILE as a path")
+    _check_first(choice, file)
     from .runs.answer import chat as run_chat
 
     answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
@@ -216,37 +246,38 @@ def chat(
     run_chat(file, choice, Reading(password, max_input_size), answering)
 
 
-@app.command()
+@app.command(cls=Command)
 @_guarded
 @with_model_options
 def serve(
-    host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 opens the server to the network (then "
-                                           "set --api-key).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = 8000,
-    api_key: Annotated[str | None, typer.Option(envvar="GALI_API_KEY", show_default=False,
+    host: Annotated[str, typer.Option(metavar="HOST", help="Address to listen on; 0.0.0.0 opens the server to the "
+                                                           "network (then set --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, metavar="N",
+                                      help="Port to listen on (0: any free one).")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="GALI_API_KEY", show_default=False, metavar="KEY",
                                                 help="Require 'Authorization: Bearer KEY' on /v1/.")] = None,
-    model_name: Annotated[str | None, typer.Option(help="The model's name for clients (default: the --model "
-                                                        "value).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest answer when a request sets no "
-                                                            "max_tokens.")] = 512,
-    temperature: Annotated[float, typer.Option(min=0.0, max=2.0, help="When a request sets none; 0 is "
-                                                                      "greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="When a request sets none.")] = 1.0,
-    queue_size: Annotated[int, typer.Option(min=1, help="Requests that may wait for the model; past them, 429 "
-                                                        "with Retry-After.")] = 16,
-    max_request_mib: Annotated[int, typer.Option(min=1, help="Largest request body, in MiB (413 past "
-                                                             "it).")] = 32,
+    model_name: Annotated[str | None, typer.Option(metavar="NAME", help="The model's name for clients (default: "
+                                                                        "the --model value).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Longest answer when a request sets no "
+                                                                         "max_tokens.")] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0, max=2.0, metavar="X", help="When a request sets none; 0 "
+                                                                                   "is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, metavar="X", help="When a request sets none.")] = 1.0,
+    queue_size: Annotated[int, typer.Option(min=1, metavar="N", help="Requests that may wait for the model; past "
+                                                                     "them, 429 with Retry-After.")] = 16,
+    max_request_mib: Annotated[int, typer.Option(min=1, metavar="N", help="Largest request body, in MiB (413 "
+                                                                          "past it).")] = 32,
     cache_dir: CacheDir = None, no_cache: NoCache = False, choice: ModelChoice = None,
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
-    /health) that reads prompts longer than its window; needs pip install 'gali-cli\\[serve]'.
+    """Serve the model over an OpenAI-compatible HTTP API that reads prompts longer than its window.
 
-    One model, many clients: requests queue for it, and a client that disconnects stops its answer.
-    A second question about a document starts from the document's prefilled state.
-    --noise-seed seeds the noise; a request without a seed samples with a random one.
-    SIGTERM or Ctrl-C stop it cleanly; access log lines go to stderr.
+    Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health. Needs pip install 'gali-cli\\[serve]'.
+    One model, many clients: requests queue for it, and a client that disconnects stops its answer. A second question
+    about a document starts from the document's prefilled state. --noise-seed seeds the noise; a request without a
+    seed samples with a random one. SIGTERM or Ctrl-C stop it cleanly; access log lines go to stderr.
 
     Example: gali serve -m demo
+
     Example: gali serve --quantize 4bit --host 0.0.0.0 --api-key "$(openssl rand -hex 16)"
     """
     from .server import require_extra
@@ -258,42 +289,44 @@ def serve(
                                max_request_mib, cache_dir, no_cache))
 
 
-cache_app = typer.Typer(name="cache", no_args_is_help=True, help="The document cache: prefilled states of documents "
-                                                                  "asked about (GALI_CACHE_DIR, GALI_CACHE_LIMIT).")
+cache_app = typer.Typer(name="cache", cls=Group, no_args_is_help=True,
+                        help="The document cache: prefilled states of documents asked about (GALI_CACHE_DIR, "
+                             "GALI_CACHE_LIMIT).")
 app.add_typer(cache_app)
 
 
-@cache_app.command("list")
+@cache_app.command("list", cls=Command)
 @_guarded
 def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> None:
     """List cached documents, most recently used first.
 
     Example: gali cache list
     """
-    from .runs.info import list_cache
+    from .runs.cache import list_cache
 
     list_cache(cache_dir, json_output)
 
 
-@cache_app.command("clear")
+@cache_app.command("clear", cls=Command)
 @_guarded
 def cache_clear(cache_dir: CacheDir = None) -> None:
     """Delete every cached document state.
 
     Example: gali cache clear
     """
-    from .runs.info import clear_cache
+    from .runs.cache import clear_cache
 
     clear_cache(cache_dir)
 
 
-@app.command()
+@app.command(cls=Command)
 @_guarded
-@with_model_options
+@with_model_options(many_methods=True)
 def info(
     json_output: JsonOutput = False,
-    check: Annotated[bool, typer.Option("--check", help="Also run the engine's self-check on the device: each fast "
-                                        "attention path against the PyTorch path, GALI against Alg. 3, timed.")] = False,
+    check: Annotated[bool, typer.Option("--check", metavar="", help="Also run the engine's self-check on the device: "
+                                        "each fast attention path against the PyTorch path, GALI against Alg. 3, "
+                                        "timed.")] = False,
     choice: ModelChoice = None,
 ) -> None:
     """Describe the model, device, CUDA, bitsandbytes and GALI settings, without loading weights.
@@ -315,8 +348,8 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _options(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")]
-    = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
+                                          help="Print the version.")] = False,
 ) -> None:
     """Read documents longer than a Llama's training window, with Greedy Attention Logit Interpolation (GALI)."""
 

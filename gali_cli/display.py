@@ -1,26 +1,37 @@
-"""How the `gali` command shows things: stderr messages and progress bars, and perplexity tables, CSV and plots.
+"""How the `gali` command shows things: the answer on stdout, messages and live progress displays on stderr, and
+perplexity tables, CSV and plots.
 
-stdout only ever gets what `print_json`, `print_facts`, `print_ppl_table`, `print_ppl_csv` and
-`print_cache_entries` write.
+stdout only ever gets what this module's `write` and `print_*` functions write, and they first stop every live
+display on stderr (progress bars, the loading spinner): a live display redraws its lines in place, several times a
+second, by moving the cursor to their start and erasing them (`\r ESC[2K`), and when stdout is the same terminal
+that erases the line the answer is being written on.
 """
 
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 from rich import box
 from rich.console import Console
+from rich.live import Live
 from rich.markup import escape
+from rich.spinner import Spinner
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .errors import ConfigError
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
+_drawing: list[Live] = []  # the live displays now drawing on stderr, newest last
+# What a terminal would obey rather than show: C0 controls but tab and newline, DEL, C1 controls. A model's answer
+# shows them as the Unicode pictures of control characters (or U+FFFD) instead of clearing the screen or
+# rewriting a line.
+_CONTROLS = {code: (0x2400 + code if code < 32 else 0x2421 if code == 127 else 0xFFFD)
+             for code in [*range(32), *range(127, 160)] if chr(code) not in "\t\n"}
 
 
 def say(message: str, style: str | None = None) -> None:
@@ -33,12 +44,83 @@ def warn(message: str) -> None:
 
 
 def fail(message: str) -> None:
+    stop_drawing()  # the error line must not be redrawn over
     err.print("[red]gali:[/] ", end="")
     err.print(message, markup=False)
 
 
+@contextmanager
+def _live(display: Live) -> Iterator[None]:
+    """Keep `display` in the list `stop_drawing` stops, while it may draw."""
+    _drawing.append(display)
+    try:
+        yield
+    finally:
+        _drawing.remove(display)
+
+
+def stop_drawing() -> None:
+    """Stop every live display on stderr (its last frame is erased), so that nothing redraws the terminal while
+    stdout is written. A stopped display stays stopped: its bar may go on counting, unseen."""
+    for display in reversed(_drawing):
+        display.stop()
+
+
+def write(text: str) -> None:
+    """A piece of a streamed answer on stdout, at once. On a terminal, control characters (escape sequences, a
+    carriage return) are shown as symbols instead of being obeyed: a model must not be able to rewrite the screen."""
+    _print(text.translate(_CONTROLS) if _stdout_is_terminal() else text)
+
+
+def _stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
+def read_line(prompt: str) -> str:
+    """A line typed at the terminal after `prompt`, with line editing and history where the readline module exists;
+    EOFError at Ctrl-D. When stdout is the terminal, input() hands the prompt to readline, which redraws it as the
+    line is edited (a prompt printed apart is erased by Ctrl-U or a recalled line); otherwise the prompt goes to
+    stderr, never into what stdout collects."""
+    try:
+        import readline  # noqa: F401 - importing it gives input() line editing and history
+    except ImportError:
+        pass
+    stop_drawing()
+    if _stdout_is_terminal():
+        return input(prompt)
+    err.print(prompt, end="", markup=False)
+    return input()
+
+
+@contextmanager
+def status(message: str) -> Iterator[None]:
+    """A spinner with `message` on stderr while the block runs (on a terminal)."""
+    with Live(Spinner("dots", message), console=err, transient=True, refresh_per_second=12.5) as spinner, \
+            _live(spinner):
+        yield
+
+
 def print_json(document: dict) -> None:
-    sys.stdout.write(json.dumps(document, ensure_ascii=False) + "\n")
+    _print(json.dumps(document, ensure_ascii=False) + "\n")
+
+
+def print_number(value: float) -> None:
+    """A perplexity alone on stdout."""
+    _print(f"{value:.4f}\n")
+
+
+def _print(text: str) -> None:
+    stop_drawing()
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _stdout_console() -> Console:
+    stop_drawing()
+    return Console(highlight=False)
 
 
 def print_facts(facts: dict, json_output: bool) -> None:
@@ -46,13 +128,14 @@ def print_facts(facts: dict, json_output: bool) -> None:
     if json_output:
         print_json(facts)
         return
-    width = max(map(len, facts)) + 2
+    width, lines = max(map(len, facts)) + 2, []
     for key, value in facts.items():
         if key == "cuda":
             value = "; ".join(f"{gpu['name']} ({gpu['memory_gib']} GiB)" for gpu in value) or "no GPU"
         elif isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items())
-        sys.stdout.write(f"{key:<{width}}{value}\n")
+        lines.append(f"{key:<{width}}{value}\n")
+    _print("".join(lines))
 
 
 def print_check(check) -> None:
@@ -90,17 +173,19 @@ class Bar:
     def describe(self, label: str) -> None:
         self.progress.update(self.task, description=label)
 
-    def hide(self) -> None:
-        self.progress.update(self.task, visible=False)
+    def stop(self) -> None:
+        """Take the bar off the screen now (the work it follows is done); later calls count unseen."""
+        self.progress.stop()
 
 
 @contextmanager
-def progress_bar(label: str):
-    """A `Bar`; stdout is left alone, so that a streamed answer can follow on it."""
+def progress_bar(label: str) -> Iterator[Bar]:
+    """A `Bar` on stderr while the block runs. What the block prints through `err` goes above it; writing to stdout
+    (`write`, `print_*`) stops it first."""
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal, redirect_stdout=False,
-                  redirect_stderr=False) as progress:
+                  redirect_stderr=False) as progress, _live(progress.live):
         yield Bar(progress, label)
 
 
@@ -120,27 +205,55 @@ def ppl_table(rows: list[dict]) -> Table:
 
 
 def print_ppl_table(rows: list[dict]) -> None:
-    Console(highlight=False).print(ppl_table(rows))
+    _stdout_console().print(ppl_table(rows))
 
 
 def print_cache_entries(entries: list, directory, limit: int) -> None:
-    """`gali cache list`: a table of cached documents on stdout, the totals on stderr."""
-    if entries:
-        table = Table(box=box.SIMPLE_HEAD)
+    """`gali cache list`: the cached documents on stdout, the totals on stderr. Names are never cut: a table where
+    it fits (into a pipe or a file, as wide as it needs), else one entry a paragraph, its name on a line of its own
+    that the terminal wraps."""
+    rows = [(short_path(entry.document), short_path(entry.model), entry.method, str(entry.tokens),
+             f"{entry.size / 2**20:.1f}", datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M"))
+            for entry in entries]
+    if rows:
+        console, table = _stdout_console(), Table(box=box.SIMPLE_HEAD)
         for column in ("document", "model", "method", "tokens", "MiB", "last used"):
-            table.add_column(column, justify="right" if column in ("tokens", "MiB") else "left")
-        for entry in entries:
-            used = datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M")
-            table.add_row(escape(entry.document), escape(entry.model), escape(entry.method), str(entry.tokens),
-                          f"{entry.size / 2**20:.1f}", used)
-        Console(highlight=False).print(table)
+            table.add_column(column, justify="right" if column in ("tokens", "MiB") else "left", no_wrap=True)
+        for row in rows:
+            table.add_row(*map(escape, row))
+        width = console.measure(table, options=console.options.update_width(2**16)).maximum
+        if not console.is_terminal:
+            Console(highlight=False, width=max(console.width, width)).print(table)
+        elif width <= console.width:
+            console.print(table)
+        else:
+            for document, model, method, tokens, size, used in rows:
+                console.print(document, markup=False, soft_wrap=True)
+                console.print(f"  {model}, {method}, {tokens} tokens, {size} MiB, last used {used}", markup=False,
+                              soft_wrap=True, style="dim")
     total = sum(entry.size for entry in entries)
     say(f"{len(entries)} cached document state{'s' if len(entries) != 1 else ''}, {total / 2**30:.2f} of "
-        f"{limit / 2**30:.2f} GiB, in {directory}", style="dim")
+        f"{limit / 2**30:.2f} GiB, in {short_path(str(directory))}", style="dim")
+
+
+def short_path(name: str) -> str:
+    """An absolute path as one would type it here: relative to the working directory, or from ~, when that is
+    shorter; anything else (a hub id, "<stdin>") as it is."""
+    if not os.path.isabs(name):
+        return name
+    shorter = [name]
+    try:
+        shorter.append(os.path.relpath(name))
+    except ValueError:  # another drive (Windows)
+        pass
+    home = os.path.expanduser("~")
+    if home not in ("", "~", os.sep) and name.startswith(home + os.sep):
+        shorter.append("~" + name[len(home):])
+    return min(shorter, key=len)
 
 
 def print_ppl_csv(rows: list[dict]) -> None:
-    sys.stdout.write("method,length,ppl\n" + "".join(f"{r['method']},{r['length']},{r['ppl']:.6f}\n" for r in rows))
+    _print("method,length,ppl\n" + "".join(f"{r['method']},{r['length']},{r['ppl']:.6f}\n" for r in rows))
 
 
 def check_plotting(path: str) -> None:

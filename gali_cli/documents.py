@@ -5,7 +5,9 @@ replaced bytes, PDF pages without text) come back as warnings on the `Document`.
 (256 MiB unless the caller says otherwise), so that `gali summarize /dev/zero` stops there instead of filling memory.
 """
 
+import errno
 import io
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,11 +71,22 @@ def read_document(
     return Document(text=text.replace("\r\n", "\n"), name=name, kind="text", warnings=tuple(warnings))
 
 
-def _read_bytes(path: Path, name: str, max_bytes: int) -> bytes:
+def check_source(source: str) -> None:
+    """Refuse at once a document path that names no file (nothing there, a broken link or a loop, a directory):
+    the command line calls it before anything heavy is imported, so a typo costs no wait."""
+    if source != STDIN:
+        _check_path(Path(source), source)
+
+
+def _check_path(path: Path, name: str) -> None:
     if not path.exists():
-        raise InputError(f"{name}: no such file")
+        raise InputError(f"{name}: {link_problem(path) or 'no such file'}")
     if path.is_dir():
         raise InputError(f"{name} is a directory, not a document")
+
+
+def _read_bytes(path: Path, name: str, max_bytes: int) -> bytes:
+    _check_path(path, name)
     try:
         if path.stat().st_size > max_bytes:  # a regular file says its size; /dev/zero and pipes say 0
             raise _too_large(name, max_bytes)
@@ -81,6 +94,19 @@ def _read_bytes(path: Path, name: str, max_bytes: int) -> bytes:
             return _read_limited(file, name, max_bytes)
     except OSError as error:
         raise InputError(f"cannot read {name}: {error.strerror or error}") from error
+
+
+def link_problem(path: Path) -> str | None:
+    """Why a path that does not exist to Path.exists() is there all the same: a loop of symbolic links, or a
+    symbolic link to nothing; None when there is simply nothing there."""
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "a symbolic link loop (following it leads back to itself)"
+        if path.is_symlink():
+            return f"a broken symbolic link (to {os.readlink(path)}, which does not exist)"
+    return None
 
 
 def _read_limited(stream: BinaryIO, name: str, max_bytes: int) -> bytes:

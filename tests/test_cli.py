@@ -312,7 +312,7 @@ def test_the_second_question_reuses_the_document(gali, doc, tmp_path):
     assert first["cached_tokens"] == 0 and second["cached_tokens"] > 32 and uncached["cached_tokens"] == 0
     assert second["answer"] == uncached["answer"]
     listed = json.loads(gali("cache", "list", "--json", env=env, model=False).stdout)
-    assert len(listed["entries"]) == 1 and listed["entries"][0]["document"] == str(doc)
+    assert len(listed["entries"]) == 1 and listed["entries"][0]["document"] == str(doc.resolve())
     assert listed["entries"][0]["tokens"] == second["cached_tokens"]
     table = gali("cache", "list", env=env, model=False)
     assert str(doc) in table.stdout and "1 cached document state" in table.stderr
@@ -385,6 +385,27 @@ def test_cache_list_shows_names_as_they_are(gali, doc, tmp_path):
     env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
     assert gali("summarize", str(odd), "--max-new-tokens", "2", env=env).exit_code == 0
     assert "notes[draft].txt" in gali("cache", "list", env=env, model=False).stdout
+
+
+def test_cache_list_names_documents_by_absolute_path_and_never_cuts_them(gali, tmp_path, monkeypatch):
+    folder = tmp_path / "a folder with a rather long name" / "and-another-one-below-it"
+    folder.mkdir(parents=True)
+    name = "CC0-1.0.the-licence-text-of-a-document-whose-name-goes-on-and-on.txt"
+    (folder / name).write_text(DOCUMENT)
+    (folder / "other.txt").write_text(DOCUMENT.upper())
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    monkeypatch.chdir(folder)
+    assert gali("summarize", name, "--max-new-tokens", "2", env=env).exit_code == 0  # a relative name
+    batch = gali("summarize", str(folder), "--out", str(tmp_path / "out.jsonl"), "--max-new-tokens", "2", env=env)
+    assert batch.exit_code == 0
+    listed = json.loads(gali("cache", "list", "--json", env=env, model=False).stdout)["entries"]
+    assert sorted(entry["document"] for entry in listed) == [str(folder.resolve() / name),
+                                                             str(folder.resolve() / "other.txt")]
+    piped = gali("cache", "list", env={**env, "COLUMNS": "40"}, model=False).stdout  # into a pipe: whole lines
+    assert any(line.split()[0] == name for line in piped.splitlines() if line.strip())
+    monkeypatch.setattr(cli.display, "Console", lambda **kwargs: Console(**kwargs, force_terminal=True, width=40))
+    narrow = gali("cache", "list", env=env, model=False).stdout  # a narrow terminal: an entry a paragraph
+    assert "…" not in narrow and name in narrow.splitlines() and "other.txt" in narrow.splitlines()
 
 
 def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):

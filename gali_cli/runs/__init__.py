@@ -1,8 +1,9 @@
 """What each command does once its options are parsed: read, load, run, report (cli.py only parses and calls).
 
-answer.py (summarize, ask, chat), ppl.py (perplexity), batches.py (many documents into a JSON-lines file), info.py
-(gali info, gali cache), serve.py (gali serve), common.py (what they share). Those import torch; this file does not,
-so that the command line can build a ModelChoice, and refuse a bad option, before anything heavy loads.
+answer.py (summarize, ask, chat), ppl.py (perplexity), batches.py (many documents into a JSON-lines file), cache.py
+(gali cache), serve.py (gali serve), common.py (what they share): those import torch. This file does not, so that the
+command line can build a ModelChoice, and refuse a bad option, before anything heavy loads; nor does info.py (gali
+info).
 """
 
 import functools
@@ -24,20 +25,34 @@ class ModelChoice:
     settings: MethodSettings
 
     @classmethod
-    def parse(cls, model: str | None, quantize: str, device: str, dtype: str, method: str, **settings: object
-              ) -> "ModelChoice":
-        """From the command line's values (`settings`: MethodSettings' fields); a bad one raises ConfigError."""
-        return cls(model or None, quantize, device, dtype, parse_methods(method), MethodSettings(**settings))
+    def parse(cls, model: str | None, quantize: str, device: str, dtype: str, method: str,
+              many_methods: bool = False, **settings: object) -> "ModelChoice":
+        """From the command line's values (`settings`: MethodSettings' fields; `many_methods`: whether --method may
+        name several); a bad one raises ConfigError."""
+        return cls(model or None, quantize, device, dtype, parse_methods(method, many_methods),
+                   MethodSettings(**settings))
 
     @functools.cached_property
     def model(self) -> str:
-        """The model named with -m, else the default for the device: loading.default_model, which needs torch, so
-        it is imported only when a run needs the name (usage errors and --help stay free of it)."""
+        """The model named with -m, else the default for the device (model_config.default_model, which asks torch
+        about GPUs only where it could see one), decided when a run needs the name."""
         if self.named_model:
             return self.named_model
-        from ..loading import default_model
+        from ..model_config import default_model
 
         return default_model(self.device)
+
+    def check(self) -> None:
+        """Settings that depend on the model (its window), checked from its config (read without torch:
+        model_config.py) before any file is read or anything heavy is imported."""
+        from ..model_config import read_model_config
+
+        window = read_model_config(self.model).train_len
+        if "gali" in self.methods:
+            self.settings.gali().resolved(window)
+        elif self.settings.train_len is not None and self.settings.train_len > window:
+            raise ConfigError(f"--train-len ({self.settings.train_len}) exceeds the model's training window "
+                              f"({window})")
 
     @property
     def method(self) -> str:

@@ -11,16 +11,7 @@ from ..loading import LoadedModel
 from ..prompts import ask_instruction
 from . import Answering, ModelChoice, Reading
 from .common import (
-    announcing,
-    check,
-    conversation,
-    entry_point,
-    facts,
-    finished_facts,
-    load,
-    read,
-    say_input,
-    store,
+    announcing, conversation, entry_point, facts, finished_facts, load, read, say_input, store,
 )
 
 
@@ -69,7 +60,7 @@ def _start(file: str, choice: ModelChoice, reading: Reading, answering: Answerin
     """The sampler, model, document and conversation, checked in the order that fails soonest: settings, the
     cache directory and the document before the model loads."""
     sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
-    check(choice)
+    choice.check()
     cache = None if answering.no_cache else store(answering.cache_dir)
     document = read(file, reading)
     loaded = load(choice)
@@ -77,18 +68,13 @@ def _start(file: str, choice: ModelChoice, reading: Reading, answering: Answerin
 
 
 def _read_question(interactive: bool) -> str | None:
-    """The next question from stdin (the prompt on stderr when a person types, with line editing and history
-    where the readline module exists), stripped; None at end of input."""
+    """The next question from stdin (when a person types: after a prompt they see but stdout's file never gets,
+    with line editing and history where the readline module exists), stripped; None at end of input."""
     if not interactive:
         line = sys.stdin.readline()
         return line.strip() if line else None
     try:
-        import readline  # noqa: F401 - importing it gives input() line editing
-    except ImportError:
-        pass
-    display.err.print("[bold]>[/bold] ", end="")
-    try:
-        return input().strip()
+        return display.read_line("> ").strip()
     except EOFError:
         display.err.print()
         return None
@@ -100,31 +86,56 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
     stream = answering.stream and not answering.json_output
     pieces, finished = [], None
     with display.progress_bar("Reading") as bar:
-        events = talk.ask(instruction, sampler, answering.max_new_tokens, announcing(bar, talk.loaded))
+        reading = _Reading(talk, bar)
+        events = talk.ask(instruction, sampler, answering.max_new_tokens, reading)
         try:
             for event in events:
-                bar.hide()
+                reading.over()
                 if isinstance(event, TextPiece):
                     pieces.append(event.text)
                     if stream:
-                        sys.stdout.write(event.text)
-                        sys.stdout.flush()
+                        display.write(event.text)
                 else:
                     finished = event
         except KeyboardInterrupt:
             events.close()  # the turn is rolled back now, whether Ctrl-C came inside the generator or out here
             if stream and pieces:
-                sys.stdout.write("\n")
+                display.write("\n")
             raise
     text = "".join(pieces)
     if not answering.json_output:
-        sys.stdout.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
-        sys.stdout.flush()
-    if talk.from_store and len(talk.questions) == 1:
-        say(f"(document state from the cache: {talk.document_tokens} tokens not read again)", style="dim")
+        display.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
     if finished.reason == "length":
         say(f"(stopped at --max-new-tokens {answering.max_new_tokens})", style="dim")
     return text, finished
+
+
+class _Reading:
+    """The prefill's (done, total) callback: a note first when the document's state came from the cache (known
+    once the prefill starts), then the bar (and, for a long prefill, its estimate: common.announcing); `over()`
+    takes the bar away before the answer is written (on a terminal that shows stdout too, a live bar would erase
+    the answer's line)."""
+
+    def __init__(self, talk: Conversation, bar: display.Bar) -> None:
+        self.talk, self.bar, self.noted, self.done = talk, bar, False, False
+        self.progress = announcing(bar, talk.loaded)
+
+    def __call__(self, done: int, total: int) -> None:
+        self._note()
+        self.progress(done, total)
+
+    def over(self) -> None:
+        if not self.done:
+            self.done = True
+            self._note()
+            self.bar.stop()
+
+    def _note(self) -> None:
+        if not self.noted:
+            self.noted = True
+            if self.talk.from_store and not self.talk.questions:
+                say(f"(document state from the cache: {self.talk.document_tokens} tokens not read again)",
+                    style="dim")
 
 
 def _say_stats(finished: Finished) -> None:

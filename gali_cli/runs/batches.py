@@ -13,6 +13,7 @@ from ..batch import (
     Outcome,
     Rank,
     ResultsFile,
+    Step,
     batch_summary,
     corpus_perplexities,
     expand_documents,
@@ -24,7 +25,7 @@ from ..errors import ConfigError, InputError
 from ..generate import TextPiece, make_sampler
 from ..loading import resolve_device, resolve_dtype
 from . import Answering, ModelChoice, Reading
-from .common import check, conversation, entry_point, finished_facts, load, store
+from .common import conversation, entry_point, finished_facts, load, store
 from .ppl import method_perplexities, ppl_ids, print_rows
 
 
@@ -48,7 +49,7 @@ def answer_batch(specs: list[str], out: str | None, command: str, instruction: s
             return [{"output": answer, "settings": talk.resolved, "tokens": events[-1].prompt_tokens,
                      "warnings": [*document.warnings], **finished_facts(events[-1])}]
 
-        failed = _run(batch, job, work)
+        failed = _run(batch, job, work, _answer_line)
         if answering.json_output and batch.rank.rank == 0:
             print_json({"out": str(batch.results.path),
                         **batch_summary(batch.results.records(), job, batch.documents)})
@@ -79,7 +80,7 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
                                 + ([] if reachable else [f"{len(ids)} tokens: shorter than every --lengths value"])})
             return records
 
-        failed = _run(batch, job, work)
+        failed = _run(batch, job, work, _ppl_line)
         if batch.rank.rank == 0:
             records = batch.results.records()
             rows = corpus_perplexities(records, job, batch.documents, by_length=bool(lengths))
@@ -110,7 +111,7 @@ def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> Iterator[_
     done: a second run on it refuses), the launcher's processes."""
     if not out:
         raise ConfigError("several documents need --out FILE.jsonl for their results")
-    check(choice)
+    choice.check()
     rank = Rank.from_environment()
     results = ResultsFile(Path(out), rank)
     documents = [document for document in expand_documents(specs) if not results.is_output(document)]
@@ -138,22 +139,33 @@ def _job(command: str, choice: ModelChoice, **details) -> dict:
             "method": ",".join(choice.methods), "settings": asdict(choice.settings), **details}
 
 
-def _run(batch: _Batch, job: dict, work: Callable[[Path], list[dict]]) -> int:
-    """Run this process's share (a bar with tokens/s alone, a line per document when distributed), then merge on
-    rank 0; returns how many documents failed in all processes."""
+def _run(batch: _Batch, job: dict, work: Callable[[Path], list[dict]], describe: Callable[[tuple[dict, ...]], str]
+         ) -> int:
+    """Run this process's share, a line on stderr per finished document (`describe` says what its records hold),
+    under a bar with tokens/s; then merge on rank 0. Returns how many documents failed in all processes."""
     rank, label = batch.rank, f"[rank {batch.rank.rank}/{batch.rank.world}] " if batch.rank.distributed else ""
-    started = time.perf_counter()
+    started, skipped = time.perf_counter(), []
     with display.progress_bar("documents") as bar:
-        def progress(outcome: Outcome, path: Path | None) -> None:
+        def progress(outcome: Outcome, step: Step) -> None:
             finished = outcome.done + outcome.skipped + outcome.failed
-            if rank.distributed:
-                if path is not None:
-                    say(f"{label}{finished + 1}/{outcome.documents} {path}", style="dim")
+            if step.status == "skipped":
+                skipped.append(step.path)
                 return
-            bar(finished, outcome.documents)
-            bar.describe(f"documents ({outcome.tokens / (time.perf_counter() - started):.0f} tokens/s)")
+            if step.status == "started":
+                bar(finished, outcome.documents)
+                bar.describe(f"documents ({outcome.tokens / (time.perf_counter() - started):.0f} tokens/s)")
+                return
+            if skipped:
+                _say_skipped(label, skipped, batch.results.path)
+            where = f"{label}[{finished}/{outcome.documents}] {display.short_path(str(step.path))}"
+            if step.status == "error":
+                say(f"{where}: failed: {step.error}", style="red")
+            else:
+                say(f"{where}: {describe(step.records)}, {step.seconds:.1f} s")
 
         outcome = run_batch(batch.documents, batch.results, job, work, rank, progress)
+        if skipped:
+            _say_skipped(label, skipped, batch.results.path)
     seconds = time.perf_counter() - started
     say(f"{label}{outcome.documents} documents: {outcome.done} done ({outcome.tokens / seconds:.0f} tokens/s), "
         f"{outcome.skipped} already done, {outcome.failed} failed -> {batch.results.part}")
@@ -166,3 +178,22 @@ def _run(batch: _Batch, job: dict, work: Callable[[Path], list[dict]]) -> int:
     if rank.rank == 0:
         say(f"merged the {rank.world} parts into {batch.results.path}")
     return failed
+
+
+def _say_skipped(label: str, skipped: list[Path], results: Path) -> None:
+    """One line for a run of documents an earlier run finished (a resumed batch may skip thousands)."""
+    what = display.short_path(str(skipped[0])) if len(skipped) == 1 else f"{len(skipped)} documents"
+    say(f"{label}{what}: already done in {display.short_path(str(results))}, skipped", style="dim")
+    skipped.clear()
+
+
+def _answer_line(records: tuple[dict, ...]) -> str:
+    """What a batch answer cost, for its line on stderr."""
+    record = records[0]
+    return f"{record['tokens']} tokens read, {record['generated_tokens']} written ({record['finish_reason']})"
+
+
+def _ppl_line(records: tuple[dict, ...]) -> str:
+    """A batch document's perplexity per method (at its longest length), for its line on stderr."""
+    figures = [f"{record['method']} {record['results'][-1]['ppl']:.3f}" for record in records if record["results"]]
+    return f"{records[0]['tokens']} tokens, ppl " + (", ".join(figures) or "none (shorter than every --lengths)")

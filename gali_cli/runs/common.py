@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from .. import display
-from ..engine.noisy_attention import kernel_choice
+from ..engine.kernel_choice import kernel_choice
 from ..batch import Rank
 from ..conversation import Conversation
 from ..display import say, warn
@@ -23,7 +23,7 @@ from ..documents import Document, read_document
 from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration
 from ..generate import Finished
-from ..loading import LoadedModel, load_config, load_model
+from ..loading import LoadedModel, load_model
 from . import ModelChoice, Reading
 
 Params, Result = ParamSpec("Params"), TypeVar("Result")
@@ -76,15 +76,6 @@ def _quiet_libraries() -> Iterator[None]:
                 logger.setLevel(level)
 
 
-def check(choice: ModelChoice) -> None:
-    """Settings that depend on the model (its window) are checked from its config, before any file is read."""
-    window = load_config(choice.model).max_position_embeddings
-    if "gali" in choice.methods:
-        choice.settings.gali().resolved(window)
-    elif choice.settings.train_len is not None and choice.settings.train_len > window:
-        raise ConfigError(f"--train-len ({choice.settings.train_len}) exceeds the model's training window ({window})")
-
-
 def read(file: str, reading: Reading) -> Document:
     """The document, with a bar over its pages and its warnings on stderr."""
     with display.progress_bar("Pages") as bar:
@@ -98,7 +89,7 @@ def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
     """The model; under a launcher, on this process's own GPU (local rank, modulo the GPUs it can see)."""
     gpu = rank.local_rank % max(1, torch.cuda.device_count()) if rank and rank.distributed else None
     kernel_choice()  # a mistyped GALI_KERNEL fails now, not after the model has loaded
-    with display.err.status(f"Loading {choice.model}"):
+    with display.status(f"Loading {choice.model}"):
         return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu,
                           notice=lambda message: say(message, style="dim"))
 
@@ -114,8 +105,14 @@ def store(directory: str | None) -> DocumentCache:
 def conversation(loaded: LoadedModel, choice: ModelChoice, document: Document, system: str | None,
                  cache: DocumentCache | None) -> Conversation:
     """A conversation about `document`, its notices (e.g. a document read again) dim on stderr."""
-    return Conversation(loaded, choice.method, choice.settings, document.text, document.name, system, cache,
+    return Conversation(loaded, choice.method, choice.settings, document.text, cache_name(document), system, cache,
                         notice=lambda message: say(message, style="dim"))
+
+
+def cache_name(document: Document) -> str:
+    """The name a document's cached state is listed under: its absolute path (symbolic links resolved, as batch
+    mode names documents), whatever directory gali ran in; `gali cache list` shows it short."""
+    return document.name if document.name == "<stdin>" else str(Path(document.name).resolve())
 
 
 LONG_PREFILL = 300.0  # seconds: a prefill expected to take longer is announced with its estimate

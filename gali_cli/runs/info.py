@@ -1,34 +1,36 @@
-"""gali info (the model, the machine and the settings, without loading weights; with --check, the engine's
-self-check) and gali cache list / clear."""
+"""gali info: the model, the machine and the settings, without loading weights, and without importing torch or
+transformers where they are not needed to tell (machine.py, model_config.py): it answers at once. With --check, the
+engine's self-check on the device (which needs torch)."""
 
 import os
 
 from .. import display
-from ..display import print_json, say
 from ..errors import GaliError
-from ..loading import environment_facts, load_config, model_facts, resolve_device
+from ..display import print_json, say
+from ..machine import environment_facts
+from ..model_config import read_model_config
 from . import ModelChoice
-from .common import entry_point, store
 
 
-@entry_point
 def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> None:
     """What is known without the model, then its architecture and the GALI settings that would be used; with
     `check`, the engine's self-check on the device (no model needed: it runs even when the model cannot load)."""
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
     try:
-        config = load_config(choice.model)
+        config = read_model_config(choice.model)
     except GaliError:
         if not check:
             display.print_facts(facts, json_output)  # what is known without the model, then the error
             raise
         config = None
     if config is not None:
-        facts |= {**model_facts(config), "gali": choice.settings.gali().resolved(config.max_position_embeddings).facts()}
+        facts |= {**config.facts(), "gali": choice.settings.gali().resolved(config.train_len).facts()}
     if not check:
         display.print_facts(facts, json_output)
         return
+    from ..loading import resolve_device
+
     device = resolve_device(choice.device)
     if not json_output:
         display.print_facts(facts, json_output)
@@ -62,34 +64,3 @@ def run_self_check(device, json_output: bool) -> list:
         passed = sum(item.ok for item in checks)
         say(f"self-check: {passed} of {len(checks)} passed")
     return checks
-
-
-@entry_point
-def list_cache(cache_dir: str | None, json_output: bool) -> None:
-    """The cached document states, most recently used first."""
-    cache = store(cache_dir)
-    entries = cache.entries()
-    if json_output:
-        print_json({"directory": str(cache.directory), "limit_bytes": cache.limit,
-                    "entries": [{"document": entry.document, "model": entry.model, "method": entry.method,
-                                 "tokens": entry.tokens, "bytes": entry.size, "last_used": entry.last_used,
-                                 "path": str(entry.path)} for entry in entries]})
-    else:
-        display.print_cache_entries(entries, cache.directory, cache.limit)
-
-
-@entry_point
-def clear_cache(cache_dir: str | None) -> None:
-    """Delete every cached document state, and say how much that freed; GaliError if some could not be deleted."""
-    cache = store(cache_dir)
-    cleared = cache.clear()
-    removed = (f"{len(cleared.removed)} cached document state{'s' if len(cleared.removed) != 1 else ''} "
-               f"({cleared.removed_bytes / 2**20:.1f} MiB)")
-    if not cleared.kept:
-        say(f"Removed {removed} from {cache.directory}.")
-        return
-    path, _, reason = cleared.kept[0]
-    if path == cache.directory:
-        raise GaliError(f"cannot clear the document cache: {cache.directory}: {reason}")
-    raise GaliError(f"removed {removed} from {cache.directory}, but not the other {len(cleared.kept)} "
-                    f"({cleared.kept_bytes / 2**20:.1f} MiB): {reason} ({path})")

@@ -1,7 +1,6 @@
 """gali ppl on one document: each method's perplexity at each length, in one pass per method."""
 
 import os
-import sys
 import time
 
 import torch
@@ -17,14 +16,14 @@ from ..methods import METHODS, apply_method
 from ..perplexity import Perplexity, perplexities
 from ..prompts import text_ids
 from . import ModelChoice, Reading
-from .common import announcing, check, entry_point, facts, load, read, say_input
+from .common import announcing, entry_point, facts, load, read, say_input
 
 
 @entry_point
 def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int | None, lengths: list[int],
                json_output: bool, csv: bool, plot: str | None, verbose: bool) -> None:
     """Print the perplexity of `file` (a number, a table, CSV or JSON), and plot it against length if asked."""
-    check(choice)
+    choice.check()
     document = read(file, reading)
     loaded = load(choice)
     limit = lengths[-1] if lengths else max_tokens
@@ -80,6 +79,6 @@ def print_rows(rows: list[dict], csv: bool, single: bool) -> None:
     if csv:
         display.print_ppl_csv(rows)
     elif single:
-        sys.stdout.write(f"{rows[0]['ppl']:.4f}\n")
+        display.print_number(rows[0]["ppl"])
     else:
         display.print_ppl_table(rows)

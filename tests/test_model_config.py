@@ -1,0 +1,80 @@
+"""model_config.py reads a Llama's config.json without transformers: it must read it as transformers does."""
+
+import json
+
+import pytest
+from transformers import AutoConfig, LlamaConfig, MistralConfig
+
+from gali_cli.errors import ModelLoadError, UnsupportedModelError
+from gali_cli.model_config import demo_model_path, read_model_config
+
+
+def transformers_facts(directory) -> dict:
+    """What `gali info` showed when it read the config with transformers."""
+    config = AutoConfig.from_pretrained(directory)
+    return {"architecture": (config.architectures or ["LlamaForCausalLM"])[0], "layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size, "heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads, "vocab_size": config.vocab_size,
+            "train_len": config.max_position_embeddings, "rope": dict(config.rope_parameters or {})}
+
+
+LLAMA_3_1_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+
+@pytest.mark.parametrize("config", [
+    {"rope_theta": 500000.0, "rope_scaling": LLAMA_3_1_ROPE, "max_position_embeddings": 131072},  # Llama 3.1
+    {"rope_theta": 500000.0, "max_position_embeddings": 8192, "num_key_value_heads": 8},  # Llama 3, old style
+    {"rope_scaling": {"type": "linear", "factor": 2.0}, "max_position_embeddings": 4096},  # Llama 2, "type"
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "original_max_position_embeddings": 2048},
+    {},  # LlamaConfig's defaults throughout
+], ids=["llama-3.1", "llama-3", "linear", "yarn", "defaults"])
+def test_config_json_reads_as_transformers_reads_it(tmp_path, config):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    assert read_model_config(str(tmp_path)).facts() == transformers_facts(tmp_path)
+
+
+def test_configs_transformers_wrote(tmp_path, tiny_model_dir):
+    LlamaConfig(num_hidden_layers=2, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **LLAMA_3_1_ROPE}
+                ).save_pretrained(tmp_path)
+    for directory in (tmp_path, tiny_model_dir, demo_model_path()):
+        assert read_model_config(str(directory)).facts() == transformers_facts(directory)
+    assert read_model_config("demo").train_len == 256
+
+
+def test_what_cannot_be_read(tmp_path):
+    MistralConfig().save_pretrained(tmp_path / "mistral")
+    with pytest.raises(UnsupportedModelError, match="'mistral' model; gali supports Llama models only"):
+        read_model_config(str(tmp_path / "mistral"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="cannot load model .*: no config.json in it"):
+        read_model_config(str(tmp_path / "empty"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        read_model_config(str(tmp_path / "broken"))
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": "many"}')
+    with pytest.raises(ModelLoadError, match="num_hidden_layers|many"):
+        read_model_config(str(tmp_path / "odd"))
+
+
+def test_a_gguf_header_reads_as_transformers_reads_the_file(tiny_gguf):
+    """gali info reads a GGUF's header; loading takes the config transformers makes of the same file."""
+    from gali_cli.loading import load_config
+
+    config = load_config(str(tiny_gguf))
+    expected = {"architecture": (config.architectures or ["LlamaForCausalLM"])[0],
+                "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+                "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
+                "vocab_size": config.vocab_size, "train_len": config.max_position_embeddings,
+                "rope": dict(config.rope_parameters or {})}
+    assert read_model_config(str(tiny_gguf)).facts() == expected
+
+
+def test_a_gguf_of_another_architecture_is_refused(tiny_model_dir, tmp_path):
+    from conftest import write_gguf
+
+    path = write_gguf(tmp_path / "other.gguf", tiny_model_dir, architecture="qwen2")
+    with pytest.raises(UnsupportedModelError):
+        read_model_config(str(path))
