@@ -20,7 +20,6 @@ import hashlib
 import itertools
 import os
 import platform
-import shlex
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
