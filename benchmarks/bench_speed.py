@@ -1,5 +1,6 @@
-"""Prefill and decode cost of GALI and the other methods against the unpatched model, on random Llama weights or a
-real checkpoint (`--model PATH|FILE.gguf|smollm2`, loaded as gali loads it).
+"""Prefill and decode cost of GALI and the other methods (ReRoPE, Leaky ReRoPE and DPE included) against the
+unpatched model, on random Llama weights or a real checkpoint (`--model PATH|FILE.gguf|smollm2`, loaded as gali
+loads it).
 
 Each variant runs in its own worker process, so that peak memory is the variant's own (peak RSS on CPU,
 torch.cuda.max_memory_allocated on CUDA); rounds interleave the variants, and the tables report medians over rounds
@@ -46,7 +47,11 @@ VARIANTS = {
     "chunk-llama": "ChunkLlama (dual chunk attention), one forward",
     "anchor": "two-matmul GALI as the authors compute it (noise on): per chunk, keys rotated at ceil and at floor "
               "and repeated per head, two float32 logit matrices",
+    "rerope": "ReRoPE, its defaults (window train_len/4, log n), one forward",
+    "leaky-rerope": "Leaky ReRoPE, its defaults (window train_len/4, k 16, log n), one forward",
+    "dpe": "DPE, its defaults (window train_len/8, 8 groups at the scale that reaches the input), one forward",
 }
+METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe")  # applied by name with their default settings
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
@@ -130,7 +135,7 @@ def apply_variant(model: LlamaForCausalLM, variant: str, train_len: int, tokens:
         apply_gali(model, settings)
     elif variant == "anchor":
         install(model, two_matmul_gali(settings))
-    elif variant in ("self-extend", "chunk-llama"):
+    elif variant in ("self-extend", "chunk-llama", *METHOD_VARIANTS):
         apply_method(model, variant, MethodSettings(train_len=train_len), tokens)
     return settings
 
@@ -314,7 +319,7 @@ def main() -> None:
         for run in runs:
             for variant in variants:
                 prefill[(variant, *run)].append(run_worker(args, variant, *run, args.decode_tokens, args.repeats))
-    decode_variants = [v for v in ("sdpa", "gali") if v in variants]
+    decode_variants = [v for v in ("sdpa", "gali", *METHOD_VARIANTS) if v in variants]
     decode_factors = [int(factor) for factor in args.decode_factors.split(",") if factor]
     decode = {(variant, factor): run_worker(args, variant, train_lens[0], factor, args.decode_tokens, 1)
               for factor in decode_factors for variant in decode_variants}

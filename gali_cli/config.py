@@ -4,6 +4,7 @@ This module imports neither torch nor transformers: the command line parses its 
 heavy loads.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -113,7 +114,11 @@ def _check_int(flag: str, value: object, minimum: int) -> None:
 
 # The methods --method accepts, in the order gali lists them; gali_cli.methods implements each (tests/test_methods.py
 # keeps the two in step). Listed here so that a mistyped name is refused before torch loads.
-METHOD_NAMES = ("original", "ntk", "dynamic-ntk", "yarn", "self-extend", "chunk-llama", "gali")
+METHOD_NAMES = ("original", "ntk", "dynamic-ntk", "yarn", "self-extend", "chunk-llama", "rerope", "leaky-rerope", "dpe",
+                "gali")
+# Those whose settings depend on the model's config before any input is seen (gali info shows them; they are checked
+# before a document is read); GALI's own are resolved without torch, in MethodSettings.gali().
+PREVIEWED_METHODS = ("rerope", "leaky-rerope", "dpe")
 
 
 def parse_methods(text: str, many: bool = True) -> tuple[str, ...]:
@@ -130,6 +135,15 @@ def parse_methods(text: str, many: bool = True) -> tuple[str, ...]:
     return methods
 
 
+def parse_scales(text: str) -> tuple[int, ...] | str:
+    """'2,8,2,8' -> (2, 8, 2, 8): DPE's scales, one per group of RoPE frequencies; text that is not such a list stays
+    text, which MethodSettings refuses with the flag's message."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        return text
+
+
 @dataclass(frozen=True)
 class Flag:
     """How a setting appears on the command line: every command that takes a model gets it as an option."""
@@ -137,11 +151,12 @@ class Flag:
     help: str
     panel: str  # the --help section it is listed in
     declarations: tuple[str, ...] = ()  # e.g. ("--noise/--no-noise",); none: --field-name
+    parser: Callable[[str], Any] | None = None  # the option's text to the field's value, for types Typer lacks
 
 
-def _flag(default: Any, panel: str, help: str, *declarations: str) -> Any:
+def _flag(default: Any, panel: str, help: str, *declarations: str, parser: Callable[[str], Any] | None = None) -> Any:
     """A settings field that is also a command-line option (gali_cli.options derives the option from it)."""
-    return field(default=default, metadata={"flag": Flag(help, panel, declarations)})
+    return field(default=default, metadata={"flag": Flag(help, panel, declarations, parser)})
 
 
 _GALI, _OTHER = "GALI (defaults follow the training window)", "Other methods"
@@ -170,9 +185,17 @@ class MethodSettings:
                                                "train-len, rounded up).")
     group_size: int | None = _flag(None, _OTHER, "self-extend: tokens per group (default: the smallest that reaches "
                                                  "the input).")
-    neighbor_window: int | None = _flag(None, _OTHER, "self-extend: keys at exact distances (default: train-len / "
-                                                      "4).")
+    neighbor_window: int | None = _flag(None, _OTHER, "self-extend, rerope, leaky-rerope, dpe: keys at exact "
+                                                      "distances (default: train-len / 4; dpe: train-len / 8).")
     dca_chunk_size: int | None = _flag(None, _OTHER, "chunk-llama: chunk size (default: 3/4 of train-len).")
+    leaky_factor: float | None = _flag(None, _OTHER, "leaky-rerope: k, distances past the window grow 1/k as fast "
+                                                     "(default: 16, more if the input needs it).")
+    logn: bool = _flag(True, _OTHER, "rerope, leaky-rerope: queries past train-len scaled by log(i+1) / "
+                                     "log(train-len), as in the official code.", "--logn/--no-logn")
+    dpe_scales: tuple[int, ...] | None = _flag(
+        None, _OTHER, "dpe: one scale per group of RoPE frequencies, highest first, e.g. 2,8,2,8,32,32,32,4 "
+                      "(default: the authors' for Llama-3(.1)-8B, else the smallest that reaches the input).",
+        parser=parse_scales)
 
     def __post_init__(self) -> None:
         self.gali()  # validates the settings GALI shares
@@ -182,6 +205,16 @@ class MethodSettings:
         if self.factor is not None and (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
                                         or not 1 <= self.factor < float("inf")):
             raise ConfigError(f"--factor must be a number >= 1, got {self.factor!r}")
+        if self.leaky_factor is not None and (
+                isinstance(self.leaky_factor, bool) or not isinstance(self.leaky_factor, (int, float))
+                or not 1 < self.leaky_factor < float("inf")):
+            raise ConfigError(f"--leaky-factor must be a number > 1, got {self.leaky_factor!r}")
+        if self.dpe_scales is not None and (
+                not isinstance(self.dpe_scales, tuple) or not self.dpe_scales
+                or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.dpe_scales)):
+            shown = ",".join(map(str, self.dpe_scales)) if isinstance(self.dpe_scales, tuple) else self.dpe_scales
+            raise ConfigError(f"--dpe-scales must be whole numbers >= 1 separated by commas, one per group of RoPE "
+                              f"frequencies (e.g. 2,8,2,8); got {shown!r}")
 
     def gali(self) -> GaliConfig:
         return GaliConfig(self.train_len, self.chunk_size, self.local_window, self.noise, self.noise_scale,

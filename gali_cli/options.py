@@ -76,9 +76,11 @@ def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
          DType.auto),
         ("method", Annotated[str, _method_option(many_methods)], "gali"),
     ]
-    settings = [(setting.name, Annotated[setting.type, typer.Option(*flag.declarations, help=flag.help,
-                                                                    rich_help_panel=flag.panel,
-                                                                    metavar=_metavar(setting.type))],
+    # A setting with a parser takes one word of text, which the parser turns into the field's value.
+    settings = [(setting.name, Annotated[setting.type if flag.parser is None else str | None,
+                                         typer.Option(*flag.declarations, help=flag.help, rich_help_panel=flag.panel,
+                                                      parser=flag.parser,
+                                                      metavar="N,N..." if flag.parser else _metavar(setting.type))],
                  setting.default)
                 for setting in fields(MethodSettings) if (flag := setting.metadata.get("flag"))]
     return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)

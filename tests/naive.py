@@ -123,7 +123,9 @@ class NaiveLlama:
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        angles = positions.double().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        """x rotated at `positions`: (n,), or (n, D/2) for a position per frequency."""
+        positions = positions.double()
+        angles = positions * self.inv_freq if positions.dim() == 2 else positions.unsqueeze(1) * self.inv_freq
         angles = torch.cat((angles, angles), dim=-1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -211,3 +213,61 @@ class NaiveDualChunk(NaiveLlama):
         succ = self.rope_logits(query, keys, p_succ, key_positions)
         inter = self.rope_logits(query, keys, p_inter, key_positions)
         return torch.where(apart == 0, intra, torch.where(apart == 1, succ, inter))
+
+
+class NaiveRelative(NaiveLlama):
+    """Methods written as a matrix of relative positions: the logit of query i and key j is the query rotated by
+    rel(i, j) (one value, or one per frequency) against the key at position 0, pair by pair."""
+
+    def relative(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """(n, T) or (n, T, D/2) relative positions of queries i and keys j (float64)."""
+        raise NotImplementedError
+
+    def query_scale(self, i: torch.Tensor) -> torch.Tensor:
+        return torch.ones(len(i), dtype=torch.float64)
+
+    def logits(self, query, keys, first, layer, head):
+        i = torch.arange(first, first + len(query))
+        j = torch.arange(len(keys))
+        relative = self.relative(i, j)
+        at_zero = self.rope(keys, torch.zeros(len(keys)))
+        rows = [(self.rope(q.expand(len(keys), -1) * scale, positions) * at_zero).sum(-1)
+                for q, scale, positions in zip(query, self.query_scale(i), relative)]
+        return torch.stack(rows) / math.sqrt(query.shape[-1])
+
+
+class NaiveReRoPE(NaiveRelative):
+    """ReRoPE and Leaky ReRoPE (Su 2023): the distance d = i - j stays d below the window w, becomes w beyond it
+    (ReRoPE) or w + (d - w) / k (Leaky ReRoPE, factor k); with log n, query i is scaled by max(1, ln(i+1) / ln(L))."""
+
+    def __init__(self, model, window, factor=None, logn_train_len=None):
+        super().__init__(model)
+        self.window, self.factor, self.logn_train_len = window, factor, logn_train_len
+
+    def relative(self, i, j):
+        d = (i.unsqueeze(1) - j.unsqueeze(0)).double()
+        beyond = torch.full_like(d, float(self.window)) if self.factor is None else \
+            self.window + (d - self.window) / self.factor
+        return torch.where(d < self.window, d, beyond)
+
+    def query_scale(self, i):
+        if self.logn_train_len is None:
+            return super().query_scale(i)
+        return (torch.log(i.double() + 1) / math.log(self.logn_train_len)).clamp(min=1)
+
+
+class NaiveDPE(NaiveRelative):
+    """DPE (Lu et al. 2025): RoPE's frequencies in equal groups, one scale s each. Within the window W every frequency
+    sees i - j; beyond it, a frequency of a group with scale s sees (i // s + W - W // s) - j // s."""
+
+    def __init__(self, model, scales, window):
+        super().__init__(model)
+        half = len(self.inv_freq)
+        self.scales = torch.tensor(scales).repeat_interleave(half // len(scales))  # per frequency
+        self.window = window
+
+    def relative(self, i, j):
+        w, s = self.window, self.scales
+        near = (i.unsqueeze(1) - j.unsqueeze(0)).unsqueeze(-1).expand(-1, -1, len(s))
+        far = (i.unsqueeze(1).unsqueeze(2) // s + w - w // s) - (j.unsqueeze(0).unsqueeze(2) // s)
+        return torch.where(near < w, near, far).double()

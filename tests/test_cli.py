@@ -128,10 +128,10 @@ def test_every_method_side_by_side(gali, doc, tmp_path):
     rows = json.loads(gali("ppl", str(doc), "--method", "all", *lengths, "--json").stdout)["results"]
     assert [r["method"] for r in rows[::3]] == list(METHODS) and {r["length"] for r in rows} == {8, 32, 128}
     by_method = {(r["method"], r["length"]): r["ppl"] for r in rows}
-    # Each is exact where it promises: GALI up to train_len (32), SelfExtend within its neighbour window (32 / 4),
-    # Dual Chunk Attention within one chunk (3/4 of 32). (Dynamic NTK rescales a whole forward from its longest
-    # position, so in one pass over 128 tokens even the first 32 move.)
-    for method, length in [("gali", 32), ("self-extend", 8), ("chunk-llama", 8)]:
+    # Each is exact where it promises: GALI up to train_len (32), SelfExtend and ReRoPE within their neighbour window
+    # (32 / 4), Dual Chunk Attention within one chunk (3/4 of 32). (Dynamic NTK rescales a whole forward from its
+    # longest position, so in one pass over 128 tokens even the first 32 move.)
+    for method, length in [("gali", 32), ("self-extend", 8), ("chunk-llama", 8), ("rerope", 8), ("leaky-rerope", 8)]:
         assert by_method[(method, length)] == pytest.approx(by_method[("original", length)], rel=1e-5), method
     assert by_method[("gali", 128)] != pytest.approx(by_method[("original", 128)], rel=1e-3)
     csv = gali("ppl", str(doc), "--method", "gali,yarn", *lengths, "--csv").stdout.splitlines()
@@ -142,6 +142,25 @@ def test_every_method_side_by_side(gali, doc, tmp_path):
     assert gali("ppl", str(doc), "--method", "gali,original", *lengths, "--plot", str(plot)).exit_code == 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert gali("summarize", str(doc), "--method", "gali,yarn").exit_code == 2  # one method for an answer
+    ours = json.loads(gali("ppl", str(doc), "--method", "rerope,leaky-rerope,dpe", *lengths, "--json", "--no-logn",
+                           "--neighbor-window", "6", "--dpe-scales", "3,3,5,5").stdout)
+    assert ours["settings"] == {
+        "rerope": {"train_len": 32, "neighbor_window": 6, "logn": False},
+        "leaky-rerope": {"train_len": 32, "neighbor_window": 6, "leaky_factor": 16, "logn": False},
+        "dpe": {"train_len": 32, "neighbor_window": 6, "dpe_scales": [3, 3, 5, 5], "dpe_published": None}}
+
+
+@pytest.mark.parametrize("method", ["rerope", "leaky-rerope", "dpe"])
+def test_new_methods_answer_and_chat_through_the_document_cache(gali, doc, method):
+    """Their positions depend on (i, j) only: the document's state is stored, then reused by a second question with
+    the same answer as reading it again."""
+    first = gali("ask", str(doc), "When does the lease end?", "--method", method, "--max-new-tokens", "6", "--json")
+    again = gali("ask", str(doc), "When does the lease end?", "--method", method, "--max-new-tokens", "6", "--json")
+    fresh = gali("ask", str(doc), "When does the lease end?", "--method", method, "--max-new-tokens", "6", "--json",
+                 "--no-cache")
+    answers = [json.loads(result.stdout) for result in (first, again, fresh)]
+    assert answers[0]["cached_tokens"] == 0 and answers[1]["cached_tokens"] > 32  # the document, from the cache
+    assert answers[0]["answer"] == answers[1]["answer"] == answers[2]["answer"]
 
 
 def test_prefill_cuts_forwards_only_at_chunk_boundaries(gali, doc, tiny_model_dir):
@@ -175,6 +194,10 @@ def test_info(gali, tiny_model_dir):
     if facts["device"] == "cpu":
         forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "triton", "TRITON_INTERPRET": "0"}).stdout)
         assert forced["noisy_attention"] in ("error: GALI_KERNEL=triton needs CUDA", "PyTorch (triton is not installed)")
+    previews = json.loads(gali("info", "--json", "--method", "all", "--leaky-factor", "4").stdout)
+    assert previews["rerope"] == {"train_len": 32, "neighbor_window": 8, "logn": True}
+    assert previews["leaky-rerope"]["reaches"] == 8 + 4 * (31 - 8) + 1  # how far k = 4 takes the window
+    assert previews["dpe"]["neighbor_window"] == 4 and previews["dpe"]["dpe_published"] is None
     text = gali("info")
     assert text.exit_code == 0 and "train_len" in text.stdout
     assert gali("info", env={"GALI_MODEL": str(tiny_model_dir)}, model=False).exit_code == 0
@@ -210,7 +233,9 @@ def test_bad_inputs_exit_3_with_one_line(gali, tmp_path):
 def test_usage_errors_exit_2_before_anything_is_read(gali, tmp_path):
     missing = str(tmp_path / "does-not-matter.txt")
     for args in [("--temperature", "-1"), ("--chunk-size", "0"), ("--local-window", "40"), ("--method", "magic"),
-                 ("--top-p", "2"), ("--train-len", "64"), ("--quantize", "3bit"), ("--factor", "0.5")]:
+                 ("--top-p", "2"), ("--train-len", "64"), ("--quantize", "3bit"), ("--factor", "0.5"),
+                 ("--dpe-scales", "2,x"), ("--leaky-factor", "1"), ("--method", "dpe", "--neighbor-window", "40"),
+                 ("--method", "dpe", "--dpe-scales", "2,2,2")]:
         result = gali("summarize", missing, *args)
         assert result.exit_code == 2, (args, result.stderr)
         assert "Traceback" not in result.stderr

@@ -2,14 +2,15 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig
-from gali_cli.config import METHOD_NAMES, MethodSettings, parse_methods
-from gali_cli.methods import METHODS, apply_method, remove_method
+from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
+from gali_cli.methods import METHODS, apply_method, preview_method, remove_method
+from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
 from conftest import VOCAB
-from naive import NaiveDualChunk, NaiveSelfExtend
+from naive import NaiveDPE, NaiveDualChunk, NaiveReRoPE, NaiveSelfExtend
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
@@ -80,6 +81,56 @@ def test_dual_chunk_attention_matches_its_paper(make_llama, heads, kv_heads, tra
     assert engine_greedy(model, ids, 4) == naive_tokens
 
 
+REROPE = [  # heads, kv_heads, train_len, window, leaky factor (None: ReRoPE), log n, prompt_len
+    (4, 2, 16, 4, None, True, 50),  # the default window, L/4
+    (4, 1, 32, 8, None, False, 70),
+    (4, 4, 16, 5, 4.0, True, 45),
+    (4, 2, 16, 3, 16, False, 40),
+    (4, 2, 32, 12, 2.5, True, 30),  # inside train_len, past the window
+    (4, 2, 16, 1, None, True, 20),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, train_len, window, factor, logn, length", REROPE)
+def test_rerope_matches_its_relative_positions(make_llama, heads, kv_heads, train_len, window, factor, logn, length):
+    model = make_llama(train_len=train_len, heads=heads, kv_heads=kv_heads)
+    ids = prompt(length, seed=2)
+
+    def naive():
+        return NaiveReRoPE(model, window, factor, train_len if logn else None)
+
+    expected = naive().prefill(ids[0].tolist())
+    naive_tokens, _ = naive().greedy(ids[0].tolist(), 4)
+    name = "rerope" if factor is None else "leaky-rerope"
+    apply_method(model, name, MethodSettings(neighbor_window=window, leaky_factor=factor, logn=logn), length)
+    torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(forwards(model, ids, [2, window + 3, length - 4, length]), model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+    assert engine_greedy(model, ids, 4) == naive_tokens
+
+
+DPE = [  # heads, kv_heads, train_len, scales (one per group of frequencies), window, prompt_len
+    (4, 2, 16, (4, 4, 4, 4), 2, 50),  # the defaults: W = L/8, every group the smallest scale reaching N
+    (4, 1, 32, (2, 7), 8, 70),
+    (4, 4, 16, (1, 2, 3, 16), 5, 45),  # a group with scale 1: plain RoPE beyond the window
+    (4, 2, 16, (3,), 3, 16),  # inside train_len, past the window
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, train_len, scales, window, length", DPE)
+def test_dpe_matches_its_paper(make_llama, heads, kv_heads, train_len, scales, window, length):
+    model = make_llama(train_len=train_len, heads=heads, kv_heads=kv_heads)
+    ids = prompt(length, seed=3)
+    expected = NaiveDPE(model, scales, window).prefill(ids[0].tolist())
+    naive_tokens, _ = NaiveDPE(model, scales, window).greedy(ids[0].tolist(), 4)
+    settings = apply_method(model, "dpe", MethodSettings(neighbor_window=window, dpe_scales=scales), length)
+    assert settings["dpe_scales"] == list(scales) and settings["dpe_published"] is None
+    torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(forwards(model, ids, [1, window, length - 6, length]), model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+    assert engine_greedy(model, ids, 4) == naive_tokens
+
+
 def test_figure_2_of_the_dca_paper():
     """s = 6, c = 10, w = 4: the successive-chunk query positions are [6, 7, 8, 9, 9, 9] in every chunk."""
     model_free = NaiveDualChunk.__new__(NaiveDualChunk)
@@ -93,6 +144,9 @@ def test_figure_2_of_the_dca_paper():
     ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4), 12),
     ("dynamic-ntk", MethodSettings(factor=4), 16),
     ("gali", MethodSettings(chunk_size=4, local_window=2), 16),
+    ("rerope", MethodSettings(neighbor_window=6), 6),
+    ("leaky-rerope", MethodSettings(neighbor_window=6, leaky_factor=7.0), 6),
+    ("dpe", MethodSettings(neighbor_window=6, dpe_scales=(2, 3)), 6),
 ])
 def test_exact_where_the_method_promises_it(make_llama, method, settings, exact):
     model = make_llama(train_len=16)
@@ -135,6 +189,12 @@ def test_default_factors_and_windows(make_llama):
     assert apply_method(model, "chunk-llama", MethodSettings(), 100) == {
         "train_len": 16, "dca_chunk_size": 12, "local_window": 4}
     assert apply_method(model, "gali", MethodSettings(), 100)["chunk_size"] == 4  # train_len / 4
+    assert apply_method(model, "rerope", MethodSettings(), 100) == {
+        "train_len": 16, "neighbor_window": 4, "logn": True}
+    assert apply_method(model, "leaky-rerope", MethodSettings(), 100)["leaky_factor"] == 16  # the official k
+    assert apply_method(model, "leaky-rerope", MethodSettings(), 500)["leaky_factor"] == 45  # 4 + 45 * 11 = 499
+    assert apply_method(model, "dpe", MethodSettings(), 100) == {
+        "train_len": 16, "neighbor_window": 2, "dpe_scales": [7, 7, 7, 7], "dpe_published": None}  # 14 * 7 + 2
     assert apply_method(model, "gali", MethodSettings(train_len=8), 100)["train_len"] == 8
 
 
@@ -144,6 +204,10 @@ def test_default_factors_and_windows(make_llama):
     ("chunk-llama", MethodSettings(dca_chunk_size=16), "--dca-chunk-size"),
     ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=5), "--local-window"),
     ("gali", MethodSettings(train_len=32), "--train-len"),
+    ("rerope", MethodSettings(neighbor_window=16), "--neighbor-window"),
+    ("leaky-rerope", MethodSettings(neighbor_window=4, leaky_factor=2.0), "raise --leaky-factor"),
+    ("dpe", MethodSettings(dpe_scales=(2, 2, 2)), "--dpe-scales gives 3 groups"),
+    ("dpe", MethodSettings(neighbor_window=20), "--neighbor-window"),
     ("magic", MethodSettings(), "--method"),
 ])
 def test_settings_that_make_no_sense(make_llama, method, settings, message):
@@ -164,6 +228,10 @@ def test_bad_settings_are_refused_early():
         MethodSettings(factor=0.5)
     with pytest.raises(ConfigError, match="--group-size"):
         MethodSettings(group_size=0)
+    with pytest.raises(ConfigError, match="--leaky-factor"):
+        MethodSettings(leaky_factor=1)
+    with pytest.raises(ConfigError, match="--dpe-scales"):
+        MethodSettings(dpe_scales=(2, 0))
 
 
 def test_one_model_runs_every_method_in_turn(make_llama):
@@ -197,7 +265,69 @@ def test_dynamic_ntk_prefills_in_one_forward(make_llama):
 def test_the_command_line_knows_every_method_by_name():
     """config.METHOD_NAMES lets the command line refuse a name before torch loads; it must list what METHODS has."""
     assert METHOD_NAMES == tuple(METHODS)
+    assert PREVIEWED_METHODS == tuple(name for name, method in METHODS.items() if method.preview)
     assert parse_methods("all") == METHOD_NAMES and parse_methods(" yarn, gali,yarn ") == ("yarn", "gali")
     for bad in ("magic", "gali,magic", ",", ""):
         with pytest.raises(ConfigError, match="--method must be one of"):
             parse_methods(bad)
+
+
+def llama3_config(version: str) -> LlamaConfig:
+    """The architecture of Llama-3-8B(-Instruct) or Llama-3.1-8B(-Instruct), without weights."""
+    rope = {"rope_type": "default", "rope_theta": 500000.0} if version == "3" else {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, rope_parameters=rope,
+                       max_position_embeddings=8192 if version == "3" else 131072)
+
+
+@pytest.mark.parametrize("version, name, scales", [
+    ("3", "Meta-Llama-3-8B-Instruct", [2, 8, 2, 8, 32, 32, 32, 4]),
+    ("3.1", "Meta-Llama-3.1-8B-Instruct", [2, 32, 32, 2, 2, 2, 2, 1]),
+])
+def test_dpe_takes_its_authors_settings_for_their_models(version, name, scales):
+    config = llama3_config(version)
+    assert preview_method(config, "dpe", MethodSettings()) == {
+        "train_len": config.max_position_embeddings, "neighbor_window": 1024, "dpe_scales": scales,
+        "dpe_published": name}
+    # A narrower window, or scales of one's own, are not what the authors searched: the documented defaults.
+    narrower = preview_method(config, "dpe", MethodSettings(train_len=4096))
+    assert narrower["dpe_published"] is None and narrower["neighbor_window"] == 512
+    given = preview_method(config, "dpe", MethodSettings(dpe_scales=(4, 4)))
+    assert given["dpe_scales"] == [4, 4] and given["dpe_published"] is None and given["neighbor_window"] == 1024
+    other = llama3_config(version)
+    other.vocab_size = 32000
+    assert published_settings(other) is None
+
+
+def test_previews_refuse_what_apply_would_refuse():
+    config = llama3_config("3")
+    assert preview_method(config, "rerope", MethodSettings()) == {"train_len": 8192, "neighbor_window": 2048,
+                                                                  "logn": True}
+    assert preview_method(config, "leaky-rerope", MethodSettings())["reaches"] == 2048 + 16 * 6143 + 1
+    assert preview_method(config, "gali", MethodSettings()) is None
+    for name, settings in [("rerope", MethodSettings(neighbor_window=8192)),
+                           ("dpe", MethodSettings(dpe_scales=(2, 2, 2))), ("dpe", MethodSettings(train_len=9000))]:
+        with pytest.raises(ConfigError):
+            preview_method(config, name, settings)
+
+
+@pytest.mark.parametrize("method, settings", [
+    ("rerope", MethodSettings(neighbor_window=5)),
+    ("leaky-rerope", MethodSettings(neighbor_window=5, leaky_factor=8.0)),
+    ("dpe", MethodSettings(neighbor_window=5, dpe_scales=(2, 6))),
+])
+def test_windowed_methods_in_batches_and_half_precision(make_llama, method, settings):
+    """A batch gives each row's own logits (and decoding keeps each row's far keys); bf16 and fp16 models track the
+    fp32 one."""
+    model = make_llama(train_len=16)
+    ids = torch.cat((prompt(60, seed=4), prompt(60, seed=5)))
+    apply_method(model, method, settings, 70)
+    alone = [forwards(model, ids[row : row + 1], [40, 50, 51, 52, 60]) for row in range(2)]
+    torch.testing.assert_close(forwards(model, ids, [40, 50, 51, 52, 60]), torch.cat(alone), rtol=1e-5, atol=1e-5)
+    reference = alone[0][0]
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = model.to(dtype)(ids[:1]).logits[0].float()
+        assert (logits - reference).norm() / reference.norm() < 0.05, dtype
+        model.float()

@@ -78,11 +78,11 @@ def _job(prompt: ServedPrompt, max_new_tokens: int = 6) -> tuple[Job, list]:
     return job, events
 
 
-def _fresh_answer(loaded, prompt: ServedPrompt, max_new_tokens: int = 6) -> str:
-    resolved = apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
+def _fresh_answer(loaded, prompt: ServedPrompt, max_new_tokens: int = 6, method: str = "gali") -> str:
+    resolved = apply_method(loaded.model, method, MethodSettings(), len(prompt.ids))
     events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), max_new_tokens,
                              stop_token_ids(loaded.model, loaded.tokenizer),
-                             prefill_spans(loaded, "gali", resolved, 0, len(prompt.ids), prompt.cuts))
+                             prefill_spans(loaded, method, resolved, 0, len(prompt.ids), prompt.cuts))
     return "".join(event.text for event in events if isinstance(event, TextPiece))
 
 
@@ -113,6 +113,25 @@ def test_a_prefill_stopped_midway_keeps_what_it_read_and_the_next_request_goes_o
     done = events[-1]
     assert isinstance(done, Done) and done.cached_tokens == len(kept.ids)
     assert "".join(event.text for event in events if isinstance(event, TextPiece)) == _fresh_answer(loaded, prompt)
+
+
+@pytest.mark.parametrize("method", ["rerope", "leaky-rerope", "dpe"])
+def test_the_window_split_methods_serve_a_second_question_from_the_first_ones_state(loaded, method):
+    """ReRoPE, Leaky ReRoPE and DPE place keys by (i, j) alone: the document read for one question is reused for the
+    next (their far keys, rotated once per cache, follow the cache cut back to the document), with the answer of a
+    fresh read."""
+    worker = ModelWorker(loaded, method, MethodSettings(), None, 4)
+    document = CORPUS * 4
+    answers = []
+    for question in ("Who pays?", "When does it end?"):
+        prompt = _prompt(loaded, f"{document}\n\n{question}")
+        job, events = _job(prompt)
+        worker._answer(job)
+        answers.append((prompt, events[-1], "".join(event.text for event in events if isinstance(event, TextPiece))))
+    (_, first, _), (prompt, second, answer) = answers
+    assert isinstance(second, Done) and first.cached_tokens == 0 and second.cached_tokens > len(prompt.ids) // 2
+    assert len(prompt.ids) > 2 * loaded.train_len  # past the window: the far keys are in play
+    assert answer == _fresh_answer(loaded, prompt, method=method)
 
 
 def test_a_failed_forward_leaves_every_layer_at_the_tokens_read(loaded):

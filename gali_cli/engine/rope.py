@@ -1,4 +1,5 @@
-"""RoPE on tensors: the model's own cos/sin tables, rotations by them, and GALI's interpolated key rotations.
+"""RoPE on tensors: the model's own cos/sin tables, rotations by them, GALI's interpolated key rotations, and rotations
+at any (fractional, far, per-frequency) positions in float64.
 
 GALI only ever rotates by integer positions (ceil and floor of p) or by a mix of two neighbouring ones, so every
 rotation is a lookup in, or an interpolation between rows of, the model's table. Shapes: B batch, heads, n rows,
@@ -84,17 +85,23 @@ def key_rotation(
     return tables[0], tables[1]
 
 
+def rotation(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (n, D) of the model's rotary embedding at any positions: (n, 1) for a position per row, (n, D/2) for
+    one per frequency. As the rotary computes them (cat(freqs, freqs), times its attention scaling), but with angles in
+    float64, so that positions far beyond the window or between integers lose no precision."""
+    angles = positions.double() * inv_freq.double().to(positions.device)
+    angles = torch.cat((angles, angles), dim=-1)
+    return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)
+
+
 AbsoluteTable = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # token indices -> cos, sin (n, D)
 
 
 def absolute_table(inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype) -> AbsoluteTable:
-    """cos/sin at any token index, as the model's rotary embedding computes them (cat(freqs, freqs), times its
-    attention scaling), but with angles in float64: token indices far beyond the window lose no precision."""
-    frequencies = inv_freq.double()
+    """cos/sin at any token index, as `rotation` computes them."""
 
     def lookup(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.double().unsqueeze(-1) * frequencies.to(positions.device)
-        angles = torch.cat((angles, angles), dim=-1)
-        return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)
+        return rotation(positions.unsqueeze(-1), inv_freq, attention_scaling, dtype)
 
     return lookup

@@ -8,6 +8,9 @@
 | yarn | transformers' YaRN with original_max_position_embeddings = L | --factor, ceil(N / L) |
 | self-extend | SelfExtend: exact neighbours, grouped positions beyond | --neighbor-window L/4, --group-size: the smallest that reaches N |
 | chunk-llama | Dual Chunk Attention: intra-, successive- and inter-chunk | --dca-chunk-size 3L/4, --local-window L - chunk |
+| rerope | ReRoPE: exact distances within a window, the window's edge beyond | --neighbor-window L/4, --logn |
+| leaky-rerope | Leaky ReRoPE: distances beyond the window compressed by k | --neighbor-window L/4, --leaky-factor 16 (more if N needs it), --logn |
+| dpe | DPE: SelfExtend per group of RoPE frequencies, a scale each | --neighbor-window L/8, --dpe-scales: published for the model, else the smallest that reaches N |
 | gali | Greedy Attention Logit Interpolation | --chunk-size L/4, --local-window L/2, --noise |
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
@@ -18,14 +21,16 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..config import MethodSettings
-from ..engine.hooks import install, installed_method, uninstall
+from ..engine.hooks import PositionalAttention, install, installed_method, uninstall
 from ..engine.positions import chunk_plan
 from ..errors import ConfigError
 from .chunk_llama import DualChunkAttention
+from .dpe import DPE, check_scales, default_groups, published_settings
 from .gali import apply_gali, gali_settings
+from .rerope import ReRoPE, leaky_reach
 from .rope_scaling import rescale, restore
 from .self_extend import SelfExtend, reach
 
@@ -42,6 +47,9 @@ class Method:
     boundaries: Callable[[PreTrainedModel, int, int], list[int]] | None = None
     # False when results depend on one forward over the whole input: no prefilled prefix can then be reused.
     prefix_reusable: bool = True
+    # (model config, settings, train_len, None) -> what it would resolve, known before any input (gali info); it
+    # refuses settings that make no sense for that model.
+    preview: Callable[[PretrainedConfig, MethodSettings, int, None], dict] | None = None
 
 
 def default_factor(settings: MethodSettings, train_len: int, tokens: int) -> float:
@@ -65,11 +73,21 @@ def _rope(kind: str) -> Callable[[PreTrainedModel, MethodSettings, int, int], di
     return apply
 
 
-def _apply_self_extend(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
-    window = settings.neighbor_window if settings.neighbor_window is not None else train_len // 4
+def smallest_group(window: int, train_len: int, tokens: int) -> int:
+    """The smallest SelfExtend group size whose positions reach `tokens` within train_len (LongLM's rule)."""
+    return max(1, math.ceil((tokens - window) / (train_len - window)))
+
+
+def _window(settings: MethodSettings, train_len: int, default: int) -> int:
+    window = settings.neighbor_window if settings.neighbor_window is not None else default
     if not 0 < window < train_len:
         raise ConfigError(f"--neighbor-window must be between 1 and {train_len - 1}, got {window}")
-    size = settings.group_size or max(1, math.ceil((tokens - window) / (train_len - window)))
+    return window
+
+
+def _apply_self_extend(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
+    window = _window(settings, train_len, train_len // 4)
+    size = settings.group_size or smallest_group(window, train_len, tokens)
     if reach(size, window, train_len) < tokens:
         raise ConfigError(
             f"--group-size {size} with --neighbor-window {window} reaches {reach(size, window, train_len)} tokens "
@@ -86,6 +104,54 @@ def _apply_chunk_llama(model: PreTrainedModel, settings: MethodSettings, train_l
     return {"train_len": train_len, "dca_chunk_size": size, "local_window": window}
 
 
+def _rerope(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    return {"train_len": train_len, "neighbor_window": _window(settings, train_len, train_len // 4),
+            "logn": settings.logn}
+
+
+def _leaky_rerope(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    window = _window(settings, train_len, train_len // 4)
+    # The official code's k = 16, raised to the smallest whole k whose distances stay within train_len.
+    factor = settings.leaky_factor or max(16, math.ceil(((tokens or 0) - 1 - window) / (train_len - 1 - window)))
+    reaches = leaky_reach(window, factor, train_len)
+    if tokens is not None and reaches < tokens:
+        raise ConfigError(f"--leaky-factor {factor} with --neighbor-window {window} reaches {reaches} tokens within "
+                          f"train_len {train_len}; the input has {tokens}: raise --leaky-factor")
+    resolved = {"train_len": train_len, "neighbor_window": window, "leaky_factor": factor, "logn": settings.logn}
+    return resolved if tokens is not None else {**resolved, "reaches": reaches}
+
+
+def _dpe(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    # The authors' settings hold for the model's own window only.
+    published = published_settings(config) if train_len == config.max_position_embeddings else None
+    window = _window(settings, train_len, published[1] if published else train_len // 8)
+    if settings.dpe_scales or published:
+        scales = list(settings.dpe_scales or published[2])
+        check_scales(tuple(scales), _head_dim(config))
+    elif tokens is None:
+        scales = "the smallest that reaches the input, in every group"
+    else:
+        scales = [smallest_group(window, train_len, tokens)] * default_groups(_head_dim(config))
+    return {"train_len": train_len, "neighbor_window": window, "dpe_scales": scales,
+            "dpe_published": published[0] if published and not settings.dpe_scales else None}
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _installing(resolve: Callable[[PretrainedConfig, MethodSettings, int, int | None], dict],
+                build: Callable[[PretrainedConfig, dict], PositionalAttention]) -> Callable[..., dict]:
+    """A method's `apply`: resolve its settings for the input, then install the attention built from them."""
+
+    def apply(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
+        resolved = resolve(model.config, settings, train_len, tokens)
+        install(model, build(model.config, resolved))
+        return resolved
+
+    return apply
+
+
 METHODS = {
     "original": Method("original", "the unpatched model: positions simply run past train_len",
                        lambda model, settings, train_len, tokens: {}),
@@ -97,6 +163,14 @@ METHODS = {
     "self-extend": Method("self-extend", "SelfExtend: grouped positions beyond a neighbour window",
                           _apply_self_extend),
     "chunk-llama": Method("chunk-llama", "ChunkLlama's Dual Chunk Attention", _apply_chunk_llama),
+    "rerope": Method("rerope", "ReRoPE: distances beyond a window clamped to it", _installing(
+        _rerope, lambda config, s: ReRoPE(s["neighbor_window"], s["train_len"], None, s["logn"])), preview=_rerope),
+    "leaky-rerope": Method("leaky-rerope", "Leaky ReRoPE: distances beyond a window compressed", _installing(
+        _leaky_rerope, lambda config, s: ReRoPE(s["neighbor_window"], s["train_len"], s["leaky_factor"], s["logn"])),
+        preview=_leaky_rerope),
+    "dpe": Method("dpe", "DPE: SelfExtend per group of RoPE frequencies", _installing(
+        _dpe, lambda config, s: DPE(tuple(s["dpe_scales"]), s["neighbor_window"], s["train_len"], _head_dim(config))),
+        preview=_dpe),
     "gali": Method("gali", "Greedy Attention Logit Interpolation", _apply_gali, _gali_boundaries),
 }
 
@@ -111,12 +185,25 @@ def get_method(name: str) -> Method:
 def apply_method(model: PreTrainedModel, name: str, settings: MethodSettings, input_tokens: int) -> dict:
     """Run `model` with method `name` from now on (replacing any other); returns the settings it resolved."""
     method = get_method(name)
-    model_window = model.config.max_position_embeddings
-    train_len = settings.train_len if settings.train_len is not None else model_window
-    if train_len > model_window:
-        raise ConfigError(f"--train-len ({train_len}) exceeds the model's training window ({model_window})")
+    train_len = _train_len(model.config, settings)
     remove_method(model)
     return method.apply(model, settings, train_len, input_tokens)
+
+
+def preview_method(config: PretrainedConfig, name: str, settings: MethodSettings) -> dict | None:
+    """The settings method `name` would run a model with this config with, as far as they are known before the
+    input (None when the method does not say); a ConfigError for settings that make no sense for the model."""
+    method = get_method(name)
+    train_len = _train_len(config, settings)
+    return method.preview(config, settings, train_len, None) if method.preview else None
+
+
+def _train_len(config: PretrainedConfig, settings: MethodSettings) -> int:
+    window = config.max_position_embeddings
+    train_len = settings.train_len if settings.train_len is not None else window
+    if train_len > window:
+        raise ConfigError(f"--train-len ({train_len}) exceeds the model's training window ({window})")
+    return train_len
 
 
 def remove_method(model: PreTrainedModel) -> None:

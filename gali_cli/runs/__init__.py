@@ -9,7 +9,7 @@ info).
 import functools
 from dataclasses import dataclass
 
-from ..config import MAX_INPUT_BYTES, MethodSettings, parse_methods
+from ..config import MAX_INPUT_BYTES, PREVIEWED_METHODS, MethodSettings, parse_methods
 from ..errors import ConfigError
 
 
@@ -53,6 +53,14 @@ class ModelChoice:
         elif self.settings.train_len is not None and self.settings.train_len > window:
             raise ConfigError(f"--train-len ({self.settings.train_len}) exceeds the model's training window "
                               f"({window})")
+        previewed = [method for method in self.methods if method in PREVIEWED_METHODS]
+        if previewed:  # their checks need transformers' config (and torch): only when they are chosen
+            from ..loading import load_config
+            from ..methods import preview_method
+
+            config = load_config(self.model)
+            for method in previewed:
+                preview_method(config, method, self.settings)
 
     @property
     def method(self) -> str:

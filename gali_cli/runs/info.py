@@ -5,16 +5,18 @@ engine's self-check on the device (which needs torch)."""
 import os
 
 from .. import display
-from ..errors import GaliError
+from ..config import PREVIEWED_METHODS
 from ..display import print_json, say
+from ..errors import GaliError
 from ..machine import environment_facts
 from ..model_config import read_model_config
 from . import ModelChoice
 
 
 def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> None:
-    """What is known without the model, then its architecture and the GALI settings that would be used; with
-    `check`, the engine's self-check on the device (no model needed: it runs even when the model cannot load)."""
+    """What is known without the model, then its architecture and the settings GALI (and the other methods chosen,
+    where they are known before the input) would use; with `check`, the engine's self-check on the device (no model
+    needed: it runs even when the model cannot load)."""
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
     try:
@@ -25,7 +27,8 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> No
             raise
         config = None
     if config is not None:
-        facts |= {**config.facts(), "gali": choice.settings.gali().resolved(config.train_len).facts()}
+        facts |= {**config.facts(), "gali": choice.settings.gali().resolved(config.train_len).facts(),
+                  **_previews(choice)}
     if not check:
         display.print_facts(facts, json_output)
         return
@@ -64,3 +67,16 @@ def run_self_check(device, json_output: bool) -> list:
         passed = sum(item.ok for item in checks)
         say(f"self-check: {passed} of {len(checks)} passed")
     return checks
+
+
+def _previews(choice: ModelChoice) -> dict:
+    """The settings of the chosen methods whose settings follow the model's config (torch and transformers are
+    imported for them only)."""
+    previewed = [method for method in choice.methods if method in PREVIEWED_METHODS]
+    if not previewed:
+        return {}
+    from ..loading import load_config
+    from ..methods import preview_method
+
+    config = load_config(choice.model)
+    return {method: preview_method(config, method, choice.settings) for method in previewed}

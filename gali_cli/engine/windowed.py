@@ -1,0 +1,203 @@
+"""Attention split at a distance `window`, for methods that keep the keys within a window of each query at their true
+distances and give the keys beyond it positions of their own (ReRoPE, Leaky ReRoPE, DPE).
+
+Neither part builds a (queries x keys) tensor. Each is a few mask-free attention calls that also return the
+log-sum-exp of their logits, and the parts are merged exactly: softmax over a union of key sets is the parts' outputs
+weighted by exp(lse_part - lse_all).
+
+- Near keys, i - window < j <= i, with true distances: the queries are cut into tiles of `window` rows. A tile
+  [a, a + n) sees its own keys [a, a + n) causally (one square causal call), and of the `window - 1` keys before a
+  the nearest ones: key a - 1 - u is seen by rows r <= window - 2 - u. Flipped (queries last-to-first, keys nearest
+  first), that triangle is an ordinary top-left causal call. Every tile uses the same table rows (positions relative
+  to the tile), so the full tiles of a forward go through as one batch.
+- Far keys, j <= i - window, with the rotations the method gives (already applied): the keys every query of the
+  forward sees in full, plus a square causal call over the last ones, like engine.dense.split_causal_attention.
+
+Shapes: B batch, H query heads, Hkv key/value heads, q queries (tokens [start, start + q)), D head dim.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .dense import _CPU_FLASH_WITH_LSE, _LOGITS_TILE_ELEMENTS, grouped_logits, needs_grad
+from .rope import RopeTable, rotate
+
+
+@dataclass
+class Partial:
+    """Attention of some queries over a subset of their keys: the output (B, H, n, D) in float32 and the log-sum-exp
+    (B, H, n) of the scaled logits; a row with no key in the subset has lse -inf (and output 0)."""
+
+    output: torch.Tensor
+    lse: torch.Tensor
+
+    def merged(self, other: "Partial") -> "Partial":
+        """Attention over both key sets. `self` must give every row at least one key (a finite lse)."""
+        share = torch.sigmoid(other.lse - self.lse)  # other's part of the softmax mass; 0 where it has no key
+        return Partial(torch.lerp(self.output, other.output, share.unsqueeze(-1)),
+                       self.lse + F.softplus(other.lse - self.lse))
+
+    def rows(self, index: slice) -> "Partial":
+        return Partial(self.output[:, :, index], self.lse[:, :, index])
+
+
+def attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
+                  dropout: float = 0.0) -> Partial:
+    """Attention of query (N, H, n, D) over key/value (N, Hkv, m >= 1, D), all of them or top-left causal (row r sees
+    keys 0..r), with its log-sum-exp.
+
+    On the CPU in float32 without gradients this is torch's flash kernel; elsewhere (autograd, dropout, other dtypes
+    and devices) float32 logits a tile of rows at a time.
+    """
+    batch, heads, rows, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    per_kv = heads // kv_heads
+    fast = (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
+            and dropout == 0.0 and not needs_grad(query, key, value) and _CPU_FLASH_WITH_LSE is not None)
+    if fast and not causal:  # query heads sharing a key head stacked as rows: keys are not repeated
+        output, lse = _CPU_FLASH_WITH_LSE(query.reshape(batch, kv_heads, per_kv * rows, dim), key, value, 0.0, False,
+                                          scale=scale)
+        return Partial(output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows))
+    if fast:
+        if per_kv > 1:
+            key, value = key.repeat_interleave(per_kv, dim=1), value.repeat_interleave(per_kv, dim=1)
+        output, lse = _CPU_FLASH_WITH_LSE(query, key, value, 0.0, True, scale=scale)
+        return Partial(output, lse)
+    outputs, sums = [], []
+    tile = max(1, _LOGITS_TILE_ELEMENTS // (batch * heads * keys))
+    value32 = value.float()
+    for first in range(0, rows, tile):
+        last = min(first + tile, rows)
+        logits = grouped_logits(query[:, :, first:last], key, scale)  # (N, H, rows, m)
+        if causal:
+            logits = logits.masked_fill(torch.arange(keys, device=key.device) > torch.arange(
+                first, last, device=key.device).unsqueeze(1), float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)
+        probs = F.dropout(torch.exp(logits - lse.unsqueeze(-1)), p=dropout)
+        probs = probs.view(batch, kv_heads, -1, keys)  # heads sharing a key head, stacked as rows
+        outputs.append(torch.matmul(probs, value32).view(batch, heads, last - first, dim))
+        sums.append(lse)
+    return Partial(torch.cat(outputs, dim=2), torch.cat(sums, dim=2))
+
+
+def near_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RopeTable, window: int,
+                   start: int, scale: float, dropout: float = 0.0) -> Partial:
+    """Attention of query (B, H, q, D), tokens [start, start + q), over its near keys, i - window < j <= i, with RoPE
+    at their true distances. key/value: (B, Hkv, >= start + q, D), un-rotated. `table` needs 2 * window rows.
+
+    Every row sees at least itself: the result has a finite lse everywhere.
+    """
+    rows = query.shape[2]
+    # Tiles of `window` rows. The full tiles whose earlier keys all exist run as one batch; a first tile too close to
+    # token 0 and a last, shorter tile run alone.
+    first_full = 0 if start >= window - 1 else 1
+    groups = [(0, 1)] if first_full else []
+    if rows // window > first_full:
+        groups.append((first_full, rows // window - first_full))
+    if rows % window and rows // window >= first_full:
+        groups.append((rows // window, 1))
+    parts = []
+    for tile, count in groups:
+        row = tile * window
+        a = start + row  # the first query token of the group
+        n = min(window, rows - row)
+        m = min(window - 1, a)  # keys before each tile that its rows may see
+
+        def blocks(x: torch.Tensor, first: int, length: int) -> torch.Tensor:
+            """x's rows [first + c * window, first + c * window + length) for each tile c: (B, heads, count, length,
+            D), a view."""
+            return x[:, :, first : first + (count - 1) * window + length].unfold(2, length, window).transpose(-1, -2)
+
+        earlier = (blocks(key, a - m, m), blocks(value, a - m, m)) if m else (None, None)
+        part = _tiles(blocks(query, row, n), blocks(key, a, n), blocks(value, a, n), *earlier, table, window, scale,
+                      dropout)
+        parts.append(Partial(part.output.flatten(2, 3), part.lse.flatten(2, 3)))
+    return Partial(torch.cat([part.output for part in parts], dim=2), torch.cat([part.lse for part in parts], dim=2))
+
+
+def _tiles(query: torch.Tensor, own_key: torch.Tensor, own_value: torch.Tensor, earlier_key: torch.Tensor | None,
+           earlier_value: torch.Tensor | None, table: RopeTable, window: int, scale: float, dropout: float) -> Partial:
+    """Near attention of `count` tiles of n queries: query (B, H, count, n, D) with their own keys/values
+    (B, Hkv, count, n, D) and the m <= window - 1 tokens before each tile (B, Hkv, count, m, D; None when m = 0),
+    all un-rotated.
+
+    Positions are relative to each tile: its own tokens at 0..n-1 for the causal square; for the earlier keys, the
+    queries at window..window+n-1 and the keys at window-m..window-1. Returns (B, H, count, n, ...).
+    """
+    batch, heads, count, n, dim = query.shape
+    m = earlier_key.shape[3] if earlier_key is not None else 0
+    cos, sin = table.cos32, table.sin32
+
+    def batched(x: torch.Tensor) -> torch.Tensor:  # (B, heads, count, rows, D) -> (B * count, heads, rows, D)
+        return x.transpose(1, 2).flatten(0, 1)
+
+    query = query.float()
+    result = attention_lse(batched(rotate(query, cos[:n], sin[:n])), batched(rotate(own_key.float(), cos[:n], sin[:n])),
+                           batched(own_value.float()), scale, causal=True, dropout=dropout)
+    if m:
+        late = batched(rotate(query, cos[window : window + n], sin[window : window + n]))  # seen from earlier keys
+        earlier = batched(rotate(earlier_key.float(), cos[window - m : window], sin[window - m : window]))
+        earlier_value = batched(earlier_value.float())
+        # Earlier key a - m + u is seen by row r iff r + m - u < window: the keys from u = n + m - window on by every
+        # row, the `triangle` before them by fewer rows the farther they are.
+        triangle = max(0, n + m - window)
+        if m > triangle:
+            result = result.merged(attention_lse(late, earlier[:, :, triangle:], earlier_value[:, :, triangle:], scale,
+                                                 causal=False, dropout=dropout))
+        if triangle:
+            # Flipped (rows last to first, keys nearest first), row n - 2 - r sees the keys up to its own index:
+            # top-left causal. Row n - 1 sees none of them.
+            seen = attention_lse(late[:, :, : n - 1].flip(2), earlier[:, :, :triangle].flip(2),
+                                 earlier_value[:, :, :triangle].flip(2), scale, causal=True, dropout=dropout)
+            head = result.rows(slice(0, n - 1)).merged(Partial(seen.output.flip(2), seen.lse.flip(2)))
+            tail = result.rows(slice(n - 1, n))
+            result = Partial(torch.cat((head.output, tail.output), dim=2), torch.cat((head.lse, tail.lse), dim=2))
+    # (B * count, H, n, ...) -> (B, H, count, n, ...)
+    return Partial(result.output.unflatten(0, (batch, count)).transpose(1, 2),
+                   result.lse.unflatten(0, (batch, count)).transpose(1, 2))
+
+
+def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int, start: int, scale: float,
+                  dropout: float = 0.0) -> Partial | None:
+    """Attention of rotated queries (B, H, q, D), tokens [start, start + q), over their far keys j <= i - window,
+    rotated as the method places them: key (B, Hkv, >= start + q - window, D). None when no query has a far key.
+
+    Rows of tokens below `window` have none: their lse is -inf.
+    """
+    stop = start + query.shape[2]
+    first = max(start, window)  # the first query with a far key
+    if first >= stop:
+        return None
+    late = query[:, :, first - start :].float()
+    key, value = key.float(), value.float()
+    # Query i sees keys [0, i - window]: the keys before first - window in full, then a causal square.
+    part = attention_lse(late, key[:, :, first - window : stop - window], value[:, :, first - window : stop - window],
+                         scale, causal=True, dropout=dropout)
+    if first > window:
+        part = part.merged(attention_lse(late, key[:, :, : first - window], value[:, :, : first - window], scale,
+                                         causal=False, dropout=dropout))
+    if first == start:
+        return part
+    before = first - start  # rows without far keys
+    return Partial(torch.cat((part.output.new_zeros(*part.output.shape[:2], before, part.output.shape[3]),
+                              part.output), dim=2),
+                   torch.cat((part.lse.new_full((*part.lse.shape[:2], before), float("-inf")), part.lse), dim=2))
+
+
+def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RopeTable,
+                       far_query: torch.Tensor, far_key: torch.Tensor, window: int, start: int, scale: float,
+                       dropout: float = 0.0) -> torch.Tensor:
+    """Near keys at true distances, far keys as the method rotated them, merged: (B, H, q, D) in the value's dtype.
+
+    Args:
+        query: (B, H, q, D) un-rotated queries of tokens [start, start + q).
+        key, value: (B, Hkv, >= start + q, D) un-rotated keys and values.
+        table: the model's cos/sin, at least 2 * window rows.
+        far_query: (B, H, q, D) the queries rotated for their far keys.
+        far_key: (B, Hkv, >= start + q - window, D) the keys rotated as far keys.
+    """
+    near = near_attention(query, key, value, table, window, start, scale, dropout)
+    far = far_attention(far_query, far_key, value, window, start, scale, dropout)
+    return (near if far is None else near.merged(far)).output.to(value.dtype)

@@ -1,0 +1,114 @@
+"""DPE (Lu et al. 2025, "Effective Length Extrapolation via Dimension-Wise Positional Embeddings Manipulation",
+arXiv 2504.18857; LuLuLuyi/DPE): SelfExtend applied per group of RoPE frequencies, each group with its own scale.
+
+RoPE's D/2 frequencies are cut into equal groups. A query i and a key j closer than the window W keep their true
+positions in every frequency; farther pairs sit, in a group with scale s, at i // s + W - W // s (query) and j // s
+(key), so that each group's distances continue from the window's edge at 1/s the rate. The paper chooses each
+group's scale from the distance up to which that group stays effective (a needle sweep per model); the official
+repository ships the result for a few models (PUBLISHED), used when the model matches. Elsewhere every group gets
+the smallest scale that keeps its positions within train_len (SelfExtend's rule), and --dpe-scales passes others.
+
+Keys are cached without RoPE; the far keys' rotations depend on j only, so they are rotated once and kept while
+decoding. Positions depend on (i, j) only: any split of the input into forwards gives the same result.
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..engine.hooks import Forward, PositionalAttention
+from ..engine.kept_keys import KeptKeys
+from ..engine.rope import rotate, rotation
+from ..engine.windowed import windowed_attention
+from ..errors import ConfigError
+
+# Settings from the official repository's config/dpe_config.yaml (eight equal groups of Llama-3's 64 frequencies,
+# highest frequency first), chosen there by a needle sweep for each model.
+PUBLISHED = {
+    "Meta-Llama-3-8B-Instruct": (1024, (2, 8, 2, 8, 32, 32, 32, 4)),
+    "Meta-Llama-3.1-8B-Instruct": (1024, (2, 32, 32, 2, 2, 2, 2, 1)),
+}
+_LLAMA_3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "intermediate_size": 14336, "vocab_size": 128256}
+
+
+def published_settings(config: PretrainedConfig) -> tuple[str, int, tuple[int, ...]] | None:
+    """(model, window, scales) when `config` is one of the models DPE's authors published settings for.
+
+    Matched by architecture: base and Instruct models share it (the settings were searched on the Instruct ones).
+    """
+    if getattr(config, "model_type", None) != "llama" or any(
+            getattr(config, name, None) != value for name, value in _LLAMA_3_8B.items()):
+        return None
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_theta") != 500000.0:
+        return None
+    if rope.get("rope_type", "default") == "default" and config.max_position_embeddings == 8192:
+        model = "Meta-Llama-3-8B-Instruct"
+    elif (rope.get("rope_type") == "llama3" and rope.get("factor") == 8.0
+          and rope.get("original_max_position_embeddings") == 8192 and config.max_position_embeddings == 131072):
+        model = "Meta-Llama-3.1-8B-Instruct"
+    else:
+        return None
+    return (model, *PUBLISHED[model])
+
+
+def default_groups(head_dim: int) -> int:
+    """Eight groups, as the paper cuts them, when they split the frequencies evenly."""
+    return math.gcd(8, head_dim // 2)
+
+
+def check_scales(scales: tuple[int, ...], head_dim: int) -> None:
+    """A ConfigError unless `scales` are whole numbers >= 1 whose count splits the head's frequencies evenly."""
+    if not scales or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in scales):
+        raise ConfigError(f"--dpe-scales must be whole numbers >= 1, got {','.join(map(str, scales))}")
+    if (head_dim // 2) % len(scales):
+        raise ConfigError(f"--dpe-scales gives {len(scales)} groups: they must split the model's {head_dim // 2} RoPE "
+                          "frequencies evenly")
+
+
+class DPE(PositionalAttention):
+    name = "dpe"
+
+    def __init__(self, scales: tuple[int, ...], window: int, train_len: int, head_dim: int) -> None:
+        half = head_dim // 2
+        check_scales(scales, head_dim)
+        if not 0 < window < train_len:
+            raise ConfigError(f"--neighbor-window must be between 1 and train_len - 1 ({train_len - 1}), got {window}")
+        self.scales, self.window, self.train_len = tuple(scales), window, train_len
+        self.exact_until = window  # every distance below the window: plain RoPE
+        self._per_frequency = torch.tensor(scales).repeat_interleave(half // len(scales))  # (D/2,)
+        self._kept = KeptKeys()
+
+    def table_rows(self, start: int, stop: int) -> int:
+        return 2 * self.window  # near keys are rotated relative to their tile
+
+    def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
+        window, start, stop = self.window, forward.start, forward.stop
+        table = forward.table(query.device, query.dtype)
+        cos, sin = forward.memo(("dpe-query", query.device), lambda: self._rotation(
+            forward, torch.arange(start, stop, device=query.device), True, torch.float32))
+        far_query = rotate(query.float(), cos, sin)
+
+        def key_rotation(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return forward.memo(("dpe-key", key.device, key.dtype, first, last), lambda: self._rotation(
+                forward, torch.arange(first, last, device=key.device), False, key.dtype))
+
+        far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
+        output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, window,
+                                    start, scaling, dropout)
+        return output.transpose(1, 2)
+
+    def _rotation(self, forward: Forward, tokens: torch.Tensor, queries: bool,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (n, D) of the far positions of these tokens, per frequency: i // s + W - W // s for queries,
+        j // s for keys."""
+        scales = self._per_frequency.to(tokens.device)
+        positions = torch.div(tokens.unsqueeze(-1), scales, rounding_mode="floor")  # (n, D/2)
+        if queries:
+            positions = positions + self.window - torch.div(self.window, scales, rounding_mode="floor")
+        rotary = forward.installed.rotary
+        return rotation(positions, rotary.inv_freq, rotary.attention_scaling, dtype)

@@ -1,0 +1,81 @@
+"""ReRoPE and Leaky ReRoPE (Su 2023, "Rectified Rotary Position Embeddings", kexue.fm/archives/9708; bojone/rerope).
+
+A query i and a key j closer than the window w keep their true distance d = i - j; beyond it the distance is clamped
+to w (ReRoPE) or compressed to w + (d - w) / k (Leaky ReRoPE), so that it never leaves the trained range. As in the
+official code, queries past train_len are also scaled by log(i + 1) / log(train_len) ("log n" scaling, optional).
+
+The official code builds two logit matrices. Here neither part has one (engine.windowed): beyond the window,
+ReRoPE's logit is q.R(w)^T k for every pair, one attention of queries rotated at w over the un-rotated keys the cache
+holds anyway; Leaky ReRoPE's distance is linear in d, so it is RoPE with positions i / k + w - w / k for queries and
+j / k for keys (rotated once per key and kept while decoding). Positions depend on (i, j) only, so any split of the
+input into forwards gives the same result.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from ..engine.hooks import Forward, PositionalAttention
+from ..engine.kept_keys import KeptKeys
+from ..engine.rope import rotate, rotation
+from ..engine.windowed import windowed_attention
+from ..errors import ConfigError
+
+
+def leaky_reach(window: int, factor: float, train_len: int) -> int:
+    """The longest input whose compressed distances w + (d - w) / k all stay below train_len."""
+    return math.floor(window + factor * (train_len - 1 - window)) + 1
+
+
+class ReRoPE(PositionalAttention):
+    """ReRoPE (factor None) or Leaky ReRoPE (factor k > 1) with window w."""
+
+    def __init__(self, window: int, train_len: int, factor: float | None = None, logn: bool = True) -> None:
+        if not 0 < window < train_len:
+            raise ConfigError(f"--neighbor-window must be between 1 and train_len - 1 ({train_len - 1}), got {window}")
+        if factor is not None and not 1 < factor < float("inf"):
+            raise ConfigError(f"--leaky-factor must be a number > 1, got {factor}")
+        self.name = "rerope" if factor is None else "leaky-rerope"
+        self.window, self.train_len, self.factor, self.logn = window, train_len, factor, logn
+        self.exact_until = window  # every distance below the window: plain RoPE (and log n is 1 within train_len)
+        self._kept = KeptKeys()
+
+    def table_rows(self, start: int, stop: int) -> int:
+        return 2 * self.window  # near keys are rotated relative to their tile; ReRoPE's far queries sit at w
+
+    def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
+        window, start, stop = self.window, forward.start, forward.stop
+        table = forward.table(query.device, query.dtype)
+        query = query.float()
+        if self.logn and stop > self.train_len:
+            query = query * forward.memo(("logn", query.device), lambda: self._logn(start, stop, query.device))
+        if self.factor is None:  # distance w for every far pair: queries at w, keys where they are (un-rotated)
+            far_query = rotate(query, table.cos32[window], table.sin32[window])
+            far_key = key[:, :, : max(0, stop - window)]
+        else:
+            cos, sin = forward.memo(("leaky-query", query.device), lambda: self._leaky(
+                forward, torch.arange(start, stop, device=query.device), window - window / self.factor, torch.float32))
+            far_query = rotate(query, cos, sin)
+
+            def key_rotation(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+                return forward.memo(("leaky-key", key.device, key.dtype, first, last), lambda: self._leaky(
+                    forward, torch.arange(first, last, device=key.device), 0.0, key.dtype))
+
+            far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
+        output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, window,
+                                    start, scaling, dropout)
+        return output.transpose(1, 2)
+
+    def _logn(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        """max(1, log(i + 1) / log(train_len)) per query token i: (q, 1)."""
+        tokens = torch.arange(start + 1, stop + 1, device=device, dtype=torch.float64)
+        return (tokens.log() / math.log(self.train_len)).clamp(min=1).float().unsqueeze(-1)
+
+    def _leaky(self, forward: Forward, tokens: torch.Tensor, offset: float,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at positions tokens / k + offset (float64 angles)."""
+        rotary = forward.installed.rotary
+        positions = tokens.double().unsqueeze(-1) / self.factor + offset
+        return rotation(positions, rotary.inv_freq, rotary.attention_scaling, dtype)
