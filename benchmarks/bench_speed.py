@@ -1,5 +1,6 @@
-"""Prefill and decode cost of the GALI engine (and of ReRoPE, Leaky ReRoPE and DPE) against the unpatched model, on
-random Llama weights.
+"""Prefill and decode cost of GALI and the other methods (ReRoPE, Leaky ReRoPE and DPE included) against the
+unpatched model, on random Llama weights or a real checkpoint (`--model PATH|FILE.gguf|smollm2`, loaded as gali
+loads it).
 
 Each variant runs in its own worker process, so that peak memory is the variant's own (peak RSS on CPU,
 torch.cuda.max_memory_allocated on CUDA); rounds interleave the variants, and the tables report medians over rounds
@@ -9,6 +10,9 @@ and ratios to the unpatched model measured in the same run.
     python benchmarks/bench_speed.py --factors 1,4,16,32 --variants sdpa,gali,gali-noise,anchor --decode-factors ""
     python benchmarks/bench_speed.py --device cuda --shape llama3-8b --train-len 8192 --factors 1,4,8,16 \
         --dtype bfloat16 --variants sdpa,gali,gali-noise,gali-noise-torch,anchor --rounds 1 --repeats 1
+    # a real model, 4096 tokens at 16x and 32x, every method, decode after each prefill, 2 threads:
+    python benchmarks/bench_speed.py --model smollm2 --train-len 256,128 --tokens 4096 --threads 2 \
+        --variants sdpa,gali,gali-noise,gali-noise-torch,self-extend,chunk-llama --decode-factors "" --decode-tokens 16
 
 A worker that fails (out of memory, typically the anchor at long lengths) is reported as such; the others go on.
 """
@@ -39,6 +43,8 @@ VARIANTS = {
     "gali-noise-torch": "GALI, noise on, one forward, PyTorch path (GALI_KERNEL=torch)",
     "gali-pieces": "GALI, noise off, one forward per chunk",
     "sdpa-pieces": "the unpatched model, one forward per GALI chunk",
+    "self-extend": "SelfExtend, one forward",
+    "chunk-llama": "ChunkLlama (dual chunk attention), one forward",
     "anchor": "two-matmul GALI as the authors compute it (noise on): per chunk, keys rotated at ceil and at floor "
               "and repeated per head, two float32 logit matrices",
     "rerope": "ReRoPE, its defaults (window train_len/4, log n), one forward",
@@ -49,6 +55,14 @@ METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe")  # applied by name with thei
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
+    if args.model:
+        from gali_cli.loading import load_model
+
+        model = load_model(args.model, device=args.device, dtype=args.dtype).model
+        if args.layers:  # its first layers only: each layer costs the same, so the ratios hold, in less time
+            model.model.layers = model.model.layers[: args.layers]
+            model.config.num_hidden_layers = len(model.model.layers)
+        return model
     hidden, heads, kv_heads, intermediate, layers, vocab = SHAPES[args.shape]
     config = LlamaConfig(
         vocab_size=vocab,
@@ -57,7 +71,7 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=args.train_len,
+        max_position_embeddings=int(args.train_len),
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         attn_implementation="sdpa",
     )
@@ -86,10 +100,8 @@ def two_matmul_gali(settings):
     """GALI computed the straightforward way, as the anchor: Alg. 3 literally, per chunk (the tests' oracle)."""
     from gali_cli.engine.noise import Noise
     from gali_cli.engine.positions import chunk_plan, interpolate
+    from gali_cli.engine.reference import reference_gali_attention
     from gali_cli.methods.gali import Gali
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests hold the oracle
-    from reference_attention import reference_gali_attention
 
     class TwoMatmulGali(Gali):
         def attend(self, forward, module, query, key, value, scaling, dropout, **kwargs):
@@ -109,30 +121,104 @@ def two_matmul_gali(settings):
     return TwoMatmulGali(settings)
 
 
-def worker(args: argparse.Namespace) -> dict:
-    """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
+def apply_variant(model: LlamaForCausalLM, variant: str, train_len: int, tokens: int):
+    """Patch `model` for `variant` (replacing any method applied before); returns GALI's resolved settings."""
     from gali_cli import GaliConfig, apply_gali
     from gali_cli.config import MethodSettings
     from gali_cli.engine.hooks import install
-    from gali_cli.methods import apply_method
-    from gali_cli.engine.positions import chunk_plan
+    from gali_cli.methods import apply_method, remove_method
+
+    remove_method(model)
+    os.environ["GALI_KERNEL"] = "torch" if variant == "gali-noise-torch" else "auto"
+    settings = GaliConfig(noise=variant.startswith("gali-noise") or variant == "anchor").resolved(train_len)
+    if variant.startswith("gali"):
+        apply_gali(model, settings)
+    elif variant == "anchor":
+        install(model, two_matmul_gali(settings))
+    elif variant in ("self-extend", "chunk-llama", *METHOD_VARIANTS):
+        apply_method(model, variant, MethodSettings(train_len=train_len), tokens)
+    return settings
+
+
+def peak_rss_mib() -> float:
+    """The process's peak resident memory since the last `reset_peak_rss` (Linux: VmHWM), else since it started."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (Linux: writing 5 to /proc/self/clear_refs resets VmHWM); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple[int, int]]) -> dict:
+    """All variants in this one process on one loaded model, interleaved forward by forward, `args.rounds` times:
+    on a shared machine the load shifts alike for all of them, so their ratios hold. Peak RSS per forward through
+    VmHWM, reset before each."""
     from transformers import DynamicCache
 
-    if args.variant == "gali-noise-torch":
-        os.environ["GALI_KERNEL"] = "torch"
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     model = build_model(args)
-    noise = args.variant.startswith("gali-noise") or args.variant == "anchor"
-    settings = GaliConfig(noise=noise).resolved(args.train_len)
-    if args.variant.startswith("gali"):
-        apply_gali(model, settings)
-    elif args.variant == "anchor":
-        install(model, two_matmul_gali(settings))
-    length = int(args.factors) * args.train_len  # a worker gets one factor
-    if args.variant in METHOD_VARIANTS:
-        apply_method(model, args.variant, MethodSettings(), length + args.decode_tokens)
+    generator = torch.Generator().manual_seed(0)
+    longest = max(train_len * factor for train_len, factor in runs)
+    ids = torch.randint(0, model.config.vocab_size, (1, longest + args.decode_tokens), generator=generator)
+    ids = ids.to(args.device)
+    results = {(variant, *run): [] for variant in variants for run in runs}
+    with torch.no_grad():
+        model(ids[:, :8], logits_to_keep=1)  # warm-up: kernels, thread pools; the native kernel built and checked
+        for _ in range(args.rounds):
+            for train_len, factor in runs:
+                length = train_len * factor
+                for variant in variants:
+                    apply_variant(model, variant, train_len, length + args.decode_tokens)
+                    model(ids[:, :8], logits_to_keep=1)
+                    synchronize(args.device)
+                    resettable = reset_peak_rss()
+                    before = peak_rss_mib()
+                    start = time.perf_counter()
+                    cache = DynamicCache(config=model.config)
+                    model(ids[:, :length], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    synchronize(args.device)
+                    prefill_s = time.perf_counter() - start
+                    peak = peak_rss_mib() if resettable else float("nan")
+                    decode = []
+                    for step in range(args.decode_tokens):
+                        start = time.perf_counter()
+                        model(ids[:, length + step : length + step + 1], past_key_values=cache, use_cache=True,
+                              logits_to_keep=1)
+                        synchronize(args.device)
+                        decode.append(time.perf_counter() - start)
+                    del cache
+                    measured = {"prefill_s": prefill_s, "peak_mib": peak, "prefill_mib": peak - before,
+                                "decode_ms": 1000 * statistics.median(decode) if decode else None}
+                    print(f"{variant} at {factor}x train_len {train_len}: {measured}", file=sys.stderr, flush=True)
+                    results[(variant, train_len, factor)].append(measured)
+    return results
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
+    from transformers import DynamicCache
+
+    from gali_cli.engine.positions import chunk_plan
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    model = build_model(args)
+    train_len = int(args.train_len)  # a worker gets one train_len and one factor
+    length = int(args.factors) * train_len
+    settings = apply_variant(model, args.variant, train_len, length + args.decode_tokens)
     ids = torch.randint(0, model.config.vocab_size, (1, length + args.decode_tokens), device=args.device)
     prompt = ids[:, :length]
-    pieces = chunk_plan(0, length, args.train_len, settings.chunk_size) if args.variant.endswith("pieces") else None
+    pieces = chunk_plan(0, length, train_len, settings.chunk_size) if args.variant.endswith("pieces") else None
 
     def prefill() -> DynamicCache:
         cache = DynamicCache(config=model.config)
@@ -155,11 +241,11 @@ def worker(args: argparse.Namespace) -> dict:
         prefill_s = min(times)
         peak = peak_memory_mib(args.device)
         decode = []
-        for step in range(args.decode_tokens):
+        for step in range(args.decode_tokens):  # each step as generation runs it: the next token's logits only
             token = ids[:, length + step : length + step + 1]
             synchronize(args.device)
             start = time.perf_counter()
-            model(token, past_key_values=cache, use_cache=True)
+            model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
             synchronize(args.device)
             decode.append(time.perf_counter() - start)
     return {
@@ -170,32 +256,47 @@ def worker(args: argparse.Namespace) -> dict:
     }
 
 
-def run_worker(args: argparse.Namespace, variant: str, factor: int, decode_tokens: int, repeats: int) -> dict | None:
+def run_worker(args: argparse.Namespace, variant: str, train_len: int, factor: int, decode_tokens: int,
+               repeats: int) -> dict | None:
     """One worker process; None (and its error on stderr) when it fails, e.g. out of memory."""
     command = [sys.executable, __file__, "--worker", variant, "--factors", str(factor), "--decode-tokens",
                str(decode_tokens), "--device", args.device, "--dtype", args.dtype, "--shape", args.shape,
-               "--train-len", str(args.train_len), "--repeats", str(repeats)]
+               "--train-len", str(train_len), "--repeats", str(repeats), "--threads", str(args.threads)]
+    if args.model:
+        command += ["--model", args.model] + (["--layers", str(args.layers)] if args.layers else [])
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         error = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
         print(f"worker {variant} at {factor}x failed: {error}", file=sys.stderr)
         return None
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"{variant} at {factor}x train_len {train_len}: {measured}", file=sys.stderr, flush=True)  # progress
+    return measured
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--shape", choices=SHAPES, default="small")
-    parser.add_argument("--train-len", type=int, default=256)
+    parser.add_argument("--shape", choices=SHAPES, default="small", help="random weights of this shape")
+    parser.add_argument("--model", help="a real checkpoint instead: a folder, a .gguf file or smollm2 (as gali's -m)")
+    parser.add_argument("--train-len", default="256", help="the window GALI and the methods stay within; several, "
+                        "comma-separated, are measured in turn")
     parser.add_argument("--factors", default="16", help="prefill lengths as multiples of train_len, e.g. 1,4,16,32")
+    parser.add_argument("--layers", type=int, help="with --model: keep its first N layers (ratios per layer, sooner; "
+                        "tables built once per forward then weigh more than in the whole model)")
+    parser.add_argument("--tokens", type=int, help="one prefill length for every train_len instead of --factors")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's)")
     parser.add_argument("--variants", help="comma-separated, from: " + ", ".join(VARIANTS) + " (default: all; "
                         "gali-noise-torch only on CUDA, elsewhere it is gali-noise)")
     parser.add_argument("--rounds", type=int, default=3, help="worker processes per variant, interleaved")
     parser.add_argument("--repeats", type=int, default=2, help="prefills per worker; the fastest counts")
     parser.add_argument("--decode-factors", default="1,2,4,8,16", help="context lengths (x train_len) for decode")
-    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=16, help="decoded after each prefill worker's prefill "
+                        "too, for the prefill table's decode column (0: none)")
+    parser.add_argument("--one-process", action="store_true", help="every variant in this process, interleaved "
+                        "forward by forward (one model load; peak RSS per forward via Linux's VmHWM): the ratios to "
+                        "trust on a shared, loaded machine")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -206,53 +307,71 @@ def main() -> None:
 
     variants = args.variants.split(",") if args.variants else [
         variant for variant in VARIANTS if args.device == "cuda" or variant != "gali-noise-torch"]
-    factors = [int(factor) for factor in args.factors.split(",")]
-    prefill: dict[tuple[str, int], list[dict]] = {(variant, factor): [] for variant in variants for factor in factors}
-    for _ in range(args.rounds):
-        for factor in factors:
+    train_lens = [int(train_len) for train_len in args.train_len.split(",")]
+    if args.tokens:
+        runs = [(train_len, args.tokens // train_len) for train_len in train_lens]
+    else:
+        runs = [(train_len, int(factor)) for train_len in train_lens for factor in args.factors.split(",")]
+    prefill: dict[tuple[str, int, int], list[dict]] = {(v, *run): [] for v in variants for run in runs}
+    if args.one_process:
+        prefill = side_by_side(args, variants, runs)
+    for _ in range(0 if args.one_process else args.rounds):  # variants interleaved: the load shifts alike for all
+        for run in runs:
             for variant in variants:
-                prefill[(variant, factor)].append(run_worker(args, variant, factor, 0, args.repeats))
+                prefill[(variant, *run)].append(run_worker(args, variant, *run, args.decode_tokens, args.repeats))
     decode_variants = [v for v in ("sdpa", "gali", *METHOD_VARIANTS) if v in variants]
     decode_factors = [int(factor) for factor in args.decode_factors.split(",") if factor]
-    decode = {(variant, factor): run_worker(args, variant, factor, args.decode_tokens, 1)
+    decode = {(variant, factor): run_worker(args, variant, train_lens[0], factor, args.decode_tokens, 1)
               for factor in decode_factors for variant in decode_variants}
 
+    if args.json:  # first: a failure below loses nothing
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args),
+                       "prefill": {f"{v}@{t}x{f}": results for (v, t, f), results in prefill.items()},
+                       "decode": {f"{v}@{f}": run and run["decode_ms"] for (v, f), run in decode.items()}},
+                      handle, indent=1)
+    model = (f"{args.model}" + (f" (first {args.layers} layers)" if args.layers else "") if args.model
+             else f"{args.shape} Llama (random weights)")
     print(f"# {date.today()} - {platform.node()} - {platform.processor() or platform.machine()} - "
-          f"torch {torch.__version__} - {torch.get_num_threads()} threads")
+          f"torch {torch.__version__} - {args.threads or torch.get_num_threads()} threads - load average "
+          f"{os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} cores")
     print(f"# python {' '.join(sys.argv)}")
-    for factor in factors:
-        tokens = factor * args.train_len
-        print(f"\nPrefill of {tokens} tokens ({factor}x train_len {args.train_len}), {args.shape} Llama, "
-              f"{args.dtype} on {args.device}; best of {args.repeats} per worker, median of {args.rounds} workers\n")
+    for train_len, factor in runs:
+        tokens = factor * train_len
+        print(f"\nPrefill of {tokens} tokens ({factor}x train_len {train_len}), {model}, {args.dtype} on "
+              f"{args.device}; " + (f"one process, variants interleaved, median of {args.rounds} forwards"
+                                    if args.one_process else
+                                    f"best of {args.repeats} per worker, median of {args.rounds} workers") +
+              f"; decode: median ms per token of {args.decode_tokens} after that prefill\n")
         # "prefill MiB" is the peak during prefill minus the peak before it (weights, warm-up): the activations.
-        print("| variant | prefill s | x sdpa | tokens/s | peak MiB | x sdpa | prefill MiB | x sdpa |")
-        print("|---|---|---|---|---|---|---|---|")
-        median = {v: {k: statistics.median(r[k] for r in runs)
-                      for k in ("prefill_s", "peak_mib", "prefill_mib")}
-                  for v in variants if (runs := [r for r in prefill[(v, factor)] if r])}
+        print("| variant | prefill s | x sdpa | tokens/s | peak MiB | x sdpa | prefill MiB | x sdpa | decode ms | "
+              "decode x sdpa tokens/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        keys = ("prefill_s", "peak_mib", "prefill_mib") + (("decode_ms",) if args.decode_tokens else ())
+        median = {v: {k: statistics.median(r[k] for r in results) for k in keys}
+                  for v in variants if (results := [r for r in prefill[(v, train_len, factor)] if r])}
         base = median.get("sdpa")
         for variant in variants:
             if variant not in median:
-                print(f"| {variant}: {VARIANTS[variant]} | failed (see stderr) | | | | | | |")
+                print(f"| {variant}: {VARIANTS[variant]} | failed (see stderr) | | | | | | | | |")
                 continue
             m = median[variant]
             ratio = (lambda key: f"{m[key] / base[key]:.2f}") if base else (lambda key: "-")
+            decoded = (f"{m['decode_ms']:.1f} | {base['decode_ms'] / m['decode_ms']:.2f}" if base and args.decode_tokens
+                       else "- | -")
             print(f"| {variant}: {VARIANTS[variant]} | {m['prefill_s']:.2f} | {ratio('prefill_s')} | "
                   f"{tokens / m['prefill_s']:.0f} | {m['peak_mib']:.0f} | {ratio('peak_mib')} | "
-                  f"{m['prefill_mib']:.0f} | {ratio('prefill_mib')} |")
+                  f"{m['prefill_mib']:.0f} | {ratio('prefill_mib')} | {decoded} |")
     if decode:
-        print(f"\nDecode, ms per token (median of {args.decode_tokens}) after a prompt of factor x train_len\n")
+        print(f"\nDecode, ms per token (median of {args.decode_tokens}) after a prompt of factor x train_len "
+              f"{train_lens[0]}\n")
         print("| prompt tokens | x train_len | " + " | ".join(decode_variants) + " |")
         print("|---|---|" + "---|" * len(decode_variants))
         for factor in decode_factors:
             cells = " | ".join(f"{decode[(v, factor)]['decode_ms']:.1f}" if decode[(v, factor)] else "failed"
                                for v in decode_variants)
-            print(f"| {factor * args.train_len} | {factor} | {cells} |")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"args": vars(args), "prefill": {f"{v}@{f}": runs for (v, f), runs in prefill.items()},
-                       "decode": {f"{v}@{f}": run and run["decode_ms"] for (v, f), run in decode.items()}},
-                      handle, indent=1)
+            print(f"| {factor * train_lens[0]} | {factor} | {cells} |")
+
 
 
 if __name__ == "__main__":

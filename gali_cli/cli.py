@@ -322,14 +322,20 @@ def cache_clear(cache_dir: CacheDir = None) -> None:
 @app.command(cls=Command)
 @_guarded
 @with_model_options(many_methods=True)
-def info(json_output: JsonOutput = False, choice: ModelChoice = None) -> None:
+def info(
+    json_output: JsonOutput = False,
+    check: Annotated[bool, typer.Option("--check", metavar="", help="Also run the engine's self-check on the device: "
+                                        "each fast attention path against the PyTorch path, GALI against Alg. 3, "
+                                        "timed.")] = False,
+    choice: ModelChoice = None,
+) -> None:
     """Describe the model, device, CUDA, bitsandbytes and GALI settings, without loading weights.
 
-    Example: gali info -m demo
+    Example: gali info --check   (on a GPU: is the fused kernel right there, and how fast?)
     """
     from .runs.info import show_info
 
-    show_info(choice, json_output)
+    show_info(choice, json_output, check)
 
 
 def _version(value: bool) -> None:

@@ -138,6 +138,15 @@ def print_facts(facts: dict, json_output: bool) -> None:
     _print("".join(lines))
 
 
+def print_check(check) -> None:
+    """One line of `gali info --check` on stdout: the verdict, what was compared, the gap and each path's time."""
+    timings = ", ".join(f"{path} {seconds * 1000:.1f} ms" for path, seconds in check.seconds.items())
+    verdict = "ok  " if check.ok else "FAIL"
+    sys.stdout.write(f"{verdict} {check.name}: max error {check.error:.2g} (tolerance {check.tolerance:.2g})"
+                     f"{'; ' + timings if timings else ''}\n")
+    sys.stdout.flush()
+
+
 class Bar:
     """A Rich progress bar on stderr, fed through (done, total) callbacks; silent when stderr is no terminal."""
 

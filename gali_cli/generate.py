@@ -50,7 +50,8 @@ class Finished:
 
 def make_sampler(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> Sampler:
     """A function from next-token logits (vocab,) to a token id. Temperature 0 is greedy; otherwise sampling is
-    reproducible for a seed (it runs on the CPU, whatever the model's device)."""
+    reproducible for a seed on a given kind of device. It runs where the logits are: only the chosen id crosses to
+    the host, never the vocabulary's logits (a GPU's per-token copy of 128k floats)."""
     if temperature < 0:
         raise ConfigError(f"--temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
@@ -59,10 +60,12 @@ def make_sampler(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, s
         raise ConfigError(f"--top-k must be >= 0, got {top_k}")
     if temperature == 0:
         return lambda logits: int(logits.argmax())
-    generator = torch.Generator().manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}  # one stream per device, made on first use there
 
     def sample(logits: torch.Tensor) -> int:
-        logits = logits.float().cpu() / temperature
+        if logits.device not in generators:
+            generators[logits.device] = torch.Generator(device=logits.device).manual_seed(seed)
+        logits = logits.float() / temperature
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -71,8 +74,8 @@ def make_sampler(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, s
             beyond = torch.softmax(sorted_logits, -1).cumsum(-1) > top_p
             beyond[1:] = beyond[:-1].clone()  # keep the token that crosses top_p
             beyond[0] = False
-            logits[order[beyond]] = float("-inf")
-        return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+            logits = logits.index_fill(0, order[beyond], float("-inf"))
+        return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generators[logits.device]))
 
     return sample
 

@@ -8,7 +8,7 @@ from gali_cli.engine.noise import Noise
 from gali_cli.engine.noisy_attention import add_noise
 from gali_cli.engine.positions import chunk_plan, interpolate
 from gali_cli.engine.rope import RopeTable, key_rotation
-from reference_attention import reference_gali_attention
+from gali_cli.engine.reference import reference_gali_attention
 
 HEAD_DIM = 16
 

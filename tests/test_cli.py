@@ -1,5 +1,6 @@
 """The `gali` command, in-process through Typer's runner and as a real subprocess, on a tiny random Llama."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -187,7 +188,7 @@ def test_info(gali, tiny_model_dir):
     assert facts["gali"]["chunk_size"] == 6 and facts["gali"]["local_window"] == 16
     assert facts["device"] in ("cpu", "cuda") and "bitsandbytes" in facts["bitsandbytes"]
     if facts["device"] == "cpu":
-        assert facts["noisy_attention"].startswith("PyTorch (")
+        assert facts["noisy_attention"].startswith(("native CPU kernel (built with", "PyTorch ("))
     forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "torch"}).stdout)
     assert forced["noisy_attention"] == "PyTorch (GALI_KERNEL=torch)"
     if facts["device"] == "cpu":
@@ -450,7 +451,7 @@ def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):
 def test_a_mistyped_gali_kernel_fails_before_the_model_loads(gali, doc):
     result = gali("summarize", str(doc), env={"GALI_KERNEL": "fastest"})
     assert result.exit_code == 2 and not result.stdout
-    assert result.stderr.strip() == "gali: GALI_KERNEL must be one of auto, triton, torch, got 'fastest'"
+    assert result.stderr.strip() == "gali: GALI_KERNEL must be one of auto, triton, native, torch, got 'fastest'"
 
 
 def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
@@ -500,3 +501,51 @@ def test_serve_refuses_bad_settings_before_loading(gali, monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", unknown)
     bad_host = gali("serve", "--host", "gali.example")
     assert bad_host.exit_code == 2 and bad_host.stderr.strip() == "gali: --host gali.example: Name or service not known"
+
+
+@pytest.fixture
+def small_self_check(monkeypatch):
+    """The self-check's own code on smaller problems (the full one takes minutes on two shared cores)."""
+    from gali_cli.engine import self_check
+
+    monkeypatch.setattr(self_check, "HEAD_SHAPES", ((64, 9, 3), (128, 4, 4)))
+    monkeypatch.setattr(self_check, "LENGTHS", {"cuda": (320,), "cpu": (320,), "interpreted": (200,), "gali": (300,)})
+    monkeypatch.setattr(self_check, "TIMED_CALLS", 1)
+
+
+def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
+    assert result.exit_code == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 6 of 6 passed" in result.stderr
+    assert len(lines) == 6 and all(line.startswith("ok ") for line in lines)
+    assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
+    assert any(line.startswith("ok   GALI vs Alg. 3 as written: 300 keys") and "GALI " in line and " ms" in line
+               for line in lines)
+    facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
+    checks = facts["check"]["checks"]
+    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 6
+    assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
+
+
+def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, monkeypatch):
+    import gali_cli.engine.noisy_attention as noisy_attention
+
+    right = noisy_attention.native_noisy_attention
+    monkeypatch.setattr(noisy_attention, "native_noisy_attention", lambda *arguments: right(*arguments) + 0.5)
+    result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
+    assert result.exit_code == 1
+    assert sum(line.startswith("FAIL noisy attention, native vs PyTorch") for line in result.stdout.splitlines()) == 4
+    assert sum(line.startswith("FAIL GALI vs Alg. 3") for line in result.stdout.splitlines()) == 2  # its route
+    assert result.stderr.strip().splitlines()[-1] == (
+        "gali: self-check: 6 of 6 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_info_check_runs_the_triton_kernel_interpreted_when_asked(gali, small_self_check):
+    """conftest sets TRITON_INTERPRET=1 before torch loads triton: the kernel's code runs in NumPy on the CPU."""
+    result = gali("info", "--check", env={"TRITON_INTERPRET": "1"})
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "the Triton kernel under TRITON_INTERPRET=1" in result.stderr
+    assert sum(line.startswith("ok   noisy attention, Triton vs PyTorch") for line in result.stdout.splitlines()) == 4

@@ -128,7 +128,7 @@ def test_kernel_choice_follows_gali_kernel(monkeypatch):
     monkeypatch.setenv("GALI_KERNEL", "torch")
     assert not fused_kernel_applies(query, key)
     monkeypatch.setenv("GALI_KERNEL", "fast")
-    with pytest.raises(ConfigError, match="GALI_KERNEL must be one of auto, triton, torch"):
+    with pytest.raises(ConfigError, match="GALI_KERNEL must be one of auto, triton, native, torch"):
         fused_kernel_applies(query, key)
 
 

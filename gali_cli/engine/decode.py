@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .dense import grouped_logits, tiled_attention
+from .dense import PartialAttention, merge_partials, partial_route
 from .noise import Noise
-from .noisy_attention import add_noise
+from .noisy_attention import NoisyPartial, noisy_partial_route
 from .positions import interpolate
 from .rope import AbsoluteTable, RopeTable, key_rotation, rotate, rotate_fused
 
@@ -60,6 +60,18 @@ class DecodeStep:
     absolute_query_sin: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class DecodeRoutes:
+    """How a decode step computes its two parts (fixed by device, dtype and $GALI_KERNEL: decided once per token)."""
+
+    partial: PartialAttention  # keys without noise
+    noisy: NoisyPartial  # grouped keys with noise
+
+
+def decode_routes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> DecodeRoutes:
+    return DecodeRoutes(partial_route(query, key, value), noisy_partial_route(query, key, value))
+
+
 def decode_step(
     origin: tuple[int, int, int] | None,
     keys: int,
@@ -99,6 +111,7 @@ def decode_attention(
     step: DecodeStep,
     scale: float,
     noise: Noise | None = None,
+    routes: DecodeRoutes | None = None,
 ) -> tuple[torch.Tensor, DecodeState]:
     """GALI attention of one new token (the last of the T keys) without re-rotating the cache.
 
@@ -107,6 +120,7 @@ def decode_attention(
         key, value: (B, Hkv, T, D) un-rotated keys and values.
         state: what the previous step returned for this cache and layer (unused when `step.rebuild`).
         step: from `decode_step`, for this state's origin.
+        routes: from `decode_routes`, decided once per token for all layers; decided here when not given.
 
     Returns:
         (B, H, 1, D) attention output, and the state for the next step.
@@ -125,14 +139,22 @@ def decode_attention(
     if step.fresh_cos is not None:  # rows of the exact tail not rotated yet: the absolute frame
         rotate_fused(key[:, :, step.fresh : keys], step.fresh_cos, step.fresh_sin, out=rotated[:, :, step.fresh : keys])
 
-    logits = [grouped_logits(rotate(query, step.query_cos, step.query_sin), rotated[:, :, : step.grouped], scale)]
+    # Two parts merged by their log-sum-exps: the grouped keys in GALI's frame (with noise), the exact tail in the
+    # absolute frame; one softmax over both, as if their logits had been concatenated.
+    routes = routes or decode_routes(query, key, value)
+    in_gali_frame = rotate(query, step.query_cos, step.query_sin)
+    grouped_key, grouped_value = rotated[:, :, : step.grouped], value[:, :, : step.grouped]
+    if noise is None:
+        parts = [routes.partial(in_gali_frame, grouped_key, grouped_value, scale)]
+    else:
+        query_index = torch.tensor([keys - 1], device=key.device)
+        parts = [routes.noisy(in_gali_frame, grouped_key, grouped_value, scale, noise, query_index, step.group,
+                              step.grouped, keys)]
     if step.absolute_query_cos is not None:
         in_absolute = rotate(query, step.absolute_query_cos, step.absolute_query_sin)
-        logits.append(grouped_logits(in_absolute, rotated[:, :, step.grouped : keys], scale))
-    scores = torch.cat(logits, dim=-1)
-    if noise is not None:
-        add_noise(scores, torch.tensor([keys - 1], device=key.device), step.group, step.grouped, noise)
-    output = tiled_attention(lambda rows: scores, value[:, :, :keys], query.shape[1], 1)
+        parts.append(routes.partial(in_absolute, rotated[:, :, step.grouped : keys], value[:, :, step.grouped : keys],
+                                    scale))
+    output = merge_partials(parts).output
     return output, DecodeState(step.group, step.grouped, keys, rotated)
 
 

@@ -5,7 +5,8 @@ Shapes: B batch, H query heads, Hkv key/value heads (GQA when Hkv < H), q querie
 q queries are the last q of its T keys (lower-right causal).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,23 @@ _LOGITS_TILE_ELEMENTS = 1 << 20
 
 # (query, key, value, scale, dropout) -> (B, H, q, D): causal attention of q < T queries, the last q of the T keys.
 CausalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor]
+
+
+class Partial(NamedTuple):
+    """Attention of queries over one part of their keys, and what merging it with the other parts needs.
+
+    Softmax attention over disjoint key sets A and B is exactly the two partial results weighted by their shares of
+    the normaliser: out = out_A exp(lse_A - lse) + out_B exp(lse_B - lse), lse = logaddexp(lse_A, lse_B)
+    (`merge_partials`). So a method whose logits follow different rules on different keys (positions, noise, a
+    window) computes each part with an ordinary mask-free call and merges them, never building a (q x T) mask.
+    """
+
+    output: torch.Tensor  # (B, H, q, D), normalised over this part's keys
+    lse: torch.Tensor  # (B, H, q) float32: log-sum-exp of the part's scaled logits, per query
+
+
+# (query, key, value, scale, causal=False, mask=None, dropout=0.0) -> Partial; see `flash_partial`.
+PartialAttention = Callable[..., Partial]
 
 # torch's CPU flash attention, which also returns the log-sum-exp of each query's logits (an aten op, not public API:
 # without it, the CPU takes the masked route).
@@ -78,27 +96,119 @@ def masked_causal_attention(
 def split_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, dropout: float = 0.0
 ) -> torch.Tensor:
-    """The CPU float32 route of `causal_attention`, without a mask: the keys every query sees in full (all but the
-    last q), then the causal square of the last q, merged by their log-sum-exps. A (q, T) mask would be built,
-    converted and added to every logit, about a fifth of the attention's time in GALI's chunks.
+    """The CPU route of `causal_attention`, without a mask: `causal_partial` by torch's flash kernel (the keys every
+    query sees in full, then the causal square of the last q, merged by their log-sum-exps). A (q, T) mask would be
+    built, converted and added to every logit, about a fifth of the attention's time in GALI's chunks.
 
     Forward only: under autograd or dropout it takes the masked route.
     """
     if dropout != 0.0 or needs_grad(query, key, value):
         return masked_causal_attention(query, key, value, scale, dropout)
+    return causal_partial(query, key, value, scale, flash_partial).output
+
+
+def partial_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float = 0.0) -> PartialAttention:
+    """Which implementation `Partial`s of tensors like these take: decided once per forward, like `causal_route`.
+
+    torch's CPU flash kernel (it returns the log-sum-exp; float32, bfloat16 and float16) outside autograd and dropout;
+    elsewhere (CUDA, gradients, dropout) explicit logits a tile of queries at a time.
+    """
+    flash = query.device.type == "cpu" and _CPU_FLASH_WITH_LSE is not None
+    if flash and dropout == 0.0 and not needs_grad(query, key, value):
+        return flash_partial
+    return explicit_partial
+
+
+def flash_partial(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> Partial:
+    """Attention of queries (B, H, q, D) over keys/values (B, Hkv, n, D) with its log-sum-exp, by torch's CPU flash
+    kernel: every key visible (the default), the causal square (`causal`, q == n), or as a bool `mask` (q, n) or
+    (B, 1, q, n) says (True: visible). Every query must see at least one key (the kernel gives an empty row lse 0).
+
+    Forward only, no dropout: `partial_route` sends those elsewhere.
+    """
     batch, heads, q_len, dim = query.shape
-    kv_heads, past = key.shape[1], key.shape[2] - q_len
+    kv_heads = key.shape[1]
     per_kv = heads // kv_heads
-    # Query heads sharing a key head, stacked as rows: no query row needs a mask against the past keys.
-    stacked = query.reshape(batch, kv_heads, per_kv * q_len, dim)
-    past_out, past_lse = _CPU_FLASH_WITH_LSE(stacked, key[:, :, :past], value[:, :, :past], 0.0, False, scale=scale)
-    own_key, own_value = key[:, :, past:], value[:, :, past:]
-    if per_kv > 1:
-        own_key, own_value = own_key.repeat_interleave(per_kv, dim=1), own_value.repeat_interleave(per_kv, dim=1)
-    own_out, own_lse = _CPU_FLASH_WITH_LSE(query, own_key, own_value, 0.0, True, scale=scale)
-    # softmax over both parts = their outputs weighted by exp(lse) / (exp(lse_past) + exp(lse_own))
-    own_share = torch.sigmoid(own_lse.reshape(batch, heads, q_len, 1) - past_lse.reshape(batch, heads, q_len, 1))
-    return torch.lerp(past_out.reshape(batch, heads, q_len, dim), own_out, own_share)
+    if causal and per_kv > 1:  # the causal flag needs one key head per query head
+        key, value = key.repeat_interleave(per_kv, dim=1), value.repeat_interleave(per_kv, dim=1)
+        per_kv = 1
+    additive = None
+    if mask is not None:
+        # Query heads sharing a key head are stacked as rows below: the mask repeats for each of them.
+        mask = mask.reshape((1, 1) + mask.shape[-2:]) if mask.dim() == 2 else mask
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+        additive = additive.repeat(1, 1, per_kv, 1)
+    # Query heads sharing a key head, stacked as rows: no copies of the keys.
+    stacked = query.reshape(batch, kv_heads if not causal else heads, -1, dim)
+    output, lse = _CPU_FLASH_WITH_LSE(stacked, key, value, 0.0, causal, attn_mask=additive, scale=scale)
+    return Partial(output.reshape(batch, heads, q_len, dim), lse.reshape(batch, heads, q_len))
+
+
+def explicit_partial(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> Partial:
+    """`flash_partial` from explicit float32 logits, a tile of queries at a time: any device, autograd, dropout."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    value32 = value.float()
+    outputs, lses = [], []
+    tile = max(1, _LOGITS_TILE_ELEMENTS // (batch * heads * kv_len))
+    for start in range(0, q_len, tile):
+        rows = slice(start, min(start + tile, q_len))
+        logits = grouped_logits(query[:, :, rows], key, scale)  # (B, H, n, T)
+        if causal:
+            mask_future(logits, torch.arange(rows.start, rows.stop, device=query.device))
+        if mask is not None:
+            logits = logits.masked_fill(~mask[..., rows, :], float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)
+        probs = F.dropout(torch.exp(logits - lse.unsqueeze(-1)), p=dropout)
+        probs = probs.view(batch, kv_heads, -1, kv_len)  # heads sharing a key head, stacked as rows
+        outputs.append(torch.matmul(probs, value32).view(batch, heads, -1, dim))
+        lses.append(lse)
+    return Partial(torch.cat(outputs, dim=2).to(value.dtype), torch.cat(lses, dim=2))
+
+
+def causal_partial(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, partial: PartialAttention
+) -> Partial:
+    """Lower-right causal attention (the q queries are the last q of the n keys) as two mask-free parts: the keys
+    before the queries, which every query sees, and the causal square of the queries' own keys."""
+    if query.shape[2] == 1:  # decoding: one query sees every key
+        return partial(query, key, value, scale)
+    past = key.shape[2] - query.shape[2]
+    own = partial(query, key[:, :, past:], value[:, :, past:], scale, causal=True)
+    if past == 0:
+        return own
+    return merge_partials([partial(query, key[:, :, :past], value[:, :, :past], scale), own])
+
+
+def merge_partials(parts: Sequence[Partial]) -> Partial:
+    """Attention over the union of the parts' (disjoint) key sets, from the parts: exact, see `Partial`."""
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:  # the common case in one lerp: out_A + (out_B - out_A) * share_B
+        (first, first_lse), (second, second_lse) = parts
+        share = torch.sigmoid(second_lse - first_lse).unsqueeze(-1)
+        return Partial(torch.lerp(first, second, share.to(first.dtype)), torch.logaddexp(first_lse, second_lse))
+    lses = torch.stack([part.lse for part in parts])  # (parts, B, H, q)
+    lse = torch.logsumexp(lses, dim=0)
+    shares = torch.exp(lses - lse).unsqueeze(-1).to(parts[0].output.dtype)
+    output = sum(part.output * share for part, share in zip(parts, shares))
+    return Partial(output, lse)
 
 
 def lower_right_causal_attention(

@@ -7,14 +7,15 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+import shlex
 
 from ..errors import ConfigError
 
-KERNEL_CHOICES = ("auto", "triton", "torch")
+KERNEL_CHOICES = ("auto", "triton", "native", "torch")
 
 
 def kernel_choice() -> str:
-    """$GALI_KERNEL (auto, triton or torch; auto when unset), checked."""
+    """$GALI_KERNEL (auto, triton, native or torch; auto when unset), checked."""
     choice = os.environ.get("GALI_KERNEL", "auto").strip().lower() or "auto"
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"GALI_KERNEL must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
@@ -32,6 +33,11 @@ def noisy_attention_path(device_type: str) -> str:
     choice = kernel_choice()
     if choice == "torch":
         return "PyTorch (GALI_KERNEL=torch)"
+    if device_type == "cpu" and choice in ("auto", "native"):
+        checked = " and checked against PyTorch" if choice == "auto" else ""
+        return f"native CPU kernel (built with {' '.join(compiler())}{checked} on first use)"
+    if choice == "native":
+        return "error: GALI_KERNEL=native runs on the CPU"
     if not triton_installed():
         return "PyTorch (triton is not installed)"
     if device_type != "cuda" and choice == "auto":
@@ -40,3 +46,8 @@ def noisy_attention_path(device_type: str) -> str:
         return "error: GALI_KERNEL=triton needs CUDA"
     checked = ", checked against PyTorch on first use" if choice == "auto" else ""
     return f"fused Triton kernel (triton {importlib.metadata.version('triton')}{checked})"
+
+
+def compiler() -> list[str]:
+    """The C compiler command that builds the native noise kernel: $CC (may carry flags), else cc."""
+    return shlex.split(os.environ.get("CC") or "cc")

@@ -8,10 +8,12 @@ The input is cut into chunks of s tokens and keys sit at positions j mod s (Eq. 
 with c the pretraining window. Keys are cached without RoPE; positions depend on (i, j) only.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from ..engine.dense import grouped_logits, mask_future, tiled_attention
+from ..engine.dense import causal_partial, merge_partials, partial_route
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.rope import rotate
 from ..errors import ConfigError
@@ -37,30 +39,45 @@ class DualChunkAttention(PositionalAttention):
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
+        """Per chunk of s tokens, three parts merged by their log-sum-exps, each one mask-free call: its own keys
+        (causal), the previous chunk's keys and the keys before that, every key rotated once at j mod s."""
+        size, start, stop = self.chunk_size, forward.start, forward.stop
+        tables = forward.memo(("chunk-llama", query.device, query.dtype), lambda: self._tables(forward, query))
+        partial = forward.memo(("partial", query.device, query.dtype),
+                               lambda: partial_route(query, key, value, dropout))
+        keys = rotate(key[:, :, :stop], tables.key_cos, tables.key_sin)  # (B, Hkv, T, D) at P_k = j mod s
+        intra, successive, inter = (rotate(query, cos, sin) for cos, sin in tables.queries)
+        outputs = []
+        for chunk in range(start // size, (stop - 1) // size + 1):
+            first, last = max(start, chunk * size), min(stop, (chunk + 1) * size)  # the chunk's queries in this forward
+            rows = slice(first - start, last - start)
+            begin = chunk * size
+            parts = [causal_partial(intra[:, :, rows], keys[:, :, begin:last], value[:, :, begin:last], scaling,
+                                    partial)]
+            if chunk >= 1:
+                previous = slice(begin - size, begin)
+                parts.append(partial(successive[:, :, rows], keys[:, :, previous], value[:, :, previous], scaling))
+            if chunk >= 2:
+                parts.append(partial(inter[:, :, rows], keys[:, :, : begin - size], value[:, :, : begin - size],
+                                     scaling))
+            outputs.append(merge_partials(parts).output)
+        return torch.cat(outputs, dim=2).transpose(1, 2) if len(outputs) > 1 else outputs[0].transpose(1, 2)
+
+    def _tables(self, forward: Forward, query: torch.Tensor) -> "_Tables":
+        """The forward's rotation tables, shared by its layers: keys at j mod s; its queries at their intra-chunk
+        (i mod s), successive-chunk (s + i mod s within the local window, else c - 1) and inter-chunk (c - 1)
+        positions."""
         size, window, top = self.chunk_size, self.local_window, self.max_position
-        start, stop = forward.start, forward.stop
         table = forward.table(query.device, query.dtype)
-        cos, sin = table.cos32, table.sin32
-        key_index = torch.arange(stop, device=key.device)
-        key_chunk, key_position = key_index // size, key_index % size
-        keys = rotate(key[:, :, :stop].float(), cos[key_position], sin[key_position])  # (B, Hkv, T, D) at P_k
+        key_position = torch.arange(forward.stop, device=query.device) % size
+        within = torch.arange(forward.start, forward.stop, device=query.device) % size
+        successive = torch.where(within < window, size + within, top)
+        queries = tuple((table.cos[rows], table.sin[rows]) for rows in (within, successive, within.new_full((1,), top)))
+        return _Tables(table.cos[key_position], table.sin[key_position], queries)
 
-        def logits(rows: slice) -> torch.Tensor:
-            query_index = torch.arange(start + rows.start, start + rows.stop, device=key.device)
-            rows_query = query[:, :, rows].float()
-            scores = grouped_logits(rotate(rows_query, cos[top], sin[top]), keys, scaling)  # inter-chunk everywhere
-            # Own and previous chunk: a band of at most two chunks plus the tile.
-            low, high = max(0, (int(query_index[0]) // size - 1) * size), int(query_index[-1]) + 1
-            within = query_index % size
-            intra = grouped_logits(rotate(rows_query, cos[within], sin[within]), keys[:, :, low:high], scaling)
-            successive_position = torch.where(within < window, size + within, top)
-            successive = grouped_logits(rotate(rows_query, cos[successive_position], sin[successive_position]),
-                                        keys[:, :, low:high], scaling)
-            distance = query_index.unsqueeze(1) // size - key_chunk[low:high]  # chunks apart, (n, band)
-            scores[..., low:high] = torch.where(
-                distance == 0, intra, torch.where(distance == 1, successive, scores[..., low:high])
-            )
-            mask_future(scores, query_index)
-            return scores
 
-        return tiled_attention(logits, value[:, :, :stop], query.shape[1], query.shape[2], dropout).transpose(1, 2)
+@dataclass(frozen=True)
+class _Tables:
+    key_cos: torch.Tensor  # (T, D)
+    key_sin: torch.Tensor
+    queries: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (cos, sin) of the intra, successive, inter positions

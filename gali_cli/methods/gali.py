@@ -7,7 +7,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..config import GaliConfig
-from ..engine.decode import DecodeStep, decode_attention, decode_step
+from ..engine.decode import DecodeStep, decode_attention, decode_routes, decode_step
 from ..engine.gali_attention import attention_routes, chunk_contexts, gali_attention
 from ..engine.hooks import Forward, PositionalAttention, install, installed_method, llama_model, uninstall
 from ..engine.noise import Noise
@@ -76,8 +76,9 @@ class Gali(PositionalAttention):
                                self.config.train_len, self.config.local_window)
 
         step = forward.memo(("decode", query.device, query.dtype, origin), build_step)  # shared by the layers
+        routes = forward.memo(("decode-routes", query.device, query.dtype), lambda: decode_routes(query, key, value))
         output, states[module.layer_idx] = decode_attention(
-            query, key[:, :, : forward.stop], value[:, :, : forward.stop], state, step, scaling, noise)
+            query, key[:, :, : forward.stop], value[:, :, : forward.stop], state, step, scaling, noise, routes)
         return output.transpose(1, 2)
 
 

@@ -7,11 +7,12 @@ split of the input into forwards gives the same result.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..engine.dense import grouped_logits, mask_future, tiled_attention
+from ..engine.dense import Partial, PartialAttention, causal_partial, merge_partials, partial_route
 from ..engine.hooks import Forward, PositionalAttention
-from ..engine.rope import rotate
+from ..engine.rope import RopeTable, rotate
 from ..errors import ConfigError
 
 
@@ -40,32 +41,72 @@ class SelfExtend(PositionalAttention):
 
     def table_rows(self, start: int, stop: int) -> int:
         grouped = (stop - 1) // self.group_size + group_shift(self.group_size, self.neighbor_window) + 1
-        return max(grouped, stop - start + self.neighbor_window)  # neighbour positions are relative to a band
+        return max(grouped, 2 * self.neighbor_window)  # neighbour positions are relative to a band of 2 W keys
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
-        size, window = self.group_size, self.neighbor_window
-        start, stop = forward.start, forward.stop
+        """Two parts merged by their log-sum-exps: the grouped keys (j <= i - W), one lower-right causal attention
+        at grouped positions; and the neighbours (i - W < j <= i) at true distances, in bands of 2 W keys."""
+        size, window, start, stop = self.group_size, self.neighbor_window, forward.start, forward.stop
         table = forward.table(query.device, query.dtype)
-        cos, sin = table.cos32, table.sin32
-        key, value = key[:, :, :stop].float(), value[:, :, :stop]
-        key_index = torch.arange(stop, device=key.device)
-        grouped_keys = rotate(key, cos[key_index // size], sin[key_index // size])  # (B, Hkv, T, D)
-        shift = group_shift(size, window)
+        partial = forward.memo(("partial", query.device, query.dtype),
+                               lambda: partial_route(query, key, value, dropout))
+        key, value = key[:, :, :stop], value[:, :, :stop]
+        near = neighbour_partial(query, key, value, start, window, table, scaling, partial)
+        first = max(start, window)  # the first query that has grouped keys: i - W >= 0
+        if first >= stop:
+            return near.output.transpose(1, 2)
+        grouped_index = torch.arange(stop - window, device=key.device) // size
+        grouped_key = rotate(key[:, :, : stop - window], table.cos[grouped_index], table.sin[grouped_index])
+        query_index = torch.arange(first, stop, device=key.device) // size + group_shift(size, window)
+        grouped_query = rotate(query[:, :, first - start :], table.cos[query_index], table.sin[query_index])
+        # Query i sees grouped keys 0..i - W: the last query sees all stop - W of them (lower-right causal).
+        far = causal_partial(grouped_query, grouped_key, value[:, :, : stop - window], scaling, partial)
+        rows = slice(first - start, None)
+        merged = merge_partials([Partial(near.output[:, :, rows], near.lse[:, :, rows]), far]).output
+        if first > start:
+            merged = torch.cat((near.output[:, :, : first - start], merged), dim=2)
+        return merged.transpose(1, 2)
 
-        def logits(rows: slice) -> torch.Tensor:
-            query_index = torch.arange(start + rows.start, start + rows.stop, device=key.device)
-            rows_query = query[:, :, rows].float()
-            grouped_query = rotate(rows_query, cos[query_index // size + shift], sin[query_index // size + shift])
-            scores = grouped_logits(grouped_query, grouped_keys, scaling)  # (B, H, n, T)
-            # Neighbours: true distances, rotated relative to the band's first key to keep angles small.
-            low, high = max(0, rows.start + start - window + 1), start + rows.stop
-            band = torch.arange(high - low, device=key.device)
-            near_query = rotate(rows_query, cos[query_index - low], sin[query_index - low])
-            near = grouped_logits(near_query, rotate(key[:, :, low:high], cos[band], sin[band]), scaling)
-            close = (query_index.unsqueeze(1) - (band + low)) < window  # (n, band)
-            scores[..., low:high] = torch.where(close, near, scores[..., low:high])
-            mask_future(scores, query_index)
-            return scores
 
-        return tiled_attention(logits, value, query.shape[1], query.shape[2], dropout).transpose(1, 2)
+def neighbour_partial(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    start: int,
+    window: int,
+    table: RopeTable,
+    scale: float,
+    partial: PartialAttention,
+) -> Partial:
+    """Attention of queries (B, H, q, D) of tokens start.. over their neighbours, keys i - W < j <= i, at true
+    distances: queries in blocks of W, each against the band of 2 W keys before its end, all bands batched in one
+    call. Positions are relative to each band (keys at 0..2W-1, queries at W..2W-1), so angles stay small and one
+    table slice serves every band."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    blocks = -(-q_len // window)
+    padded = blocks * window
+    cos, sin = table.cos[: 2 * window], table.sin[: 2 * window]
+    # Block m holds queries start + mW .. start + mW + W - 1; its band, keys start + (m - 1) W .. start + (m + 1) W - 1.
+    query = F.pad(query, (0, 0, 0, padded - q_len))
+    query = query.view(batch, heads, blocks, window, dim).transpose(1, 2)  # (B, blocks, H, W, D)
+    query = rotate(query, cos[window:], sin[window:]).reshape(batch * blocks, heads, window, dim)
+    low, high = start - window, start + padded
+    bands = []
+    for tensor in (key, value):
+        # Tokens low .. high - 1, zeros where there is none (before token 0, after the last query).
+        span = F.pad(tensor[:, :, max(low, 0) : high], (0, 0, max(-low, 0), high - min(high, tensor.shape[2])))
+        bands.append(span.unfold(2, 2 * window, window).permute(0, 2, 1, 4, 3))  # (B, blocks, Hkv, 2W, D)
+    band_key = rotate(bands[0], cos, sin).reshape(batch * blocks, kv_heads, 2 * window, dim)
+    band_value = bands[1].reshape(batch * blocks, kv_heads, 2 * window, dim)
+    # Query t of a block (at W + t) sees band keys r with t < r <= W + t, and none before token 0.
+    t = torch.arange(window, device=key.device).unsqueeze(1)
+    r = torch.arange(2 * window, device=key.device)
+    index = low + window * torch.arange(blocks, device=key.device).view(-1, 1, 1) + r  # token index of each key
+    mask = (t < r) & (r <= window + t) & (index >= 0)  # (blocks, W, 2W)
+    mask = mask.expand(batch, blocks, window, 2 * window).reshape(batch * blocks, 1, window, 2 * window)
+    near = partial(query, band_key, band_value, scale, mask=mask)
+    output = near.output.view(batch, blocks, heads, window, dim).transpose(1, 2).reshape(batch, heads, padded, dim)
+    lse = near.lse.view(batch, blocks, heads, window).transpose(1, 2).reshape(batch, heads, padded)
+    return Partial(output[:, :, :q_len], lse[:, :, :q_len])

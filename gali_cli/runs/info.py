@@ -1,26 +1,72 @@
 """gali info: the model, the machine and the settings, without loading weights, and without importing torch or
-transformers where they are not needed to tell (machine.py, model_config.py): it answers at once."""
+transformers where they are not needed to tell (machine.py, model_config.py): it answers at once. With --check, the
+engine's self-check on the device (which needs torch)."""
+
+import os
 
 from .. import display
 from ..config import PREVIEWED_METHODS
+from ..display import print_json, say
 from ..errors import GaliError
 from ..machine import environment_facts
 from ..model_config import read_model_config
 from . import ModelChoice
 
 
-def show_info(choice: ModelChoice, json_output: bool) -> None:
+def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> None:
     """What is known without the model, then its architecture and the settings GALI (and the other methods chosen,
-    where they are known before the input) would use."""
+    where they are known before the input) would use; with `check`, the engine's self-check on the device (no model
+    needed: it runs even when the model cannot load)."""
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
     try:
         config = read_model_config(choice.model)
     except GaliError:
-        display.print_facts(facts, json_output)  # what is known without the model, then the error
-        raise
-    gali = choice.settings.gali().resolved(config.train_len).facts()
-    display.print_facts({**facts, **config.facts(), "gali": gali, **_previews(choice)}, json_output)
+        if not check:
+            display.print_facts(facts, json_output)  # what is known without the model, then the error
+            raise
+        config = None
+    if config is not None:
+        facts |= {**config.facts(), "gali": choice.settings.gali().resolved(config.train_len).facts(),
+                  **_previews(choice)}
+    if not check:
+        display.print_facts(facts, json_output)
+        return
+    from ..loading import resolve_device
+
+    device = resolve_device(choice.device)
+    if not json_output:
+        display.print_facts(facts, json_output)
+    checks = run_self_check(device, json_output)
+    if json_output:
+        print_json({**facts, "check": {"device": str(device), "checks": [
+            {"name": item.name, "ok": item.ok, "max_error": item.error, "tolerance": item.tolerance,
+             "seconds": item.seconds} for item in checks]}})
+    failed = [item for item in checks if not item.ok]
+    if failed:
+        raise GaliError(f"self-check: {len(failed)} of {len(checks)} checks failed on {device} (see above); "
+                        f"GALI_KERNEL=torch runs the PyTorch path")
+
+
+def run_self_check(device, json_output: bool) -> list:
+    """engine/self_check.py on `device`, each check shown as it completes (unless the output is JSON)."""
+    from ..engine.self_check import self_check
+
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if not json_output:
+        where = ("no GPU here: checking the CPU paths" + (", and the Triton kernel under TRITON_INTERPRET=1 (slow)"
+                 if interpreted else " (TRITON_INTERPRET=1 adds the Triton kernel, interpreted)")
+                 if device.type == "cpu" else f"checking the GPU paths on {device}")
+        say(f"self-check: {where}")
+    checks = []
+    for item in self_check(device, triton_interpreted=interpreted):
+        checks.append(item)
+        if not json_output:
+            display.print_check(item)
+    if not json_output:
+        passed = sum(item.ok for item in checks)
+        say(f"self-check: {passed} of {len(checks)} passed")
+    return checks
 
 
 def _previews(choice: ModelChoice) -> dict:

@@ -1,17 +1,18 @@
 """The eager oracle of the engine's prefill attention: Alg. 3 as written, on the engine's own tables and positions.
 
-Unlike naive.py, it shares the engine's inputs (RoPE tables, Alg. 2 positions, the noise and mask helpers) and checks
-only the attention formulation: two rotated copies of the keys, two full logit matrices, interpolated. Tests hold
-`gali_attention` to it; benchmarks/bench_speed.py runs it as the anchor (the authors' formulation).
+Unlike tests/naive.py, it shares the engine's inputs (RoPE tables, Alg. 2 positions, the noise and mask helpers) and
+checks only the attention formulation: two rotated copies of the keys, two full logit matrices, interpolated. Tests
+and `gali info --check` (self_check.py) hold `gali_attention` to it; benchmarks/bench_speed.py runs it as the anchor
+(the authors' formulation).
 """
 
 import torch
 
-from gali_cli.engine.dense import mask_future
-from gali_cli.engine.noise import Noise
-from gali_cli.engine.noisy_attention import add_noise
-from gali_cli.engine.positions import Interpolation
-from gali_cli.engine.rope import RopeTable, rotate
+from .dense import mask_future
+from .noise import Noise
+from .noisy_attention import add_noise
+from .positions import Interpolation
+from .rope import RopeTable, rotate
 
 
 def reference_gali_attention(

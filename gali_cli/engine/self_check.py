@@ -1,0 +1,163 @@
+"""The engine's self-check (`gali info --check`): every noisy-attention path this machine can run, held to the
+PyTorch path at real head dims, head groupings, dtypes and lengths, and GALI held to Alg. 3 as written; each timed.
+
+No GPU is lent to the project, so the Triton kernel has run only under Triton's interpreter: this is what the first
+user with a GPU runs to tell us whether it holds there (the kernel's first-use check, `kernel_verified`, is a smaller
+version of the same comparison). On a CPU it checks the native kernel; the Triton kernel only under
+TRITON_INTERPRET=1 (slow: small problems).
+"""
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .gali_attention import chunk_context, gali_attention
+from .noise import Noise
+from .noisy_attention import tiled_noisy_attention
+from .positions import grouping, interpolate
+from .reference import reference_gali_attention
+from .rope import RopeTable
+
+_TRAIN_LEN, _LOCAL_WINDOW, _CHUNK = 256, 128, 64  # a chunk as GALI cuts it at train_len 256, past the window
+# (head dim, query heads, key/value heads): SmolLM2 (GQA 3), Llama-3-8B (GQA 4), and one key head per query head.
+HEAD_SHAPES = ((64, 9, 3), (128, 32, 8), (128, 8, 8))
+# Keys of the checked chunk, per kind of run (the interpreter runs the kernel's code in NumPy: small only).
+LENGTHS = {"cuda": (320, 1024, 4096), "cpu": (320, 2048), "interpreted": (320,), "gali": (300, 1000)}
+TIMED_CALLS = 3  # per path and check, after a first untimed call; the fastest is reported
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison: what ran, how far apart the two answers were, and how long each path took."""
+
+    name: str
+    error: float  # max |candidate - reference| over the output
+    tolerance: float
+    seconds: dict[str, float]  # path -> seconds of one call after a warm-up call
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance  # NaN fails
+
+
+def self_check(device: torch.device, triton_interpreted: bool = False) -> Iterator[Check]:
+    """Every check that applies on `device`, as it completes. `triton_interpreted`: on the CPU, also the Triton
+    kernel through Triton's interpreter (TRITON_INTERPRET=1 must have been set before torch was imported)."""
+    cuda = device.type == "cuda"
+    kernels = _noisy_kernels(device, triton_interpreted)
+    for path, kernel in kernels.items():
+        if cuda:
+            dtypes, lengths = (torch.float32, torch.bfloat16, torch.float16), LENGTHS["cuda"]
+        elif path == "Triton":  # the interpreter's tl.dot mishandles bfloat16
+            dtypes, lengths = (torch.float32, torch.float16), LENGTHS["interpreted"]
+        else:
+            dtypes, lengths = (torch.float32, torch.bfloat16), LENGTHS["cpu"]
+        for head_dim, heads, kv_heads in HEAD_SHAPES:
+            for dtype in dtypes:
+                for keys in lengths:
+                    yield _noisy_check(path, kernel, device, dtype, head_dim, heads, kv_heads, keys)
+    for dtype in (torch.float32, torch.bfloat16):
+        for keys in LENGTHS["gali"]:
+            yield _gali_check(device, dtype, keys)
+
+
+def _noisy_kernels(device: torch.device, triton_interpreted: bool) -> dict[str, Callable]:
+    """The fast noisy-attention paths to hold to the PyTorch path here: Triton on CUDA (or interpreted, when asked),
+    the native kernel on the CPU. A path that cannot even be built shows up as a failed check, not as absent."""
+    kernels = {}
+    if device.type == "cuda" or triton_interpreted:
+        try:
+            from .triton_attention import noisy_gali_attention
+        except ImportError as error:
+            kernels["Triton"] = _unavailable(error)
+        else:
+            kernels["Triton"] = noisy_gali_attention
+    if device.type == "cpu":
+        from .noisy_attention import native_noisy_attention
+
+        kernels["native"] = native_noisy_attention
+    return kernels
+
+
+def _unavailable(error: Exception) -> Callable:
+    def fail(*arguments):
+        raise error
+
+    return fail
+
+
+def _noisy_check(path: str, kernel: Callable, device: torch.device, dtype: torch.dtype, head_dim: int, heads: int,
+                 kv_heads: int, keys: int) -> Check:
+    """The fast path against the PyTorch path on one chunk's problem: the last 64 queries of `keys` mixed keys."""
+    generator = torch.Generator().manual_seed(keys + head_dim)
+    shapes = ((1, heads, _CHUNK, head_dim), (1, kv_heads, keys, head_dim), (1, kv_heads, keys, head_dim))
+    query, key, value = (torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
+    group, grouped = grouping(keys, _TRAIN_LEN, _LOCAL_WINDOW)
+    arguments = (query, key, value, group, grouped, head_dim**-0.5, Noise(seed=1, layer=3, scale=1.0))
+    name = (f"noisy attention, {path} vs PyTorch: head dim {head_dim}, {heads}/{kv_heads} heads, "
+            f"{str(dtype).removeprefix('torch.')}, {keys} keys")
+    with torch.inference_mode():
+        try:
+            got, fast = _timed(kernel, arguments, device)
+        except Exception as error:  # noqa: BLE001 - a build, launch or compile failure is this check's finding
+            return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:160]})", float("nan"),
+                         0.0, {})
+        expected, reference = _timed(tiled_noisy_attention, arguments, device)
+    return Check(name, _difference(got, expected), _tolerance(dtype, expected), {path: fast, "PyTorch": reference})
+
+
+def _gali_check(device: torch.device, dtype: torch.dtype, keys: int) -> Check:
+    """The engine's GALI attention (one attention over the mixed keys, noise by the route this machine takes)
+    against Alg. 3 as written (two rotated copies of the keys, two logit matrices), on one chunk."""
+    head_dim, heads, kv_heads = 64, 9, 3
+    generator = torch.Generator().manual_seed(keys)
+    shapes = ((1, heads, _CHUNK, head_dim), (1, kv_heads, keys, head_dim), (1, kv_heads, keys, head_dim))
+    query, key, value = (torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
+    table = _rope_table(_TRAIN_LEN + 1, head_dim, device, dtype)
+    chunk = chunk_context(table, keys, _CHUNK, _TRAIN_LEN, _LOCAL_WINDOW)
+    interp = interpolate(keys, _TRAIN_LEN, _LOCAL_WINDOW, device)
+    noise = Noise(seed=2, layer=0, scale=1.0)
+    with torch.inference_mode():
+        got, fast = _timed(lambda *a: gali_attention(*a, [chunk], head_dim**-0.5, noise=noise), (query, key, value),
+                           device)
+        expected, reference = _timed(lambda *a: reference_gali_attention(*a, table, interp, head_dim**-0.5, noise),
+                                     (query, key, value), device)
+    name = f"GALI vs Alg. 3 as written: {keys} keys, {_CHUNK} queries, noise on, {str(dtype).removeprefix('torch.')}"
+    return Check(name, _difference(got, expected), _tolerance(dtype, expected), {"GALI": fast, "Alg. 3": reference})
+
+
+def _timed(function: Callable, arguments: tuple, device: torch.device) -> tuple[torch.Tensor, float]:
+    """The result, and the fastest of TIMED_CALLS calls after a first one (which compiles, builds or warms caches)."""
+    result = function(*arguments)
+    best = float("inf")
+    for _ in range(TIMED_CALLS):
+        _synchronize(device)
+        start = time.perf_counter()
+        function(*arguments)
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return result, best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return (got.float() - expected.float()).abs().max().item()
+
+
+def _tolerance(dtype: torch.dtype, expected: torch.Tensor) -> float:
+    """float32: 1e-4; half precisions: 2e-2 (the outputs are rounded to 8 or 11 bits), relative to the output."""
+    return (1e-4 if dtype == torch.float32 else 2e-2) * max(1.0, expected.float().abs().max().item())
+
+
+def _rope_table(rows: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> RopeTable:
+    """A Llama RoPE table (base 10000) of `rows` positions."""
+    inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.arange(rows, device=device).float().unsqueeze(1) * inverse
+    angles = torch.cat((angles, angles), dim=-1)
+    return RopeTable(angles.cos().to(dtype), angles.sin().to(dtype), angles.cos(), angles.sin())
