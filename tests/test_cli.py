@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 import gali_cli.cli as cli
 import gali_cli.conversation as conversation
 import gali_cli.runs.common as common
+from gali_cli.display import short_path
 from gali_cli.generate import TextPiece
 from gali_cli.methods import METHODS
 from rich.console import Console
@@ -340,7 +341,8 @@ def test_the_second_question_reuses_the_document(gali, doc, tmp_path):
     assert len(listed["entries"]) == 1 and listed["entries"][0]["document"] == str(doc.resolve())
     assert listed["entries"][0]["tokens"] == second["cached_tokens"]
     table = gali("cache", "list", env=env, model=False)
-    assert str(doc) in table.stdout and "1 cached document state" in table.stderr
+    # shown as one would type it from here (relative to the working directory when that is shorter), never cut
+    assert short_path(str(doc.resolve())) in table.stdout and "1 cached document state" in table.stderr
     cleared = gali("cache", "clear", env=env, model=False)
     assert cleared.exit_code == 0 and "Removed 1 cached document state" in cleared.stderr
     assert json.loads(gali("cache", "list", "--json", env=env, model=False).stdout)["entries"] == []
