@@ -12,21 +12,21 @@ import time
 
 import torch
 
-from gali_cli.engine.native_noise import noisy_softmax_
+from gali_cli.engine.native_noise import RowLayout, noisy_softmax_, pair_hashes
 from gali_cli.engine.noise import GOLDEN, mix32
 
 
-def in_pytorch(even, odd, row_hash, row_index, pair_hash, even_weight, odd_weight):
+def in_pytorch(logits, scale, row_hash, row_index, pair_hash, weight):
     """The kernel's work written as PyTorch ops (noise.py's formulas)."""
     bits = mix32(row_hash.long().unsqueeze(-1) ^ pair_hash.long())
     radius = torch.sqrt(-2.0 * torch.log(((bits >> 8).float() + 0.5) * 2.0**-24))
     angle = (mix32(bits ^ GOLDEN) >> 8).float() * (2.0 * math.pi * 2.0**-24)
-    distance = (row_index.unsqueeze(-1) - 2 * torch.arange(even.shape[-1])).float()
-    noisy_even = even + radius * torch.cos(angle) * distance * even_weight
-    noisy_odd = odd + radius * torch.sin(angle) * (distance - 1) * odd_weight
-    top = torch.maximum(noisy_even.amax(-1), noisy_odd.amax(-1))
-    exp_even, exp_odd = torch.exp(noisy_even - top.unsqueeze(-1)), torch.exp(noisy_odd - top.unsqueeze(-1))
-    return exp_even, exp_odd, top, exp_even.sum(-1) + exp_odd.sum(-1)
+    normals = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), dim=-1).flatten(-2)
+    distance = (row_index.unsqueeze(-1) - torch.arange(logits.shape[-1])).float()
+    noisy = logits * scale + normals[:, : logits.shape[-1]] * distance * weight
+    top = noisy.amax(-1)
+    numerators = torch.exp(noisy - top.unsqueeze(-1))
+    return numerators, top, numerators.sum(-1)
 
 
 def timed(name: str, function, logits: int, repeats: int) -> None:
@@ -49,22 +49,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
-    pairs = args.keys // 2
-    even, odd = (torch.randn(args.rows, pairs, generator=generator) * 3 for _ in range(2))
+    logits = torch.randn(args.rows, args.keys, generator=generator) * 24
     row_hash = torch.randint(0, 2**31 - 1, (args.rows,), dtype=torch.int32, generator=generator)
-    row_index = torch.arange(args.rows, dtype=torch.int32) + args.keys
-    pair_hash = torch.randint(0, 2**31 - 1, (pairs,), dtype=torch.int32, generator=generator)
-    weight = torch.full((pairs,), 1.0 / args.keys)
-    tables = (row_hash, row_index, pair_hash, weight, weight)
-    logits = args.rows * args.keys
-    work_even, work_odd = even.clone(), odd.clone()  # the kernel works in place; its cost does not depend on values
-    timed("native kernel", lambda: noisy_softmax_(work_even, work_odd, *tables), logits, 20)
+    row_index = torch.full((args.rows,), args.keys, dtype=torch.int32)  # every row: the query after the keys
+    pair_hash = pair_hashes((args.keys + 1) // 2)
+    group, key = 7, torch.arange(args.keys)  # every key grouped, 6 in 7 of them interpolated (c != 0)
+    weight = torch.where(key % group != 0, 1.0 / args.keys, 0.0)
+    # The kernel finds each row's stream and index from the layout; the PyTorch version is given them per row.
+    layout = RowLayout(row_hash, queries=1, first_query=args.keys, tile_start=0)  # a head per row
+    count = args.rows * args.keys
+    work = logits.clone()  # in place; the kernel's cost does not depend on the values
+    timed("native kernel", lambda: noisy_softmax_(work, 0.125, layout, group, args.keys, 1.0 / args.keys), count, 20)
     with torch.inference_mode():
+        pytorch_tables = (0.125, row_hash, row_index, pair_hash, weight)
         if args.compile:
             compiled = torch.compile(in_pytorch, dynamic=True)
-            timed("torch.compile (inductor)", lambda: compiled(even, odd, *tables), logits, 5)
-        timed("eager PyTorch", lambda: in_pytorch(even, odd, *tables), logits, 2)
-
+            timed("torch.compile (inductor)", lambda: compiled(logits, *pytorch_tables), count, 5)
+        timed("eager PyTorch", lambda: in_pytorch(logits, *pytorch_tables), count, 2)
 
 if __name__ == "__main__":
     main()

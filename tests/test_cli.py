@@ -532,10 +532,17 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
 
 
 def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, monkeypatch):
+    import gali_cli.engine.native_noise as native_noise
     import gali_cli.engine.noisy_attention as noisy_attention
 
-    right = noisy_attention.native_noisy_attention
-    monkeypatch.setattr(noisy_attention, "native_noisy_attention", lambda *arguments: right(*arguments) + 0.5)
+    assert noisy_attention.native_verified()  # the first-use check passed: the kernel goes wrong after it
+    right = native_noise.noisy_partial
+
+    def wrong(*arguments):
+        part = right(*arguments)
+        return part._replace(output=part.output + 0.5)
+
+    monkeypatch.setattr(native_noise, "noisy_partial", wrong)
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 1
     assert sum(line.startswith("FAIL noisy attention, native vs PyTorch") for line in result.stdout.splitlines()) == 4

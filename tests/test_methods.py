@@ -55,6 +55,9 @@ def test_self_extend_matches_its_paper(make_llama, heads, kv_heads, train_len, s
     # Positions depend on (i, j) only: any split of the input gives the same logits.
     torch.testing.assert_close(forwards(model, ids, [3, window + 1, length - 5, length]), model(ids).logits,
                                rtol=1e-5, atol=1e-5)
+    # Decoding keeps the grouped keys rotated from token to token: the same logits as one forward.
+    torch.testing.assert_close(forwards(model, ids, [length - 3, length - 2, length - 1, length]), model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
     assert engine_greedy(model, ids, 4) == naive_tokens
 
 
@@ -77,6 +80,9 @@ def test_dual_chunk_attention_matches_its_paper(make_llama, heads, kv_heads, tra
     apply_method(model, "chunk-llama", settings, length)
     torch.testing.assert_close(model(ids).logits[0].double(), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(forwards(model, ids, [2, size, length - 3, length]), model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
+    # Decoding keeps the keys rotated from token to token: the same logits as one forward.
+    torch.testing.assert_close(forwards(model, ids, [length - 3, length - 2, length - 1, length]), model(ids).logits,
                                rtol=1e-5, atol=1e-5)
     assert engine_greedy(model, ids, 4) == naive_tokens
 

@@ -55,7 +55,7 @@ def test_native_path_equals_the_pytorch_path(heads, kv_heads, keys, queries, tra
 def test_native_partial_equals_explicit_logits(keys, grouped):
     """The part decoding and chunks use: every query sees every key; its output and log-sum-exp."""
     query, key, value = qkv(1, 6, 2, 5, keys, seed=7)
-    arguments = (query, key, value, 0.25, Noise(seed=9, layer=4, scale=3.0), torch.arange(keys, keys + 5), 3,
+    arguments = (query, key, value, 0.25, Noise(seed=9, layer=4, scale=3.0), keys, 3,
                  grouped, keys + 5)
     with torch.inference_mode():
         got = native_noise.noisy_partial(*arguments)

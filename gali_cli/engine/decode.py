@@ -147,8 +147,7 @@ def decode_attention(
     if noise is None:
         parts = [routes.partial(in_gali_frame, grouped_key, grouped_value, scale)]
     else:
-        query_index = torch.tensor([keys - 1], device=key.device)
-        parts = [routes.noisy(in_gali_frame, grouped_key, grouped_value, scale, noise, query_index, step.group,
+        parts = [routes.noisy(in_gali_frame, grouped_key, grouped_value, scale, noise, keys - 1, step.group,
                               step.grouped, keys)]
     if step.absolute_query_cos is not None:
         in_absolute = rotate(query, step.absolute_query_cos, step.absolute_query_sin)

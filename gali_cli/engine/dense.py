@@ -197,18 +197,15 @@ def causal_partial(
 
 
 def merge_partials(parts: Sequence[Partial]) -> Partial:
-    """Attention over the union of the parts' (disjoint) key sets, from the parts: exact, see `Partial`."""
-    if len(parts) == 1:
-        return parts[0]
-    if len(parts) == 2:  # the common case in one lerp: out_A + (out_B - out_A) * share_B
-        (first, first_lse), (second, second_lse) = parts
-        share = torch.sigmoid(second_lse - first_lse).unsqueeze(-1)
-        return Partial(torch.lerp(first, second, share.to(first.dtype)), torch.logaddexp(first_lse, second_lse))
-    lses = torch.stack([part.lse for part in parts])  # (parts, B, H, q)
-    lse = torch.logsumexp(lses, dim=0)
-    shares = torch.exp(lses - lse).unsqueeze(-1).to(parts[0].output.dtype)
-    output = sum(part.output * share for part, share in zip(parts, shares))
-    return Partial(output, lse)
+    """Attention over the union of the parts' (disjoint) key sets, from the parts: exact, see `Partial`.
+
+    Two at a time, each in one lerp: out_A + (out_B - out_A) * share_B (a few small elementwise ops, where a stacked
+    log-sum-exp over all parts costs more on the few rows of a decode step)."""
+    merged = parts[0]
+    for output, lse in parts[1:]:
+        share = torch.sigmoid(lse - merged.lse).unsqueeze(-1)
+        merged = Partial(torch.lerp(merged.output, output, share.to(output.dtype)), torch.logaddexp(merged.lse, lse))
+    return merged
 
 
 def lower_right_causal_attention(

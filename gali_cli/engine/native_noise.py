@@ -2,16 +2,16 @@
 
 The PyTorch path (noisy_attention.explicit_noisy_partial) makes noise.py's normals in about twenty elementwise
 passes over every logit, each a round trip through memory: on a CPU that costs several times the attention itself.
-Here the logits come from two matrix products (even and odd keys: the two keys of a pair share their uniforms), and
-one C function sweeps each row twice while it is in cache: the noise added and the maximum found, then the softmax
-numerators and their sum. The noise is noise.py's to float32 rounding (the same hashed bits; see the C file).
+Here the logits come from one matrix product, and one C function sweeps each row twice while it is in cache: the
+noise added and the maximum found, then the softmax numerators and their sum. The noise is noise.py's to float32 rounding (the same hashed bits; see the C file).
 
 The kernel is compiled on first use by the system's C compiler (`$CC`, else `cc`) into the user cache directory
 (~/.cache/gali/kernels on Linux), keyed by its source, compiler and CPU, and loaded with ctypes: a fraction of a
 second, once per machine. noisy_attention.native_verified holds it to the PyTorch path before first use; a machine
 without a working compiler gets one warning and the PyTorch path.
 
-Shapes: B batch, H query heads, Hkv key/value heads, R = H / Hkv * q stacked rows, n keys, D head dim.
+Shapes: B batch, H query heads, Hkv key/value heads, q queries, n keys, D head dim; the H / Hkv query heads that
+share a key head are stacked as the rows of one matrix product.
 """
 
 import ctypes
@@ -22,7 +22,9 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
@@ -36,8 +38,12 @@ from .noise import GOLDEN, Noise, head_streams, mix32
 SOURCE = Path(__file__).with_name("noise_kernel.c")
 # -fno-math-errno, -fno-trapping-math: sqrt and comparisons become plain vector instructions (no errno, no traps).
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
-_NATIVE_CPU = ["-march=native"]  # tried first; a compiler that does not know it builds for the generic CPU
-# Explicit logits held at once per half (even or odd keys): 1M float32, 4 MiB.
+# Tried in this order, first with OpenMP: a library that uses it links the OpenMP runtime torch has loaded (libgomp,
+# by its name), so the kernel's rows go to torch's own idle threads; a second pool of threads would compete with
+# them (torch's threads keep spinning for a while after each op). Apple's compiler has no -fopenmp.
+_OPENMP = (["-fopenmp"], [])
+_NATIVE_CPU = (["-march=native"], [])  # a compiler that does not know it builds for the generic CPU
+# Explicit logits held at once: 1M float32, 4 MiB.
 _TILE_ELEMENTS = 1 << 20
 
 
@@ -49,9 +55,17 @@ def kernel_directory() -> Path:
     return Path(platformdirs.user_cache_dir("gali")) / "kernels"
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """The loaded C function `gali_noisy_softmax`, and whether it shares rows among threads itself (OpenMP)."""
+
+    function: ctypes._CFuncPtr
+    threaded: bool
+
+
 @functools.cache
-def load_kernel() -> ctypes._CFuncPtr:
-    """The C function `gali_noisy_softmax`, compiled on first use (once per machine: the library is kept)."""
+def load_kernel() -> Kernel:
+    """The kernel, compiled on first use (once per machine: the library is kept)."""
     source = SOURCE.read_bytes()
     command = compiler()
     identity = hashlib.sha256(source + repr((command, _FLAGS, _cpu_identity())).encode()).hexdigest()[:16]
@@ -59,25 +73,29 @@ def load_kernel() -> ctypes._CFuncPtr:
     if not library.exists():
         _build(command, library)
     try:
-        function = ctypes.CDLL(str(library)).gali_noisy_softmax
+        loaded = ctypes.CDLL(str(library))
+        function, threaded = loaded.gali_noisy_softmax, loaded.gali_noisy_softmax_threaded
     except (OSError, AttributeError) as error:
         raise KernelBuildError(f"cannot load {library}: {error}") from error
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size,
-                         pointer, pointer]
+    int32 = ctypes.c_int32
+    function.argtypes = [pointer, size, size, ctypes.c_float, pointer, size, size, size, pointer, int32, int32,
+                         ctypes.c_float, size, size, pointer, pointer, ctypes.c_int]
     function.restype = None
-    return function
+    threaded.restype = ctypes.c_int
+    return Kernel(function, bool(threaded()))
 
 
 def _build(command: list[str], library: Path) -> None:
-    """Compile the kernel into `library`, atomically (a half-written library is never loaded)."""
+    """Compile the kernel into `library`, atomically (a half-written library is never loaded): with OpenMP and for
+    this CPU where the compiler can, else without them."""
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
         errors = []
-        for cpu in (_NATIVE_CPU, []):
+        for extra in itertools.product(_OPENMP, _NATIVE_CPU):
             try:
-                result = subprocess.run([*command, *_FLAGS, *cpu, "-o", str(built), str(SOURCE)],
+                result = subprocess.run([*command, *_FLAGS, *extra[0], *extra[1], "-o", str(built), str(SOURCE)],
                                         capture_output=True, text=True, timeout=120, check=False)
             except (OSError, subprocess.SubprocessError) as error:
                 raise KernelBuildError(f"no C compiler ({' '.join(command)}: {error})") from error
@@ -102,37 +120,47 @@ def _workers(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gali-noise")
 
 
-def noisy_softmax_(
-    even: torch.Tensor,
-    odd: torch.Tensor,
-    row_stream: torch.Tensor,
-    row_index: torch.Tensor,
-    pair_hash: torch.Tensor,
-    even_weight: torch.Tensor,
-    odd_weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add the noise to contiguous float32 logits (rows, m) of keys 2m (`even`) and 2m + 1 (`odd`), then turn them
-    into exp(logit - row maximum), in place; returns each row's maximum and sum of numerators, (rows,) each.
+@dataclass(frozen=True)
+class RowLayout:
+    """Whose rows a tile of logits holds, so that the kernel finds each row's noise stream and token index itself:
+    the query heads sharing one key head, stacked, `queries` rows each; the tile starts at stacked row `tile_start`.
+    Stacked row s is query s % queries (token first_query + s % queries) of the key head's query head s // queries.
+    """
 
-    row_stream, row_index: (rows,) int32, each row's noise stream (noise.head_streams, as int32) and query index;
-    pair_hash, even_weight, odd_weight: from `pair_tables`. Rows are shared among
-    torch's intra-op thread count (the C calls release the GIL).
+    head_stream: torch.Tensor  # (H / Hkv,) int32: noise.head_streams of the key head's query heads
+    queries: int
+    first_query: int
+    tile_start: int
+
+
+def noisy_softmax_(
+    logits: torch.Tensor, scale: float, layout: RowLayout, group: int, grouped: int, sigma_unit: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale float32 logits q.k (rows, n) of keys 0..n-1 (each row contiguous), add the noise, then turn them into
+    exp(logit - row maximum), in place; returns each row's maximum and sum of numerators, (rows,) each.
+
+    Key j gets noise of sigma (i - j) * sigma_unit where c != 0: j < grouped and j % group != 0. Rows are shared among
+    torch's intra-op thread count (by OpenMP in the kernel, else by a thread pool here: the C calls release the GIL).
     """
     kernel = load_kernel()
-    rows, pairs = even.shape
-    if odd.shape != even.shape or not (even.is_contiguous() and odd.is_contiguous()):
-        raise ValueError("even and odd logits must be contiguous and of one shape")
-    top, total = even.new_empty(rows), even.new_empty(rows)
-    arguments = (even.data_ptr(), odd.data_ptr(), pairs, row_stream.data_ptr(), row_index.data_ptr(),
-                 pair_hash.data_ptr(), even_weight.data_ptr(), odd_weight.data_ptr())
+    rows, keys = logits.shape
+    if logits.stride(1) != 1 or not layout.head_stream.is_contiguous():
+        raise ValueError("the logits' rows and the head streams must be contiguous")
+    top, total = logits.new_empty(rows), logits.new_empty(rows)
+    threads = max(1, min(torch.get_num_threads(), rows, rows * keys // 8192))  # small tiles: one thread
+    pair_hash = pair_hashes((keys + 1) // 2)
+    arguments = (logits.data_ptr(), logits.stride(0), keys, scale, layout.head_stream.data_ptr(), layout.queries,
+                 layout.first_query, layout.tile_start, pair_hash.data_ptr(), group, grouped, sigma_unit)
 
-    def run(begin: int, end: int) -> None:
-        kernel(*arguments, begin, end, pairs, top.data_ptr(), total.data_ptr())
+    def run(begin: int, end: int, threads: int = 1) -> None:
+        kernel.function(*arguments, begin, end, top.data_ptr(), total.data_ptr(), threads)
 
-    threads = max(1, min(torch.get_num_threads(), rows, rows * pairs // 4096))  # small tiles: one thread
+    if kernel.threaded or threads == 1:
+        run(0, rows, threads)
+        return top, total
     bounds = [rows * part // threads for part in range(threads + 1)]
     spans = list(itertools.pairwise(bounds))
-    pending = [_workers(threads - 1).submit(run, *span) for span in spans[1:]] if threads > 1 else []
+    pending = [_workers(threads - 1).submit(run, *span) for span in spans[1:]]
     run(*spans[0])
     for job in pending:
         job.result()
@@ -145,64 +173,73 @@ def noisy_partial(
     value: torch.Tensor,
     scale: float,
     noise: Noise,
-    query_index: torch.Tensor,
+    first_query: int,
     group: int,
     grouped: int,
     total_keys: int,
 ) -> Partial:
     """Noisy GALI attention of queries (B, H, q, D) over keys [0, n) that they all see, as a `Partial`.
 
+    One key head at a time, its query heads stacked as the rows of two plain matrix products (logits, then the
+    numerators times the values): on two threads these run a fifth faster than one batched product over the key
+    heads, which leaves a thread idle when their number is odd.
+
     Args:
         query: rotated queries; key, value (B, Hkv, n, D): the mixed keys (K_mix) of tokens 0..n-1, and values.
-        query_index: (q,) the queries' token indices.
+        first_query: the token index of the first query (the others follow it).
         group, grouped: g and G of Alg. 2: key j gets noise when j < G and j % g != 0.
         total_keys: T, the chunk's key count (sigma = (i - j) / T * noise.scale).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     per_kv = heads // kv_heads
-    pairs = (keys + 1) // 2
-    # Even and odd keys as strided views (no copies); an odd count gets one padding column that no row sees.
-    key_even, key_odd = key[:, :, 0::2].float(), key[:, :, 1::2].float()
-    value_even, value_odd = value[:, :, 0::2].float(), value[:, :, 1::2].float()
-    tables = pair_tables(pairs, group, grouped, noise.scale / total_keys, query.device)
-    # Query heads sharing a key head are stacked as rows: (B, Hkv, H / Hkv * q).
-    streams = _int32(head_streams(noise, batch, heads, query.device)).view(batch, heads, 1).expand(-1, -1, q_len)
-    row_stream = streams.reshape(batch, kv_heads, per_kv * q_len)
-    row_index = query_index.to(torch.int32).repeat(per_kv).expand(batch, kv_heads, -1)
-    stacked = (query.float() * scale).reshape(batch, kv_heads, per_kv * q_len, dim)
-
-    outputs, lses = [], []
-    rows_total = stacked.shape[2]
-    tiles = -(-rows_total * batch * kv_heads * pairs // _TILE_ELEMENTS)
-    tile = -(-rows_total // tiles)
-    for start in range(0, rows_total, tile):
-        rows = slice(start, start + tile)
-        even = torch.matmul(stacked[:, :, rows], key_even.transpose(-1, -2))  # (B, Hkv, r, pairs)
-        odd = torch.matmul(stacked[:, :, rows], key_odd.transpose(-1, -2))
-        if keys % 2:
-            odd = torch.nn.functional.pad(odd, (0, 1), value=float("-inf"))
-        top, total = noisy_softmax_(even.view(-1, pairs), odd.view(-1, pairs), row_stream[:, :, rows].contiguous(),
-                                    row_index[:, :, rows].contiguous(), *tables)
-        total = total.view(batch, kv_heads, -1, 1)
-        output = torch.matmul(even, value_even)
-        output.add_(torch.matmul(odd[..., : value_odd.shape[2]], value_odd)).div_(total)
-        outputs.append(output)
-        lses.append(top.view(batch, kv_heads, -1) + torch.log(total.squeeze(-1)))
-    output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-    lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
-    return Partial(output.view(batch, heads, q_len, dim).to(value.dtype), lse.view(batch, heads, q_len))
+    streams = _head_streams(noise, batch, heads).view(batch * kv_heads, per_kv)
+    stacked = query.float().reshape(batch * kv_heads, per_kv * q_len, dim)
+    dtype, key, value = value.dtype, key.float().flatten(0, 1), value.float().flatten(0, 1)  # (B * Hkv, n, D)
+    output = stacked.new_empty(stacked.shape)
+    lse = stacked.new_empty(stacked.shape[:2])
+    tile = max(1, _TILE_ELEMENTS // keys)
+    for head in range(batch * kv_heads):
+        for start in range(0, stacked.shape[1], tile):
+            rows = slice(start, min(start + tile, stacked.shape[1]))
+            logits = torch.mm(stacked[head, rows], key[head].T, out=_scratch(rows.stop - start, keys))
+            layout = RowLayout(streams[head], q_len, first_query, start)
+            top, total = noisy_softmax_(logits, scale, layout, group, grouped, noise.scale / total_keys)
+            torch.mm(logits, value[head], out=output[head, rows]).div_(total.unsqueeze(-1))
+            torch.add(total.log_(), top, out=lse[head, rows])
+    return Partial(output.view(batch, heads, q_len, dim).to(dtype), lse.view(batch, heads, q_len))
 
 
-@functools.lru_cache(maxsize=16)
-def pair_tables(pairs: int, group: int, grouped: int, sigma_unit: float, device: torch.device) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the kernel needs per pair m of a chunk's keys: mix32(m ^ GOLDEN) (int32), and the weights of keys 2m
-    and 2m + 1 (float32): `sigma_unit` (noise scale / T) where the key gets noise (j < G, j % g != 0), else 0.
-    The same for every layer of a chunk: kept for the next layers."""
-    pair = torch.arange(pairs, device=device)
-    weights = (torch.where((j < grouped) & (j % group != 0), sigma_unit, 0.0).float() for j in (2 * pair, 2 * pair + 1))
-    return _int32(mix32(pair ^ GOLDEN)), *weights
+@functools.lru_cache(maxsize=64)
+def _head_streams(noise: Noise, batch: int, heads: int) -> torch.Tensor:
+    """noise.head_streams as int32 on the CPU, kept for the layer's next chunks."""
+    return _int32(head_streams(noise, batch, heads, torch.device("cpu")))
+
+
+_pair_hashes = torch.empty(0, dtype=torch.int32)
+
+
+def pair_hashes(pairs: int) -> torch.Tensor:
+    """mix32(m ^ GOLDEN) as int32 for pairs m < `pairs`: a prefix of one table, grown by doubling (the same for every
+    chunk, layer and seed)."""
+    global _pair_hashes
+    if len(_pair_hashes) < pairs:
+        _pair_hashes = _int32(mix32(torch.arange(max(pairs, 2 * len(_pair_hashes), 4096)) ^ GOLDEN))
+    return _pair_hashes[:pairs]
+
+
+_held = threading.local()
+
+
+def _scratch(rows: int, columns: int) -> torch.Tensor:
+    """A float32 CPU buffer (rows, columns) for a tile's logits, reused from call to call (by this thread): a fresh
+    tile of several MiB would be new pages from the system each time, their faults costing as much as the kernel.
+    One buffer inside torch.inference_mode and one outside: neither kind of tensor may be written in the other."""
+    size, inference = rows * columns, torch.is_inference_mode_enabled()
+    buffers = _held.__dict__.setdefault("buffers", {})
+    if inference not in buffers or buffers[inference].numel() < size:
+        buffers[inference] = torch.empty(max(size, _TILE_ELEMENTS))
+    return buffers[inference][:size].view(rows, columns)
 
 
 def _int32(values: torch.Tensor) -> torch.Tensor:

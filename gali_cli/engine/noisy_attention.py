@@ -29,7 +29,7 @@ from .noise import Noise, standard_normal
 
 # (query, key, value, group, grouped, scale, noise, dropout) -> (B, H, q, D)
 NoisyAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, float, Noise, float], torch.Tensor]
-# (query, key, value, scale, noise, query_index, group, grouped, total_keys) -> Partial over keys all queries see
+# (query, key, value, scale, noise, first_query, group, grouped, total_keys) -> Partial over keys all queries see
 NoisyPartial = Callable[..., Partial]
 
 
@@ -106,7 +106,7 @@ def explicit_noisy_partial(
     value: torch.Tensor,
     scale: float,
     noise: Noise,
-    query_index: torch.Tensor,
+    first_query: int,
     group: int,
     grouped: int,
     total_keys: int,
@@ -114,6 +114,7 @@ def explicit_noisy_partial(
     """Noisy attention of queries (B, H, q, D) over keys [0, n) they all see, from explicit logits (the reference of
     native_noise.noisy_partial, which documents the arguments)."""
     logits = grouped_logits(query, key, scale)  # (B, H, q, n)
+    query_index = torch.arange(first_query, first_query + query.shape[2], device=query.device)
     add_noise(logits, query_index, group, min(grouped, logits.shape[-1]), noise, total_keys)
     lse = torch.logsumexp(logits, dim=-1)
     probs = torch.exp(logits - lse.unsqueeze(-1)).view(query.shape[0], key.shape[1], -1, key.shape[2])
@@ -142,8 +143,7 @@ def native_noisy_attention(
         return tiled_noisy_attention(query, key, value, group, grouped, scale, noise, dropout)
     from .native_noise import noisy_partial
 
-    query_index = torch.arange(past, kv_len, device=query.device)
-    noisy = noisy_partial(query, key[:, :, :noisy_keys], value[:, :, :noisy_keys], scale, noise, query_index, group,
+    noisy = noisy_partial(query, key[:, :, :noisy_keys], value[:, :, :noisy_keys], scale, noise, past, group,
                           grouped, kv_len)
     rest = causal_partial(query, key[:, :, noisy_keys:], value[:, :, noisy_keys:], scale, flash_partial)
     return merge_partials([noisy, rest]).output
@@ -240,8 +240,7 @@ def _native_error(native: NoisyPartial, heads: int, kv_heads: int, queries: int,
     query, key, value = (torch.randn(shape, generator=generator) for shape in (
         (2, heads, queries, 32), (2, kv_heads, keys, 32), (2, kv_heads, keys, 32)))
     total = keys + queries
-    arguments = (query, key, value, 0.2, Noise(seed=1, layer=0, scale=3.0), torch.arange(keys, total), 3, keys - 1,
-                 total)
+    arguments = (query, key, value, 0.2, Noise(seed=1, layer=0, scale=3.0), keys, 3, keys - 1, total)
     with torch.inference_mode():
         got, expected = native(*arguments), explicit_noisy_partial(*arguments)
     return max((got.output - expected.output).abs().max().item(), (got.lse - expected.lse).abs().max().item())

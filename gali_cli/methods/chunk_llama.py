@@ -5,16 +5,16 @@ The input is cut into chunks of s tokens and keys sit at positions j mod s (Eq. 
 - to keys of the previous chunk at s + (i mod s) while i mod s < w, else at c - 1 (successive-chunk: the w
   nearest keys keep exact distances, Eq. 7);
 - to all older keys at c - 1 (inter-chunk, Eq. 5),
-with c the pretraining window. Keys are cached without RoPE; positions depend on (i, j) only.
+with c the pretraining window. Keys are cached without RoPE; positions depend on (i, j) only, a key's on j alone, so
+while decoding the keys are kept rotated from token to token (engine/kept_keys.py).
 """
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..engine.dense import causal_partial, merge_partials, partial_route
 from ..engine.hooks import Forward, PositionalAttention
+from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate
 from ..errors import ConfigError
 
@@ -33,6 +33,7 @@ class DualChunkAttention(PositionalAttention):
             )
         self.chunk_size, self.local_window, self.max_position = chunk_size, local_window, max_position
         self.exact_until = chunk_size  # one chunk: plain RoPE
+        self._kept = KeptKeys()
 
     def table_rows(self, start: int, stop: int) -> int:
         return self.max_position + 1
@@ -42,11 +43,24 @@ class DualChunkAttention(PositionalAttention):
         """Per chunk of s tokens, three parts merged by their log-sum-exps, each one mask-free call: its own keys
         (causal), the previous chunk's keys and the keys before that, every key rotated once at j mod s."""
         size, start, stop = self.chunk_size, forward.start, forward.stop
-        tables = forward.memo(("chunk-llama", query.device, query.dtype), lambda: self._tables(forward, query))
+        query_tables = forward.memo(("chunk-llama", query.device, query.dtype),
+                                    lambda: self._query_tables(forward, query))
         partial = forward.memo(("partial", query.device, query.dtype),
                                lambda: partial_route(query, key, value, dropout))
-        keys = rotate(key[:, :, :stop], tables.key_cos, tables.key_sin)  # (B, Hkv, T, D) at P_k = j mod s
-        intra, successive, inter = (rotate(query, cos, sin) for cos, sin in tables.queries)
+        table = forward.table(query.device, query.dtype)
+
+        def key_rotation(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:  # keys at P_k = j mod s
+            def build() -> tuple[torch.Tensor, torch.Tensor]:
+                rows = torch.arange(first, last, device=key.device) % size
+                return table.cos[rows], table.sin[rows]
+
+            return forward.memo(("chunk-llama-keys", key.device, key.dtype, first, last), build)
+
+        if stop - start == 1:  # decoding: the keys kept from the previous token, the new one rotated
+            keys = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
+        else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
+            keys = rotate(key[:, :, :stop], *key_rotation(0, stop))  # (B, Hkv, T, D)
+        intra, successive, inter = (rotate(query, cos, sin) for cos, sin in query_tables)
         outputs = []
         for chunk in range(start // size, (stop - 1) // size + 1):
             first, last = max(start, chunk * size), min(stop, (chunk + 1) * size)  # the chunk's queries in this forward
@@ -63,21 +77,11 @@ class DualChunkAttention(PositionalAttention):
             outputs.append(merge_partials(parts).output)
         return torch.cat(outputs, dim=2).transpose(1, 2) if len(outputs) > 1 else outputs[0].transpose(1, 2)
 
-    def _tables(self, forward: Forward, query: torch.Tensor) -> "_Tables":
-        """The forward's rotation tables, shared by its layers: keys at j mod s; its queries at their intra-chunk
-        (i mod s), successive-chunk (s + i mod s within the local window, else c - 1) and inter-chunk (c - 1)
-        positions."""
+    def _query_tables(self, forward: Forward, query: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The forward's query rotations, shared by its layers: (cos, sin) at the intra-chunk (i mod s),
+        successive-chunk (s + i mod s within the local window, else c - 1) and inter-chunk (c - 1) positions."""
         size, window, top = self.chunk_size, self.local_window, self.max_position
         table = forward.table(query.device, query.dtype)
-        key_position = torch.arange(forward.stop, device=query.device) % size
         within = torch.arange(forward.start, forward.stop, device=query.device) % size
         successive = torch.where(within < window, size + within, top)
-        queries = tuple((table.cos[rows], table.sin[rows]) for rows in (within, successive, within.new_full((1,), top)))
-        return _Tables(table.cos[key_position], table.sin[key_position], queries)
-
-
-@dataclass(frozen=True)
-class _Tables:
-    key_cos: torch.Tensor  # (T, D)
-    key_sin: torch.Tensor
-    queries: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (cos, sin) of the intra, successive, inter positions
+        return tuple((table.cos[rows], table.sin[rows]) for rows in (within, successive, within.new_full((1,), top)))

@@ -3,7 +3,8 @@
 A query i and a key j closer than the neighbour window W (i - j < W) attend with their true positions; farther keys
 attend with grouped positions: the key at j // G, the query at i // G + W - W // G, so that grouped distances
 continue where the window ends. Keys are cached without RoPE, like GALI's. Positions depend on (i, j) only, so any
-split of the input into forwards gives the same result.
+split of the input into forwards gives the same result; a key's grouped position depends on j alone, so while
+decoding the grouped keys are kept rotated from token to token (engine/kept_keys.py).
 """
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from ..engine.dense import Partial, PartialAttention, causal_partial, merge_partials, partial_route
 from ..engine.hooks import Forward, PositionalAttention
+from ..engine.kept_keys import KeptKeys
 from ..engine.rope import RopeTable, rotate
 from ..errors import ConfigError
 
@@ -38,6 +40,7 @@ class SelfExtend(PositionalAttention):
             )
         self.group_size, self.neighbor_window, self.train_len = group_size, neighbor_window, train_len
         self.exact_until = neighbor_window  # every distance below the window: plain RoPE
+        self._kept = KeptKeys()
 
     def table_rows(self, start: int, stop: int) -> int:
         grouped = (stop - 1) // self.group_size + group_shift(self.group_size, self.neighbor_window) + 1
@@ -51,13 +54,23 @@ class SelfExtend(PositionalAttention):
         table = forward.table(query.device, query.dtype)
         partial = forward.memo(("partial", query.device, query.dtype),
                                lambda: partial_route(query, key, value, dropout))
-        key, value = key[:, :, :stop], value[:, :, :stop]
-        near = neighbour_partial(query, key, value, start, window, table, scaling, partial)
+        near = neighbour_partial(query, key[:, :, :stop], value[:, :, :stop], start, window, table, scaling, partial)
         first = max(start, window)  # the first query that has grouped keys: i - W >= 0
         if first >= stop:
             return near.output.transpose(1, 2)
-        grouped_index = torch.arange(stop - window, device=key.device) // size
-        grouped_key = rotate(key[:, :, : stop - window], table.cos[grouped_index], table.sin[grouped_index])
+
+        def grouped_rotation(first_key: int, last_key: int) -> tuple[torch.Tensor, torch.Tensor]:
+            def build() -> tuple[torch.Tensor, torch.Tensor]:
+                rows = torch.arange(first_key, last_key, device=key.device) // size
+                return table.cos[rows], table.sin[rows]
+
+            return forward.memo(("grouped-keys", key.device, key.dtype, first_key, last_key), build)
+
+        if stop - start == 1:  # decoding: the grouped keys kept from the previous token, the new one rotated
+            grouped_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop,
+                                             grouped_rotation)[:, :, : stop - window]
+        else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
+            grouped_key = rotate(key[:, :, : stop - window], *grouped_rotation(0, stop - window))
         query_index = torch.arange(first, stop, device=key.device) // size + group_shift(size, window)
         grouped_query = rotate(query[:, :, first - start :], table.cos[query_index], table.sin[query_index])
         # Query i sees grouped keys 0..i - W: the last query sees all stop - W of them (lower-right causal).
@@ -82,8 +95,12 @@ def neighbour_partial(
     """Attention of queries (B, H, q, D) of tokens start.. over their neighbours, keys i - W < j <= i, at true
     distances: queries in blocks of W, each against the band of 2 W keys before its end, all bands batched in one
     call. Positions are relative to each band (keys at 0..2W-1, queries at W..2W-1), so angles stay small and one
-    table slice serves every band."""
+    table slice serves every band. One query (decoding) sees its W neighbours without a band or a mask."""
     batch, heads, q_len, dim = query.shape
+    if q_len == 1 and start >= window - 1:  # keys start - W + 1 .. start, at 0..W-1; the query at W - 1
+        near_key = rotate(key[:, :, start - window + 1 : start + 1], table.cos[:window], table.sin[:window])
+        near_query = rotate(query, table.cos[window - 1 : window], table.sin[window - 1 : window])
+        return partial(near_query, near_key, value[:, :, start - window + 1 : start + 1], scale)
     kv_heads = key.shape[1]
     blocks = -(-q_len // window)
     padded = blocks * window
