@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import MistralConfig, MistralForCausalLM
 
 from gali_cli.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from gali_cli import loading, model_config
+from gali_cli import model_config
 from gali_cli.cli import main
 from gali_cli.loading import (
     SMOLLM2_INSTALL,
