@@ -60,6 +60,17 @@ def test_summarize_prints_only_the_answer(gali, doc):
     assert answer["prompt_tokens"] > 32 and answer["peak_memory_mib"] > 0
 
 
+def test_the_input_line_names_the_window_the_method_stays_within(gali, doc):
+    """A lowered --train-len is the window GALI reads within: the document's length is said against it; the
+    original model ignores it."""
+    narrowed = gali("summarize", str(doc), "--max-new-tokens", "2", "--train-len", "16")
+    assert narrowed.exit_code == 0, narrowed.stderr
+    tokens = int(narrowed.stderr.split(" tokens, ")[0].split()[-1])
+    assert f"{tokens / 16:.1f}x the 16-token window of --train-len (the model's: 32) (gali)" in narrowed.stderr
+    original = gali("summarize", str(doc), "--max-new-tokens", "2", "--train-len", "16", "--method", "original")
+    assert f"{tokens / 32:.1f}x the model's 32-token window (original)" in original.stderr
+
+
 def test_ask_streams_the_same_answer_as_no_stream(gali, doc):
     streamed = gali("ask", str(doc), "When does the lease end?", "--max-new-tokens", "10")
     whole = gali("ask", str(doc), "When does the lease end?", "--max-new-tokens", "10", "--no-stream")

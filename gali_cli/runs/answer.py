@@ -19,7 +19,7 @@ from .common import (
 def answer(file: str, instruction: str, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """Answer `instruction` about `file` (summarize, ask)."""
     sampler, loaded, document, talk = _start(file, choice, reading, answering)
-    say_input(loaded, choice.method, document, len(talk.prompt(instruction).ids))
+    say_input(loaded, choice.method, document, len(talk.prompt(instruction).ids), choice.settings.train_len)
     text, finished = _stream_answer(talk, instruction, sampler, answering)
     if answering.json_output:
         print_json({"answer": text.strip(), **facts(choice.model, choice.method, talk.resolved, document),
@@ -32,7 +32,8 @@ def answer(file: str, instruction: str, choice: ModelChoice, reading: Reading, a
 def chat(file: str, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """Read `file` once, then answer each question from stdin in turn, keeping the conversation."""
     sampler, loaded, document, talk = _start(file, choice, reading, answering)
-    say_input(loaded, choice.method, document, talk.prompt(ask_instruction("?")).document_end)
+    say_input(loaded, choice.method, document, talk.prompt(ask_instruction("?")).document_end,
+              choice.settings.train_len)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # a stray byte in a piped question is not worth a crash

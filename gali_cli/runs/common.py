@@ -138,11 +138,15 @@ def announcing(progress: Callable[..., None], loaded: LoadedModel) -> Callable[.
     return update
 
 
-def say_input(loaded: LoadedModel, method: str, document: Document, tokens: int) -> None:
-    """One dim line on stderr: the document, its length, and how far past the model's window that is."""
+def say_input(loaded: LoadedModel, method: str, document: Document, tokens: int, train_len: int | None = None) -> None:
+    """One dim line on stderr: the document, its length, and how far past the window the method stays within that
+    is: the model's, or a narrower --train-len (which the original model does not use)."""
     pages = f"{document.pages} page{'s' if document.pages != 1 else ''}, " if document.pages else ""
-    say(f"{document.name}: {pages}{tokens} tokens, {tokens / loaded.train_len:.1f}x the model's {loaded.train_len}"
-        f"-token window ({method})", style="dim")
+    if train_len is None or train_len == loaded.train_len or method == "original":
+        window, about = loaded.train_len, f"the model's {loaded.train_len}-token window"
+    else:
+        window, about = train_len, f"the {train_len}-token window of --train-len (the model's: {loaded.train_len})"
+    say(f"{document.name}: {pages}{tokens} tokens, {tokens / window:.1f}x {about} ({method})", style="dim")
 
 
 def facts(model: str, method: str, settings: dict, document: Document) -> dict:

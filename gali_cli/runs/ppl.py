@@ -32,7 +32,7 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
         say(f"Evaluating the first {limit} of {total} tokens ({'--lengths' if lengths else '--max-tokens'}).")
     rows, settings = [], {}
     for method in choice.methods:
-        say_input(loaded, method, document, len(ids))
+        say_input(loaded, method, document, len(ids), choice.settings.train_len)
         settings[method], results = method_perplexities(loaded, ids, method, choice, lengths or [len(ids)], verbose)
         rows += [{"method": method, "length": result.length, "ppl": result.ppl} for result in results]
     single = len(rows) == 1 and not lengths
