@@ -116,3 +116,22 @@ def test_forced_native_kernel_off_the_cpu_is_a_config_error(monkeypatch):
     query = torch.empty(1, 1, 1, 8, device="meta")
     with pytest.raises(ConfigError, match="GALI_KERNEL=native runs on the CPU"):
         noisy_attention.native_kernel_applies(query)
+
+
+def test_a_kernel_without_openmp_shares_rows_through_a_thread_pool(monkeypatch):
+    """A compiler without OpenMP (Apple's) builds a kernel that does the rows it is given: the rows are then shared
+    by a thread pool, with the same result as one call."""
+    kernel = native_noise.load_kernel()
+    monkeypatch.setattr(native_noise, "load_kernel", lambda: native_noise.Kernel(kernel.function, threaded=False))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        query, key, value = qkv(2, 6, 2, 40, 700, seed=5)
+        arguments = (query, key, value, 0.25, Noise(seed=2, layer=1, scale=2.0), 700, 4, 650, 740)
+        with torch.inference_mode():
+            got = native_noise.noisy_partial(*arguments)
+    finally:
+        torch.set_num_threads(threads)
+    expected = explicit_noisy_partial(*arguments)
+    torch.testing.assert_close(got.output, expected.output, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(got.lse, expected.lse, rtol=1e-5, atol=2e-5)

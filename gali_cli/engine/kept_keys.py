@@ -1,7 +1,7 @@
 """Keys rotated once, when their token arrives, and kept with the KV cache.
 
 Some methods rotate each key by a rotation that depends on its token index alone (Leaky ReRoPE's far keys at j / k,
-DPE's at j // s per frequency group). Rotating all T cached keys again in every forward would cost O(T) per layer and
+DPE's at j // s per frequency group, SelfExtend's grouped keys at j // G, ChunkLlama's keys at j mod s). Rotating all T cached keys again in every forward would cost O(T) per layer and
 token while decoding; instead each layer keeps its rotated keys per cache object (a weak reference: they go when the
 cache goes), and a forward that continues exactly where the cache's last forward ended rotates only its own tokens.
 Anything else (another cache, a cache cut back, another batch size, inference mode switched) rotates them all again.

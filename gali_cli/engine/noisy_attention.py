@@ -15,7 +15,6 @@ import torch
 from ..errors import ConfigError, GaliWarning
 from .dense import (
     Partial,
-    causal_partial,
     flash_partial,
     grouped_logits,
     mask_future,
@@ -132,20 +131,18 @@ def native_noisy_attention(
     noise: Noise,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """The CPU path of `noisy_attention`: the keys every query sees and that may get noise through the native
-    kernel (native_noise.py), the rest (the exact tail, the chunk's own causal square) through torch's flash
-    kernel, merged by their log-sum-exps. No (q x T) mask, and the noise in one sweep over the logits."""
+    """The CPU path of `noisy_attention`: the keys before the chunk (which every query sees; the grouped ones get
+    noise) through the native kernel (native_noise.py), the chunk's own causal square through torch's flash kernel,
+    merged by their log-sum-exps. No (q x T) mask, and the noise in one sweep over the logits."""
     kv_len, q_len = key.shape[2], query.shape[2]
     past = kv_len - q_len
-    noisy_keys = min(grouped + grouped % 2, past)  # even where it can: pairs of keys share their normals
-    if dropout != 0.0 or needs_grad(query, key, value) or noisy_keys < grouped:
+    if dropout != 0.0 or needs_grad(query, key, value) or grouped > past:
         # (The last alternative: a chunk longer than the exact tail, whose own keys get noise; unusual settings.)
         return tiled_noisy_attention(query, key, value, group, grouped, scale, noise, dropout)
     from .native_noise import noisy_partial
 
-    noisy = noisy_partial(query, key[:, :, :noisy_keys], value[:, :, :noisy_keys], scale, noise, past, group,
-                          grouped, kv_len)
-    rest = causal_partial(query, key[:, :, noisy_keys:], value[:, :, noisy_keys:], scale, flash_partial)
+    noisy = noisy_partial(query, key[:, :, :past], value[:, :, :past], scale, noise, past, group, grouped, kv_len)
+    rest = flash_partial(query, key[:, :, past:], value[:, :, past:], scale, causal=True)
     return merge_partials([noisy, rest]).output
 
 
