@@ -6,6 +6,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig
 from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
+from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, preview_method, remove_method
 from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
@@ -337,3 +338,22 @@ def test_windowed_methods_in_batches_and_half_precision(make_llama, method, sett
         logits = model.to(dtype)(ids[:1]).logits[0].float()
         assert (logits - reference).norm() / reference.norm() < 0.05, dtype
         model.float()
+
+
+@pytest.mark.parametrize("method, settings", [("self-extend", MethodSettings(group_size=5, neighbor_window=4)),
+                                              ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4))])
+def test_kept_keys_do_not_outlive_a_cache_cut_back_and_refilled(make_llama, method, settings):
+    """Decoding keeps rotated keys; a cache cut back and refilled by a longer forward to the same length must not
+    find the old tokens' keys there."""
+    model = make_llama(train_len=16, heads=4, kv_heads=2)
+    apply_method(model, method, settings, 60)
+    ids, other = prompt(44, seed=2), prompt(44, seed=3)
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :30], past_key_values=cache, use_cache=True)
+    for stop in range(31, 43):  # decoded one token at a time: the keys are kept up to 42
+        model(ids[:, stop - 1 : stop], past_key_values=cache, use_cache=True)
+    truncate_cache(cache, 30)
+    model(other[:, 30:42], past_key_values=cache, use_cache=True)  # other tokens, the cache at 42 again
+    step = model(other[:, 42:43], past_key_values=cache, use_cache=True).logits[0, -1]
+    refilled = torch.cat((ids[:, :30], other[:, 30:43]), dim=1)
+    torch.testing.assert_close(step, model(refilled).logits[0, -1], rtol=1e-5, atol=1e-5)

@@ -47,3 +47,9 @@ class KeptKeys:
             rotate_fused(key[:, :, first:stop], cos, sin, out=buffer[:, :, first:stop])
         layers[layer] = (stop, buffer)
         return buffer[:, :, :stop]
+
+    def forget(self, cache: object | None) -> None:
+        """Drop what is kept for `cache`: a forward that rotated its keys without keeping them (a method that keeps
+        keys only while decoding) makes the kept ones stale, even where their count would match a later forward."""
+        if cache is not None:
+            self._kept.pop(cache, None)

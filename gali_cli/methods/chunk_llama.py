@@ -59,6 +59,7 @@ class DualChunkAttention(PositionalAttention):
         if stop - start == 1:  # decoding: the keys kept from the previous token, the new one rotated
             keys = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
         else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
+            self._kept.forget(forward.cache)
             keys = rotate(key[:, :, :stop], *key_rotation(0, stop))  # (B, Hkv, T, D)
         intra, successive, inter = (rotate(query, cos, sin) for cos, sin in query_tables)
         outputs = []

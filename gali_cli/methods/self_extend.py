@@ -70,6 +70,7 @@ class SelfExtend(PositionalAttention):
             grouped_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop,
                                              grouped_rotation)[:, :, : stop - window]
         else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
+            self._kept.forget(forward.cache)
             grouped_key = rotate(key[:, :, : stop - window], *grouped_rotation(0, stop - window))
         query_index = torch.arange(first, stop, device=key.device) // size + group_shift(size, window)
         grouped_query = rotate(query[:, :, first - start :], table.cos[query_index], table.sin[query_index])
