@@ -134,19 +134,22 @@ class RowLayout:
 
 
 def noisy_softmax_(
-    logits: torch.Tensor, scale: float, layout: RowLayout, group: int, grouped: int, sigma_unit: float
+    logits: torch.Tensor, scale: float, layout: RowLayout, group: int, grouped: int, sigma_unit: float,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale float32 logits q.k (rows, n) of keys 0..n-1 (each row contiguous), add the noise, then turn them into
-    exp(logit - row maximum), in place; returns each row's maximum and sum of numerators, (rows,) each.
+    exp(logit - row maximum), in place; returns each row's maximum and sum of numerators, (rows,) each (written into
+    `out`, two contiguous float32 tensors, when given).
 
     Key j gets noise of sigma (i - j) * sigma_unit where c != 0: j < grouped and j % group != 0. Rows are shared among
     torch's intra-op thread count (by OpenMP in the kernel, else by a thread pool here: the C calls release the GIL).
     """
     kernel = load_kernel()
     rows, keys = logits.shape
-    if logits.stride(1) != 1 or not layout.head_stream.is_contiguous():
-        raise ValueError("the logits' rows and the head streams must be contiguous")
-    top, total = logits.new_empty(rows), logits.new_empty(rows)
+    top, total = out if out is not None else (logits.new_empty(rows), logits.new_empty(rows))
+    if (logits.stride(1) != 1 or not layout.head_stream.is_contiguous() or not top.is_contiguous()
+            or not total.is_contiguous() or top.numel() != rows or total.numel() != rows):
+        raise ValueError("the logits' rows, the head streams and the results must be contiguous")
     threads = max(1, min(torch.get_num_threads(), rows, rows * keys // 8192))  # small tiles: one thread
     pair_hash = pair_hashes((keys + 1) // 2)
     arguments = (logits.data_ptr(), logits.stride(0), keys, scale, layout.head_stream.data_ptr(), layout.queries,
@@ -197,16 +200,18 @@ def noisy_partial(
     stacked = query.float().reshape(batch * kv_heads, per_kv * q_len, dim)
     dtype, key, value = value.dtype, key.float().flatten(0, 1), value.float().flatten(0, 1)  # (B * Hkv, n, D)
     output = stacked.new_empty(stacked.shape)
-    lse = stacked.new_empty(stacked.shape[:2])
+    top, total = stacked.new_empty(stacked.shape[:2]), stacked.new_empty(stacked.shape[:2])
     tile = max(1, _TILE_ELEMENTS // keys)
     for head in range(batch * kv_heads):
         for start in range(0, stacked.shape[1], tile):
             rows = slice(start, min(start + tile, stacked.shape[1]))
             logits = torch.mm(stacked[head, rows], key[head].T, out=_scratch(rows.stop - start, keys))
             layout = RowLayout(streams[head], q_len, first_query, start)
-            top, total = noisy_softmax_(logits, scale, layout, group, grouped, noise.scale / total_keys)
-            torch.mm(logits, value[head], out=output[head, rows]).div_(total.unsqueeze(-1))
-            torch.add(total.log_(), top, out=lse[head, rows])
+            noisy_softmax_(logits, scale, layout, group, grouped, noise.scale / total_keys,
+                           out=(top[head, rows], total[head, rows]))
+            torch.mm(logits, value[head], out=output[head, rows])
+    output.div_(total.unsqueeze(-1))  # normalised, and the log-sum-exps, once for every head
+    lse = total.log_().add_(top)
     return Partial(output.view(batch, heads, q_len, dim).to(dtype), lse.view(batch, heads, q_len))
 
 
