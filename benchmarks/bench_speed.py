@@ -356,7 +356,7 @@ def main() -> None:
                 print(f"| {variant}: {VARIANTS[variant]} | failed (see stderr) | | | | | | | | |")
                 continue
             m = median[variant]
-            ratio = (lambda key: f"{m[key] / base[key]:.2f}") if base else (lambda key: "-")
+            ratio = (lambda key: f"{m[key] / base[key]:.2f}" if base and base[key] else "-")
             decoded = (f"{m['decode_ms']:.1f} | {base['decode_ms'] / m['decode_ms']:.2f}" if base and args.decode_tokens
                        else "- | -")
             print(f"| {variant}: {VARIANTS[variant]} | {m['prefill_s']:.2f} | {ratio('prefill_s')} | "
