@@ -129,8 +129,8 @@ def flash_partial(
     dropout: float = 0.0,
 ) -> Partial:
     """Attention of queries (B, H, q, D) over keys/values (B, Hkv, n, D) with its log-sum-exp, by torch's CPU flash
-    kernel: every key visible (the default), the causal square (`causal`, q == n), or as a bool `mask` (q, n) or
-    (B, 1, q, n) says (True: visible). Every query must see at least one key (the kernel gives an empty row lse 0).
+    kernel: every key visible (the default), top-left causal (`causal`: row r sees keys 0..r, the causal square when
+    q == n), or as a bool `mask` (q, n) or (B, 1, q, n) says (True: visible). Every query must see at least one key (the kernel gives an empty row lse 0).
 
     Forward only, no dropout: `partial_route` sends those elsewhere.
     """

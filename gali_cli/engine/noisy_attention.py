@@ -90,8 +90,9 @@ def noisy_attention(
 
 
 def noisy_partial_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> NoisyPartial:
-    """How decoding computes its noisy part (`NoisyPartial`): the native CPU kernel where it applies, else explicit
-    logits (the fused Triton kernel has no log-sum-exp output). Decided once per forward."""
+    """How a noisy part over keys every query sees (`NoisyPartial`) is computed, for decoding and for the CPU's split
+    chunks: the native CPU kernel where it applies, else explicit logits (the fused Triton kernel has no log-sum-exp
+    output). Decided once per forward."""
     if not needs_grad(query, key, value) and native_kernel_applies(query):
         from .native_noise import noisy_partial
 

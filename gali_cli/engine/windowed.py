@@ -16,70 +16,22 @@ weighted by exp(lse_part - lse_all).
 Shapes: B batch, H query heads, Hkv key/value heads, q queries (tokens [start, start + q)), D head dim.
 """
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
-from .dense import _CPU_FLASH_WITH_LSE, _LOGITS_TILE_ELEMENTS, grouped_logits, needs_grad
+from .dense import Partial, merge_partials, partial_route
 from .rope import RopeTable, rotate
-
-
-@dataclass
-class Partial:
-    """Attention of some queries over a subset of their keys: the output (B, H, n, D) in float32 and the log-sum-exp
-    (B, H, n) of the scaled logits; a row with no key in the subset has lse -inf (and output 0)."""
-
-    output: torch.Tensor
-    lse: torch.Tensor
-
-    def merged(self, other: "Partial") -> "Partial":
-        """Attention over both key sets. `self` must give every row at least one key (a finite lse)."""
-        share = torch.sigmoid(other.lse - self.lse)  # other's part of the softmax mass; 0 where it has no key
-        return Partial(torch.lerp(self.output, other.output, share.unsqueeze(-1)),
-                       self.lse + F.softplus(other.lse - self.lse))
-
-    def rows(self, index: slice) -> "Partial":
-        return Partial(self.output[:, :, index], self.lse[:, :, index])
 
 
 def attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
                   dropout: float = 0.0) -> Partial:
     """Attention of query (N, H, n, D) over key/value (N, Hkv, m >= 1, D), all of them or top-left causal (row r sees
-    keys 0..r), with its log-sum-exp.
+    keys 0..r), with its log-sum-exp: the route `dense.partial_route` picks (torch's CPU flash kernel outside
+    autograd and dropout, else float32 logits a tile of rows at a time)."""
+    return partial_route(query, key, value, dropout)(query, key, value, scale, causal=causal, dropout=dropout)
 
-    On the CPU in float32 without gradients this is torch's flash kernel; elsewhere (autograd, dropout, other dtypes
-    and devices) float32 logits a tile of rows at a time.
-    """
-    batch, heads, rows, dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    per_kv = heads // kv_heads
-    fast = (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
-            and dropout == 0.0 and not needs_grad(query, key, value) and _CPU_FLASH_WITH_LSE is not None)
-    if fast and not causal:  # query heads sharing a key head stacked as rows: keys are not repeated
-        output, lse = _CPU_FLASH_WITH_LSE(query.reshape(batch, kv_heads, per_kv * rows, dim), key, value, 0.0, False,
-                                          scale=scale)
-        return Partial(output.reshape(batch, heads, rows, dim), lse.reshape(batch, heads, rows))
-    if fast:
-        if per_kv > 1:
-            key, value = key.repeat_interleave(per_kv, dim=1), value.repeat_interleave(per_kv, dim=1)
-        output, lse = _CPU_FLASH_WITH_LSE(query, key, value, 0.0, True, scale=scale)
-        return Partial(output, lse)
-    outputs, sums = [], []
-    tile = max(1, _LOGITS_TILE_ELEMENTS // (batch * heads * keys))
-    value32 = value.float()
-    for first in range(0, rows, tile):
-        last = min(first + tile, rows)
-        logits = grouped_logits(query[:, :, first:last], key, scale)  # (N, H, rows, m)
-        if causal:
-            logits = logits.masked_fill(torch.arange(keys, device=key.device) > torch.arange(
-                first, last, device=key.device).unsqueeze(1), float("-inf"))
-        lse = torch.logsumexp(logits, dim=-1)
-        probs = F.dropout(torch.exp(logits - lse.unsqueeze(-1)), p=dropout)
-        probs = probs.view(batch, kv_heads, -1, keys)  # heads sharing a key head, stacked as rows
-        outputs.append(torch.matmul(probs, value32).view(batch, heads, last - first, dim))
-        sums.append(lse)
-    return Partial(torch.cat(outputs, dim=2), torch.cat(sums, dim=2))
+
+def _rows(part: Partial, index: slice) -> Partial:
+    return Partial(part.output[:, :, index], part.lse[:, :, index])
 
 
 def near_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RopeTable, window: int,
@@ -144,15 +96,15 @@ def _tiles(query: torch.Tensor, own_key: torch.Tensor, own_value: torch.Tensor, 
         # row, the `triangle` before them by fewer rows the farther they are.
         triangle = max(0, n + m - window)
         if m > triangle:
-            result = result.merged(attention_lse(late, earlier[:, :, triangle:], earlier_value[:, :, triangle:], scale,
-                                                 causal=False, dropout=dropout))
+            result = merge_partials([result, attention_lse(late, earlier[:, :, triangle:], earlier_value[:, :, triangle:],
+                                                            scale, causal=False, dropout=dropout)])
         if triangle:
             # Flipped (rows last to first, keys nearest first), row n - 2 - r sees the keys up to its own index:
             # top-left causal. Row n - 1 sees none of them.
             seen = attention_lse(late[:, :, : n - 1].flip(2), earlier[:, :, :triangle].flip(2),
                                  earlier_value[:, :, :triangle].flip(2), scale, causal=True, dropout=dropout)
-            head = result.rows(slice(0, n - 1)).merged(Partial(seen.output.flip(2), seen.lse.flip(2)))
-            tail = result.rows(slice(n - 1, n))
+            head = merge_partials([_rows(result, slice(0, n - 1)), Partial(seen.output.flip(2), seen.lse.flip(2))])
+            tail = _rows(result, slice(n - 1, n))
             result = Partial(torch.cat((head.output, tail.output), dim=2), torch.cat((head.lse, tail.lse), dim=2))
     # (B * count, H, n, ...) -> (B, H, count, n, ...)
     return Partial(result.output.unflatten(0, (batch, count)).transpose(1, 2),
@@ -176,8 +128,8 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
     part = attention_lse(late, key[:, :, first - window : stop - window], value[:, :, first - window : stop - window],
                          scale, causal=True, dropout=dropout)
     if first > window:
-        part = part.merged(attention_lse(late, key[:, :, : first - window], value[:, :, : first - window], scale,
-                                         causal=False, dropout=dropout))
+        part = merge_partials([part, attention_lse(late, key[:, :, : first - window], value[:, :, : first - window],
+                                                   scale, causal=False, dropout=dropout)])
     if first == start:
         return part
     before = first - start  # rows without far keys
@@ -200,4 +152,4 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """
     near = near_attention(query, key, value, table, window, start, scale, dropout)
     far = far_attention(far_query, far_key, value, window, start, scale, dropout)
-    return (near if far is None else near.merged(far)).output.to(value.dtype)
+    return (near if far is None else merge_partials([near, far])).output.to(value.dtype)
