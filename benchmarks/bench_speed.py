@@ -166,6 +166,8 @@ def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple
     VmHWM, reset before each."""
     from transformers import DynamicCache
 
+    from gali_cli.engine.seam import with_cache
+
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model = build_model(args)
     generator = torch.Generator().manual_seed(0)
@@ -186,14 +188,14 @@ def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple
                     before = peak_rss_mib()
                     start = time.perf_counter()
                     cache = DynamicCache(config=model.config)
-                    model(ids[:, :length], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    model(ids[:, :length], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
                     synchronize(args.device)
                     prefill_s = time.perf_counter() - start
                     peak = peak_rss_mib() if resettable else float("nan")
                     decode = []
                     for step in range(args.decode_tokens):
                         start = time.perf_counter()
-                        model(ids[:, length + step : length + step + 1], past_key_values=cache, use_cache=True,
+                        model(ids[:, length + step : length + step + 1], **with_cache(model, cache), use_cache=True,
                               logits_to_keep=1)
                         synchronize(args.device)
                         decode.append(time.perf_counter() - start)
@@ -209,6 +211,8 @@ def worker(args: argparse.Namespace) -> dict:
     """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
     from transformers import DynamicCache
 
+    from gali_cli.engine.seam import with_cache
+
     from gali_cli.engine.positions import chunk_plan
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -223,7 +227,7 @@ def worker(args: argparse.Namespace) -> dict:
     def prefill() -> DynamicCache:
         cache = DynamicCache(config=model.config)
         for first, last in pieces or [(0, length)]:
-            model(prompt[:, first:last], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(prompt[:, first:last], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
         return cache
 
     with torch.no_grad():
@@ -245,7 +249,7 @@ def worker(args: argparse.Namespace) -> dict:
             token = ids[:, length + step : length + step + 1]
             synchronize(args.device)
             start = time.perf_counter()
-            model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(token, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
             synchronize(args.device)
             decode.append(time.perf_counter() - start)
     return {

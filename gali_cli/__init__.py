@@ -19,6 +19,7 @@ _PUBLIC = {
     "gali_settings": ".methods.gali",
     "apply_method": ".methods",
     "remove_method": ".methods",
+    "with_cache": ".engine.seam",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .engine.seam import with_cache
 from .errors import ConfigError
 
 Sampler = Callable[[torch.Tensor], int]
@@ -111,7 +112,7 @@ def prefill(
     if progress:
         progress(0, spans[-1][1] - spans[0][0])
     for first, last in spans:
-        logits = model(input_ids=ids[:, first:last], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids[:, first:last], **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits
         if progress:
             progress(last - spans[0][0], spans[-1][1] - spans[0][0])
     return logits[0, -1].float()
@@ -133,7 +134,7 @@ def decode(
         if token in stop_ids or step == max_new_tokens - 1:
             return
         step_ids = torch.tensor([[token]], device=device)
-        logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+        logits = model(input_ids=step_ids, **with_cache(model, cache), use_cache=True).logits[0, -1].float()
 
 
 @torch.inference_mode()  # the generator form: only this function's own steps run in inference mode, not the caller's

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .compat import TESTED_TRANSFORMERS, installed_transformers, untested_release
 from .engine.kernel_choice import noisy_attention_path
 from .errors import ConfigError
 
@@ -125,7 +126,16 @@ def environment_facts(device: str, dtype: str) -> dict:
     return {"device": target, "dtype": choose_dtype(dtype, target, found.bf16), "cuda": list(found.devices),
             "bitsandbytes": _bitsandbytes(imported_torch="torch" in sys.modules),
             "noisy_attention": noisy_attention_path(target),
-            "torch": build.version if build else "not installed", "transformers": _version("transformers")}
+            "torch": build.version if build else "not installed", "transformers": _version("transformers"),
+            "transformers_tested": _tested_transformers()}
+
+
+def _tested_transformers() -> str:
+    """Whether the installed transformers is one gali's equivalence tests passed on (compat.py)."""
+    if installed_transformers() is None:
+        return "not installed"
+    untested = untested_release()
+    return f"no: gali is tested with {TESTED_TRANSFORMERS}" if untested else f"yes ({TESTED_TRANSFORMERS})"
 
 
 def _bitsandbytes(imported_torch: bool) -> str:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from .engine.seam import with_cache
 from .errors import ConfigError
 
 # Positions whose logits exist at once: logits are (slice x vocab) floats, e.g. 512 x 128k x 4 B = 256 MiB.
@@ -45,7 +46,8 @@ def perplexities(
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         for first, last in spans:
-            hidden = model.model(input_ids=ids[:, first:last], past_key_values=cache, use_cache=True).last_hidden_state
+            hidden = model.model(input_ids=ids[:, first:last], **with_cache(model.model, cache),
+                                 use_cache=True).last_hidden_state
             start = first
             for end in (cut for cut in cuts if first < cut <= last):
                 for begin in range(start, end, _LOGIT_SLICE):

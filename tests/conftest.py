@@ -11,46 +11,45 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-VOCAB = 64
-
-
-def tiny_llama(
-    train_len: int = 16,
-    heads: int = 4,
-    kv_heads: int = 2,
-    hidden: int = 32,
-    layers: int = 2,
-    rope_parameters: dict | None = None,
-    attn_implementation: str = "sdpa",
-    seed: int = 0,
-) -> LlamaForCausalLM:
-    """A random Llama whose attention is sharp enough for position errors to show in the logits."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=train_len,
-        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
-        attn_implementation=attn_implementation,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.ndim == 2:  # unit-variance projections; queries twice as strong for peaked attention
-                std = (2.0 if "q_proj" in name else 1.0) / parameter.shape[1] ** 0.5
-                parameter.normal_(0.0, std if "embed" not in name else 1.0)
-    return model
+from gali_cli.seam_check import VOCAB, tiny_llama  # the seam check's tiny random Llama: the tests' too
 
 
 @pytest.fixture
 def make_llama():
     return tiny_llama
+
+
+@pytest.fixture
+def cache_argument_renamed(monkeypatch):
+    """transformers as a release that renamed the forward's cache argument again (to `kv_cache`) would be: LlamaModel
+    and LlamaForCausalLM declare it under the new name, and the causal LM hands it to the model under it."""
+    from transformers import LlamaForCausalLM, LlamaModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from gali_cli.engine import seam
+
+    current = seam.cache_parameter(LlamaModel)
+    model_forward = LlamaModel.forward
+
+    def renamed_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, kv_cache=None,
+                              inputs_embeds=None, use_cache=None, **kwargs):
+        return model_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, **{current: kv_cache}, **kwargs)
+
+    def renamed_causal_forward(self, input_ids=None, attention_mask=None, position_ids=None, kv_cache=None,
+                               inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            kv_cache=kv_cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                            **kwargs).last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, -logits_to_keep:]))
+
+    monkeypatch.setattr(LlamaModel, "forward", renamed_model_forward)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", renamed_causal_forward)
+    seam.forward_parameters.cache_clear()  # it remembers each class's declared parameters
+    yield
+    seam.forward_parameters.cache_clear()
 
 
 @pytest.fixture(autouse=True)

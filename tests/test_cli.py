@@ -531,14 +531,16 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 6 of 6 passed" in result.stderr
-    assert len(lines) == 6 and all(line.startswith("ok ") for line in lines)
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 17 of 17 passed" in result.stderr
+    assert len(lines) == 17 and all(line.startswith("ok ") for line in lines)
+    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:11]) == 11  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
     assert any(line.startswith("ok   GALI vs Alg. 3 as written: 300 keys") and "GALI " in line and " ms" in line
                for line in lines)
     facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
     checks = facts["check"]["checks"]
-    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 6
+    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 17
+    assert sum(item["seam"] for item in checks) == 11
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
 
 
@@ -559,7 +561,36 @@ def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, mon
     assert sum(line.startswith("FAIL noisy attention, native vs PyTorch") for line in result.stdout.splitlines()) == 4
     assert sum(line.startswith("FAIL GALI vs Alg. 3") for line in result.stdout.splitlines()) == 2  # its route
     assert result.stderr.strip().splitlines()[-1] == (
-        "gali: self-check: 6 of 6 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
+        "gali: self-check: 7 of 17 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
+    assert "FAIL transformers seam, gali with noise" in result.stdout  # noisy GALI takes the wrong kernel too
+
+
+def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, small_self_check,
+                                                                         cache_argument_renamed):
+    result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    seam = [line for line in lines if "transformers seam" in line]
+    assert len(seam) == 11 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
+    assert "takes its KV cache under none of the names gali knows (cache, past_key_values)" in seam[0]
+    assert sum(line.startswith("ok   ") for line in lines) == 6  # the attention paths themselves hold
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "gali: self-check: 11 of 17 checks failed; the transformers seam fails (see above): gali's answers would be "
+        "wrong with transformers ")
+
+
+def test_a_transformers_outside_the_tested_range_is_said_once(gali, doc, monkeypatch):
+    import gali_cli.compat as compat
+
+    monkeypatch.setattr(compat, "installed_transformers", lambda: "5.99.0")
+    monkeypatch.setattr(compat, "_warned", False)
+    result = gali("summarize", str(doc), "--max-new-tokens", "2")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("warning: transformers 5.99.0 is outside the releases gali is tested with (>=5.5,") == 1
+    info = gali("info")
+    assert "transformers_tested  no: gali is tested with >=5.5," in info.stdout
+    monkeypatch.setattr(compat, "installed_transformers", lambda: "5.24.0")
+    assert "transformers_tested  yes (>=5.5," in gali("info").stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -12,6 +12,7 @@ from gali_cli.config import MethodSettings
 from gali_cli.conversation import Conversation
 from gali_cli.config import parse_size
 from gali_cli.doc_cache import DocumentCache, entry_key
+from gali_cli.engine.seam import with_cache
 from gali_cli.errors import ConfigError
 from gali_cli.generate import Finished, TextPiece, make_sampler, stop_token_ids, stream_generate
 from gali_cli.loading import load_model
@@ -42,7 +43,7 @@ def answer(conversation: Conversation, instruction: str, tokens: int = 10) -> tu
 def filled_cache(loaded, tokens: int) -> tuple[list[int], DynamicCache]:
     ids = list(range(3, 3 + tokens))
     cache = DynamicCache(config=loaded.model.config)
-    loaded.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    loaded.model(input_ids=torch.tensor([ids]), **with_cache(loaded.model, cache), use_cache=True)
     return ids, cache
 
 

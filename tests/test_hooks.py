@@ -9,9 +9,10 @@ from gali_cli import ConfigError, GaliConfig, GaliError, UnsupportedModelError, 
 from gali_cli.engine.gali_attention import chunk_contexts
 from gali_cli.engine.positions import chunk_plan, interpolate
 from gali_cli.engine.rope import absolute_table
+from gali_cli.engine.seam import with_cache
 from gali_cli.methods.gali import Gali
 from conftest import VOCAB
-from naive import NaiveGali
+from gali_cli.engine.reference_model import NaiveGali
 
 
 def prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -21,18 +22,18 @@ def prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 def forward_pieces(model, ids: torch.Tensor, pieces) -> torch.Tensor:
     """Feed `ids` one forward per piece through one cache; return all logits."""
     cache = DynamicCache(config=model.config)
-    return torch.cat([model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in pieces], dim=1)
+    return torch.cat([model(ids[:, a:b], **with_cache(model, cache), use_cache=True).logits for a, b in pieces], dim=1)
 
 
 def engine_greedy(model, ids: torch.Tensor, steps: int) -> tuple[list[int], list[torch.Tensor]]:
     cache = DynamicCache(config=model.config)
-    logits = model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+    logits = model(ids, **with_cache(model, cache), use_cache=True).logits[0, -1]
     tokens, step_logits = [], []
     for _ in range(steps):
         token = int(logits.argmax())
         tokens.append(token)
         step_logits.append(logits)
-        logits = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([[token]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
     return tokens, step_logits
 
 
@@ -210,7 +211,7 @@ def test_static_cache_and_generate(make_llama):
     expected = NaiveGali(model, 16, 4, 2).prefill(ids[0].tolist())
     apply_gali(model, GaliConfig(chunk_size=4, local_window=2, noise=False))
     cache = StaticCache(config=model.config, max_cache_len=64)
-    logits = torch.cat([model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in
+    logits = torch.cat([model(ids[:, a:b], **with_cache(model, cache), use_cache=True).logits for a, b in
                         [(0, 10), (10, 28), (28, 41)]], dim=1)  # cut only at plan boundaries (16 + 4k)
     torch.testing.assert_close(logits[0].double(), expected, rtol=1e-4, atol=1e-4)
     generated = model.generate(
@@ -353,7 +354,7 @@ def _decode_logits(model, cache, steps: int, seed: int = 0) -> torch.Tensor:
     logits = []
     for _ in range(steps):
         token = torch.randint(0, VOCAB, (2, 1), generator=generator)
-        logits.append(model(input_ids=token, past_key_values=cache).logits[:, -1])
+        logits.append(model(input_ids=token, **with_cache(model, cache)).logits[:, -1])
     return torch.stack(logits)
 
 
@@ -367,7 +368,7 @@ def test_decoding_without_re_rotation_matches_re_chunking(make_llama, monkeypatc
     for fast in (True, False):
         monkeypatch.setattr(Gali, "fast_decode", fast)
         cache = DynamicCache(config=model.config)
-        model(input_ids=prompt, past_key_values=cache)
+        model(input_ids=prompt, **with_cache(model, cache))
         runs[fast] = _decode_logits(model, cache, 60)
     torch.testing.assert_close(runs[True], runs[False], rtol=0, atol=1e-5)
 
@@ -381,7 +382,7 @@ def test_decode_states_follow_their_cache(make_llama, monkeypatch):
     def decoded(interleave: bool) -> list[torch.Tensor]:
         caches = [DynamicCache(config=model.config) for _ in prompts]
         for cache, prompt in zip(caches, prompts):
-            model(input_ids=prompt, past_key_values=cache)
+            model(input_ids=prompt, **with_cache(model, cache))
         if not interleave:
             return [_decode_logits(model, cache, 8, seed) for seed, cache in enumerate(caches)]
         halves = [[_decode_logits(model, cache, 4, seed)] for seed, cache in enumerate(caches)]
@@ -389,7 +390,7 @@ def test_decode_states_follow_their_cache(make_llama, monkeypatch):
             generator = torch.Generator().manual_seed(seed)
             torch.randint(0, VOCAB, (4, 2, 1), generator=generator)
             steps = [model(input_ids=torch.randint(0, VOCAB, (2, 1), generator=generator),
-                           past_key_values=cache).logits[:, -1] for _ in range(4)]
+                           **with_cache(model, cache)).logits[:, -1] for _ in range(4)]
             halves[seed].append(torch.stack(steps))
         return [torch.cat(half) for half in halves]
 
@@ -400,13 +401,13 @@ def test_decode_states_follow_their_cache(make_llama, monkeypatch):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
     cache = DynamicCache(config=model.config)
-    model(input_ids=prompts[0], past_key_values=cache)
+    model(input_ids=prompts[0], **with_cache(model, cache))
     _decode_logits(model, cache, 5)
     for layer in cache.layers:  # cut back to the prompt, as a cancelled chat turn does
         layer.keys, layer.values = layer.keys[:, :, :20], layer.values[:, :, :20]
     after_cut = _decode_logits(model, cache, 6, seed=3)
     fresh = DynamicCache(config=model.config)
-    model(input_ids=prompts[0], past_key_values=fresh)
+    model(input_ids=prompts[0], **with_cache(model, fresh))
     torch.testing.assert_close(after_cut, _decode_logits(model, fresh, 6, seed=3), rtol=0, atol=1e-5)
 
 
@@ -431,10 +432,10 @@ def test_decoding_may_switch_between_inference_mode_and_no_grad(make_llama):
     model = apply_gali(make_llama(train_len=16), GaliConfig(chunk_size=4, local_window=2, noise=False))
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.randint(0, VOCAB, (2, 20)), past_key_values=cache)
-        model(input_ids=torch.randint(0, VOCAB, (2, 1)), past_key_values=cache)
+        model(input_ids=torch.randint(0, VOCAB, (2, 20)), **with_cache(model, cache))
+        model(input_ids=torch.randint(0, VOCAB, (2, 1)), **with_cache(model, cache))
     with torch.no_grad():
-        assert model(input_ids=torch.randint(0, VOCAB, (2, 1)), past_key_values=cache).logits.isfinite().all()
+        assert model(input_ids=torch.randint(0, VOCAB, (2, 1)), **with_cache(model, cache)).logits.isfinite().all()
 
 
 def test_models_built_from_one_config_object_are_patched_apart(make_llama):

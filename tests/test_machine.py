@@ -47,4 +47,5 @@ def test_environment_facts_agree_with_torch():
     assert facts["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert facts["torch"] == torch.__version__ and len(facts["cuda"]) == torch.cuda.device_count()
     assert facts["bitsandbytes"].startswith(("bitsandbytes ", "unavailable"))
-    assert set(facts) == {"device", "dtype", "cuda", "bitsandbytes", "noisy_attention", "torch", "transformers"}
+    assert set(facts) == {"device", "dtype", "cuda", "bitsandbytes", "noisy_attention", "torch", "transformers",
+                          "transformers_tested"}

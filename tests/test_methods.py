@@ -5,13 +5,14 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig
+from gali_cli.engine.seam import with_cache
 from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
 from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, preview_method, remove_method
 from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
 from conftest import VOCAB
-from naive import NaiveDPE, NaiveDualChunk, NaiveReRoPE, NaiveSelfExtend
+from gali_cli.engine.reference_model import NaiveDPE, NaiveDualChunk, NaiveReRoPE, NaiveSelfExtend
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
@@ -22,17 +23,17 @@ def forwards(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
     """Logits of `ids` fed in forwards ending at `cuts`, through one cache."""
     cache, outputs, start = DynamicCache(config=model.config), [], 0
     for stop in cuts:
-        outputs.append(model(ids[:, start:stop], past_key_values=cache, use_cache=True).logits)
+        outputs.append(model(ids[:, start:stop], **with_cache(model, cache), use_cache=True).logits)
         start = stop
     return torch.cat(outputs, dim=1)
 
 
 def engine_greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
     cache = DynamicCache(config=model.config)
-    logits, tokens = model(ids, past_key_values=cache, use_cache=True).logits[0, -1], []
+    logits, tokens = model(ids, **with_cache(model, cache), use_cache=True).logits[0, -1], []
     for _ in range(steps):
         tokens.append(int(logits.argmax()))
-        logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([[tokens[-1]]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
     return tokens
 
 
@@ -349,11 +350,11 @@ def test_kept_keys_do_not_outlive_a_cache_cut_back_and_refilled(make_llama, meth
     apply_method(model, method, settings, 60)
     ids, other = prompt(44, seed=2), prompt(44, seed=3)
     cache = DynamicCache(config=model.config)
-    model(ids[:, :30], past_key_values=cache, use_cache=True)
+    model(ids[:, :30], **with_cache(model, cache), use_cache=True)
     for stop in range(31, 43):  # decoded one token at a time: the keys are kept up to 42
-        model(ids[:, stop - 1 : stop], past_key_values=cache, use_cache=True)
+        model(ids[:, stop - 1 : stop], **with_cache(model, cache), use_cache=True)
     truncate_cache(cache, 30)
-    model(other[:, 30:42], past_key_values=cache, use_cache=True)  # other tokens, the cache at 42 again
-    step = model(other[:, 42:43], past_key_values=cache, use_cache=True).logits[0, -1]
+    model(other[:, 30:42], **with_cache(model, cache), use_cache=True)  # other tokens, the cache at 42 again
+    step = model(other[:, 42:43], **with_cache(model, cache), use_cache=True).logits[0, -1]
     refilled = torch.cat((ids[:, :30], other[:, 30:43]), dim=1)
     torch.testing.assert_close(step, model(refilled).logits[0, -1], rtol=1e-5, atol=1e-5)

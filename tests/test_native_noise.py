@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import DynamicCache
 from test_attention import qkv
 from test_hooks import prompt
 
@@ -18,6 +19,7 @@ from gali_cli.engine.noisy_attention import (
     tiled_noisy_attention,
 )
 from gali_cli.engine.positions import grouping
+from gali_cli.engine.seam import with_cache
 from gali_cli.errors import ConfigError, GaliWarning
 
 
@@ -73,8 +75,9 @@ def test_noisy_gali_model_is_the_same_on_either_cpu_path(make_llama, monkeypatch
         model = apply_gali(make_llama(train_len=16, heads=4, kv_heads=2),
                            GaliConfig(chunk_size=5, local_window=3, noise=True, noise_scale=2.0))
         with torch.inference_mode():
-            prefill = model(ids[:, :-1], use_cache=True)
-            step = model(ids[:, -1:], past_key_values=prefill.past_key_values, use_cache=True)
+            cache = DynamicCache(config=model.config)
+            prefill = model(ids[:, :-1], **with_cache(model, cache), use_cache=True)
+            step = model(ids[:, -1:], **with_cache(model, cache), use_cache=True)
         results.append((prefill.logits, step.logits))
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gali_cli.engine.positions import chunk_plan, gali_positions, group_size, interpolate
-from naive import alg1_chunk_sizes, alg2_positions
+from gali_cli.engine.reference_model import alg1_chunk_sizes, alg2_positions
 
 
 def test_paper_figure_1():

@@ -10,5 +10,7 @@ One concern a file, dependencies pointing down the list:
 - triton_attention.py: the fused Triton kernel (imported only when it runs).
 - gali_attention.py: GALI's prefill attention, chunk by chunk (Algorithm 3).
 - decode.py: GALI's one-token decoding without re-rotating the cache.
+- seam.py: how the installed transformers takes the KV cache; SeamError when it is not a way gali knows.
 - hooks.py: the transformers extension points every position-remapping method is installed through.
+- reference.py, reference_model.py: the oracles (Alg. 3 as written; a float64 Llama with each method's positions).
 """

@@ -3,8 +3,12 @@ its public extension points only.
 
 - The model's rotary embedding is swapped for a stand-in that leaves queries and keys un-rotated, so the KV cache
   holds keys without RoPE (a token's K/V still come from the forward that processed it).
-- A forward pre-hook on the LlamaModel reads how many tokens are cached and how many are new, and passes a `Forward`
-  down as the keyword `rope_forward`, which transformers forwards to the attention function.
+- A forward pre-hook on the LlamaModel reads how many tokens are cached and how many are new (finding the cache
+  whatever the installed release calls it: seam.py), and passes a `Forward` down as the keyword `rope_forward`,
+  which transformers forwards to the attention function. The attention checks that the keys it receives are exactly
+  the forward's (for a growing cache: the forward's end), so a release that hands the cache over differently fails
+  loudly instead of computing at wrong positions; a forward hook checks that the cache the forward was planned from
+  is the one its layers filled.
 - The method's attention is registered in `AttentionInterface` under its name; a mask function under the same name
   keeps transformers from building a (q x T) mask: the methods mask their own way.
 - Transformers picks the attention from the model's config object, which models built from one config share: the
@@ -24,17 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from transformers import AttentionInterface, LlamaModel, PreTrainedModel
+from transformers import AttentionInterface, LlamaModel, PreTrainedModel, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from ..compat import warn_if_untested
 from ..errors import GaliError, UnsupportedModelError
 from .rope import RopeTable, rotate
+from .seam import cached_tokens, forward_arguments, seam_error
 
 # Rope types whose frequencies do not depend on the sequence length: integer positions index them directly.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-_FORWARD_ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds")
 
 
 class PositionalAttention(ABC):
@@ -62,6 +67,7 @@ class Installed:
     original_attention: str
     config: Any  # the config object the model had, perhaps shared with other models
     hook: RemovableHandle | None = None
+    check: RemovableHandle | None = None
 
 
 class Forward:
@@ -71,6 +77,8 @@ class Forward:
         self.installed = installed
         self.start, self.stop = start, stop
         self.cache = cache  # the model's KV cache object, if it was given one
+        # A StaticCache hands every layer all its slots; any other cache exactly the keys of tokens [0, stop).
+        self.preallocated = isinstance(cache, StaticCache)
         self._memo: dict[tuple, Any] = {}
 
     def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
@@ -120,6 +128,7 @@ class Forward:
 def install(model: PreTrainedModel, method: PositionalAttention) -> None:
     """Patch `model` in place to compute attention with `method`, replacing any method installed before."""
     base = llama_model(model)
+    warn_if_untested()
     if hasattr(base, "_positional"):
         uninstall(model)
     AttentionInterface.register(method.name, _attention)
@@ -129,6 +138,7 @@ def install(model: PreTrainedModel, method: PositionalAttention) -> None:
     base.rotary_emb = _UnrotatedQueriesAndKeys(base.rotary_emb, model.config)
     model.set_attn_implementation(method.name)
     installed.hook = base.register_forward_pre_hook(partial(_plan_forward, installed), with_kwargs=True)
+    installed.check = base.register_forward_hook(_check_cache_filled, with_kwargs=True)
     base._positional = installed
 
 
@@ -139,6 +149,7 @@ def uninstall(model: PreTrainedModel) -> None:
     if installed is None:
         raise GaliError("no position-remapping method is applied to this model")
     installed.hook.remove()
+    installed.check.remove()
     base.rotary_emb = installed.rotary
     _replace_config(model, model.config, installed.config)  # it still names the original attention
     del base._positional
@@ -172,7 +183,7 @@ class _UnrotatedQueriesAndKeys(nn.Module):
 
 def _plan_forward(installed: Installed, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of the LlamaModel: hand the forward's extent to every layer."""
-    given = {**dict(zip(_FORWARD_ARGUMENTS, args)), **kwargs}
+    given = forward_arguments(module, args, kwargs)
     tokens = given.get("input_ids")
     if tokens is None:
         tokens = given.get("inputs_embeds")
@@ -184,8 +195,8 @@ def _plan_forward(installed: Installed, module: nn.Module, args: tuple, kwargs: 
             f"{installed.method.name} was applied; remove the method first"
         )
     new_tokens = tokens.shape[1]
-    cache = given.get("past_key_values")
-    start = int(cache.get_seq_length()) if cache is not None else 0  # a StaticCache returns a live tensor
+    cache = given["cache"]
+    start = cached_tokens(cache)
     position_ids = given.get("position_ids")
     if position_ids is not None:
         expected = torch.arange(start, start + new_tokens, device=position_ids.device)
@@ -196,6 +207,18 @@ def _plan_forward(installed: Installed, module: nn.Module, args: tuple, kwargs: 
             )
     kwargs["rope_forward"] = Forward(installed, start, start + new_tokens, cache)
     return args, kwargs
+
+
+def _check_cache_filled(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """Forward hook of the LlamaModel: the cache the forward was planned from must be the one the layers filled.
+    A release that ignores the name the cache was given by (e.g. `cache=` before 5.24) runs every forward on a new,
+    empty cache; nothing in the attention can notice that, so the forward's result is refused here."""
+    forward = kwargs.get("rope_forward")
+    if forward is not None and forward.cache is not None and cached_tokens(forward.cache) != forward.stop:
+        raise seam_error(
+            f"the KV cache holds {cached_tokens(forward.cache)} tokens after the forward, not {forward.stop}: the "
+            "forward did not fill it (given under a name this release ignores?)"
+        )
 
 
 def _attention(
@@ -214,12 +237,7 @@ def _attention(
         raise GaliError("this attention needs the model's forward (it knows the positions); call the model")
     if attention_mask is not None:
         raise GaliError("a custom 4D attention_mask is not supported: the method builds its own causal masks")
-    new_tokens = rope_forward.stop - rope_forward.start
-    if query.shape[2] != new_tokens or key.shape[2] < rope_forward.stop:
-        raise GaliError(
-            f"expected {new_tokens} new tokens over {rope_forward.stop} cached keys, got {query.shape[2]} over "
-            f"{key.shape[2]}: was the cache shared with another model or truncated?"
-        )
+    _check_extent(rope_forward, module, query, key)
     method = rope_forward.installed.method
     if rope_forward.stop <= method.exact_until:
         output = rope_forward.exact_attention(module, query, key, value, rope_forward.stop, scaling, dropout,
@@ -227,6 +245,22 @@ def _attention(
     else:
         output = method.attend(rope_forward, module, query, key, value, scaling, dropout, **kwargs)
     return output.contiguous(), None
+
+
+def _check_extent(forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
+    """The attention must receive this forward's queries over exactly the keys of tokens [0, stop) (a StaticCache:
+    at least that many slots). Anything else means the hook saw a different cache than the attention uses (the
+    cache argument handed over in a way gali does not know) or that the cache was changed behind gali's back:
+    positions computed from it would be wrong, so nothing is computed."""
+    new_tokens = forward.stop - forward.start
+    keys_match = key.shape[2] >= forward.stop if forward.preallocated else key.shape[2] == forward.stop
+    if query.shape[2] != new_tokens or not keys_match:
+        raise seam_error(
+            f"layer {getattr(module, 'layer_idx', '?')} received {query.shape[2]} queries over {key.shape[2]} keys, "
+            f"expected {new_tokens} over {'at least ' if forward.preallocated else ''}{forward.stop} (tokens "
+            f"{forward.start}..{forward.stop}): the cache reached it unseen by gali's hook, or was cut or shared "
+            "between forwards"
+        )
 
 
 def _no_mask(batch_size: int, q_length: int, kv_length: int, attention_mask=None, **kwargs) -> None:

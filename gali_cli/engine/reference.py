@@ -1,6 +1,6 @@
 """The eager oracle of the engine's prefill attention: Alg. 3 as written, on the engine's own tables and positions.
 
-Unlike tests/naive.py, it shares the engine's inputs (RoPE tables, Alg. 2 positions, the noise and mask helpers) and
+Unlike reference_model.py, it shares the engine's inputs (RoPE tables, Alg. 2 positions, the noise and mask helpers) and
 checks only the attention formulation: two rotated copies of the keys, two full logit matrices, interpolated. Tests
 and `gali info --check` (self_check.py) hold `gali_attention` to it; benchmarks/bench_speed.py runs it as the anchor
 (the authors' formulation).

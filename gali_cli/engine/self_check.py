@@ -36,6 +36,7 @@ class Check:
     error: float  # max |candidate - reference| over the output
     tolerance: float
     seconds: dict[str, float]  # path -> seconds of one call after a warm-up call
+    seam: bool = False  # a check of the transformers seam (seam_check.py) rather than of an attention path
 
     @property
     def ok(self) -> bool:

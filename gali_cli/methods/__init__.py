@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..compat import warn_if_untested
 from ..config import MethodSettings
 from ..engine.hooks import PositionalAttention, install, installed_method, uninstall
 from ..engine.positions import chunk_plan
@@ -186,6 +187,7 @@ def apply_method(model: PreTrainedModel, name: str, settings: MethodSettings, in
     """Run `model` with method `name` from now on (replacing any other); returns the settings it resolved."""
     method = get_method(name)
     train_len = _train_len(model.config, settings)
+    warn_if_untested()
     remove_method(model)
     return method.apply(model, settings, train_len, input_tokens)
 

@@ -2,9 +2,11 @@
 transformers where they are not needed to tell (machine.py, model_config.py): it answers at once. With --check, the
 engine's self-check on the device (which needs torch)."""
 
+import itertools
 import os
 
 from .. import display
+from ..compat import TESTED_TRANSFORMERS, installed_transformers
 from ..config import PREVIEWED_METHODS
 from ..display import print_json, say
 from ..errors import GaliError
@@ -40,17 +42,23 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> No
     checks = run_self_check(device, json_output)
     if json_output:
         print_json({**facts, "check": {"device": str(device), "checks": [
-            {"name": item.name, "ok": item.ok, "max_error": item.error, "tolerance": item.tolerance,
+            {"name": item.name, "seam": item.seam, "ok": item.ok, "max_error": item.error, "tolerance": item.tolerance,
              "seconds": item.seconds} for item in checks]}})
     failed = [item for item in checks if not item.ok]
+    if failed and all(item.seam for item in failed):  # the attention paths hold: transformers hands them wrong input
+        raise GaliError(f"self-check: {len(failed)} of {len(checks)} checks failed; the transformers seam fails "
+                        f"(see above): gali's answers would be wrong with transformers {installed_transformers()}; "
+                        f"pip install 'transformers{TESTED_TRANSFORMERS}'")
     if failed:
         raise GaliError(f"self-check: {len(failed)} of {len(checks)} checks failed on {device} (see above); "
                         f"GALI_KERNEL=torch runs the PyTorch path")
 
 
 def run_self_check(device, json_output: bool) -> list:
-    """engine/self_check.py on `device`, each check shown as it completes (unless the output is JSON)."""
+    """The transformers seam (seam_check.py, on the CPU: it checks transformers' plumbing, not a device), then
+    engine/self_check.py on `device`; each check shown as it completes (unless the output is JSON)."""
     from ..engine.self_check import self_check
+    from ..seam_check import seam_checks
 
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     if not json_output:
@@ -59,7 +67,7 @@ def run_self_check(device, json_output: bool) -> list:
                  if device.type == "cpu" else f"checking the GPU paths on {device}")
         say(f"self-check: {where}")
     checks = []
-    for item in self_check(device, triton_interpreted=interpreted):
+    for item in itertools.chain(seam_checks(), self_check(device, triton_interpreted=interpreted)):
         checks.append(item)
         if not json_output:
             display.print_check(item)

@@ -1,15 +1,18 @@
-"""A deliberately naive restatement of GALI (paper Appendix D, Algorithms 1-3) and of a Llama forward, in float64.
+"""A deliberately naive restatement of a Llama forward and of each method's positions, in float64: the model-level
+reference of the tests and of `gali info --check`'s seam check (gali_cli/seam_check.py).
 
-It shares nothing with gali_cli's engine but the noise's random numbers (a definition, not an algorithm): the
-paper's loops are written out literally, every chunk builds full logit matrices from two rotated copies of the keys,
-and the Llama layer is spelled out from its weights. Tests hold the engine against it.
+It shares nothing with the rest of the engine but the noise's random numbers (a definition, not an algorithm), and
+nothing with transformers but the weights: the paper's loops (Appendix D, Algorithms 1-3) are written out
+literally, every chunk builds full logit matrices from two rotated copies of the keys, and the Llama layer is
+spelled out from its weights. So a patched transformers model that agrees with it agrees for the right reasons,
+whatever the installed release does with its arguments. Keep it small and slow: it is an oracle, not a path.
 """
 
 import math
 
 import torch
 
-from gali_cli.engine.noise import Noise, standard_normal
+from .noise import Noise, standard_normal
 
 
 def alg1_chunk_sizes(prefill_len: int, train_len: int, chunk_size: int) -> list[int]:
@@ -59,7 +62,8 @@ class NaiveLlama:
         self.weights = {name: tensor.detach().double() for name, tensor in model.state_dict().items()}
         self.weights["lm_head.weight"] = model.lm_head.weight.detach().double()
         rotary = model.model.rotary_emb
-        rotary = getattr(rotary, "rotary", rotary)  # the model's own, also when a method is applied
+        # The rotary in use: a rescaled one (ntk, yarn), or the model's own behind a method's stand-in.
+        rotary = getattr(rotary, "rescaled", None) or getattr(rotary, "rotary", rotary)
         self.inv_freq = rotary.inv_freq.detach().double()
         self.rope_scaling = float(rotary.attention_scaling)
         self.batch_index = batch_index
@@ -130,6 +134,14 @@ class NaiveLlama:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * angles.cos() * self.rope_scaling + rotated * angles.sin() * self.rope_scaling
+
+
+class NaiveRoPE(NaiveLlama):
+    """The unpatched model: RoPE at the true positions i and j (with the rotary's own frequencies and scaling, so
+    also static NTK and YaRN, which change only those)."""
+
+    def logits(self, query, keys, first, layer, head):
+        return self.rope_logits(query, keys, torch.arange(first, first + len(query)), torch.arange(len(keys)))
 
 
 class NaiveGali(NaiveLlama):

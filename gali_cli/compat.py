@@ -1,0 +1,56 @@
+"""Which transformers releases gali has been tested with, and saying so (once) when another one is installed.
+
+gali hooks into transformers (engine/hooks.py, engine/seam.py), and a minor release can change what the hooks rely on
+without raising anything: 5.24 renamed the forward's cache argument, and every token decoded after a long prompt was
+computed at position 0. So pyproject.toml admits only the releases on which the engine's equivalence tests passed
+(`benchmarks/compat.py` runs them, one environment per release; docs/compatibility.md has the table), and a user who
+forces another release is told once. Torch-free: `gali info` reports it without importing torch.
+"""
+
+import importlib.metadata
+import warnings
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .errors import GaliWarning
+
+# Kept equal to the transformers requirement in pyproject.toml (tests/test_compat.py). Raise the upper bound only
+# after `python benchmarks/compat.py` has passed on the new release and its row is in docs/compatibility.md.
+TESTED_TRANSFORMERS = ">=5.5,<5.25"
+
+_warned = False
+
+
+def installed_transformers() -> str | None:
+    """The installed transformers release, or None."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def untested_release(version: str | None = None) -> str | None:
+    """What to tell the user when transformers `version` (default: the installed one) is outside the tested range;
+    None when it is inside (or not installed: loading says so)."""
+    version = version if version is not None else installed_transformers()
+    if version is None:
+        return None
+    try:
+        tested = Version(version) in SpecifierSet(TESTED_TRANSFORMERS)
+    except InvalidVersion:
+        tested = False
+    if tested:
+        return None
+    return (f"transformers {version} is outside the releases gali is tested with ({TESTED_TRANSFORMERS}): "
+            f"`gali info --check` tests the seam on this install; pip install 'transformers{TESTED_TRANSFORMERS}' "
+            "gets a tested one")
+
+
+def warn_if_untested() -> None:
+    """Say once per process, as a GaliWarning, that the installed transformers is outside the tested range."""
+    global _warned
+    message = untested_release()
+    if message and not _warned:
+        _warned = True
+        warnings.warn(message, GaliWarning, stacklevel=2)

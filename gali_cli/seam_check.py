@@ -1,0 +1,144 @@
+"""The end-to-end check of the seam with transformers (`gali info --check`, first): a tiny random Llama built in
+memory, patched with each method, prefilled in several forwards through one KV cache and decoded a few tokens by
+gali's own calls (generate.prefill, generate.decode), held to the method's float64 restatement
+(engine/reference_model.py), which computes the same Llama from its weights without transformers.
+
+This is the check that would have caught transformers 5.24, which renamed the cache argument: its prefill of a whole
+prompt stayed right, and every later forward ran at position 0. It runs in seconds on a CPU, needs no download, and
+reports a seam that fails outright (SeamError) as a failed check with its one-line reason.
+"""
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from .config import MethodSettings
+from .engine import reference_model as ref
+from .engine.self_check import Check
+from .generate import decode, forward_spans, prefill
+from .methods import METHODS, apply_method, remove_method
+
+TRAIN_LEN, PROMPT, DECODED, SPAN = 16, 40, 4, 12  # a prompt 2.5 windows long, fed 12 tokens a forward at most
+VOCAB = 64
+TOLERANCE = 1e-4  # float32 against float64 on a tiny model; a position off by one moves logits by about 1
+
+
+def tiny_llama(
+    train_len: int = 16,
+    heads: int = 4,
+    kv_heads: int = 2,
+    hidden: int = 32,
+    layers: int = 2,
+    rope_parameters: dict | None = None,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """A random Llama whose attention is sharp enough for position errors to show in the logits."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=train_len,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+        attn_implementation=attn_implementation,
+    )
+    with torch.random.fork_rng(devices=[]):  # the global generator as it was afterwards
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if parameter.ndim == 2:  # unit-variance projections; queries twice as strong for peaked attention
+                    std = (2.0 if "q_proj" in name else 1.0) / parameter.shape[1] ** 0.5
+                    parameter.normal_(0.0, std if "embed" not in name else 1.0)
+    return model
+
+
+@dataclass(frozen=True)
+class SeamCase:
+    """One method as the seam check runs it: its settings on the tiny model, and its restatement."""
+
+    label: str
+    method: str
+    settings: MethodSettings
+    reference: Callable[[LlamaForCausalLM, dict], ref.NaiveLlama]  # (patched model, resolved settings)
+    decoded: int = DECODED
+
+
+CASES = (
+    SeamCase("original", "original", MethodSettings(), lambda model, s: ref.NaiveRoPE(model)),
+    SeamCase("gali", "gali", MethodSettings(chunk_size=4, local_window=2),
+             lambda model, s: ref.NaiveGali(model, s["train_len"], s["chunk_size"], s["local_window"])),
+    SeamCase("gali with noise", "gali", MethodSettings(chunk_size=4, local_window=2, noise=True, noise_seed=3),
+             lambda model, s: ref.NaiveGali(model, s["train_len"], s["chunk_size"], s["local_window"],
+                                            noise=(3, 1.0))),
+    SeamCase("self-extend", "self-extend", MethodSettings(group_size=4, neighbor_window=4),
+             lambda model, s: ref.NaiveSelfExtend(model, s["group_size"], s["neighbor_window"])),
+    SeamCase("chunk-llama", "chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4),
+             lambda model, s: ref.NaiveDualChunk(model, s["dca_chunk_size"], s["local_window"], s["train_len"])),
+    SeamCase("rerope", "rerope", MethodSettings(neighbor_window=4),
+             lambda model, s: ref.NaiveReRoPE(model, s["neighbor_window"], None, s["train_len"])),
+    SeamCase("leaky-rerope", "leaky-rerope", MethodSettings(neighbor_window=4, leaky_factor=8.0),
+             lambda model, s: ref.NaiveReRoPE(model, s["neighbor_window"], s["leaky_factor"], s["train_len"])),
+    SeamCase("dpe", "dpe", MethodSettings(neighbor_window=2, dpe_scales=(2, 4)),
+             lambda model, s: ref.NaiveDPE(model, s["dpe_scales"], s["neighbor_window"])),
+    # Static NTK and YaRN change only the rotary's frequencies (and scaling): plain RoPE with the patched rotary.
+    SeamCase("ntk", "ntk", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
+    SeamCase("yarn", "yarn", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
+    # Dynamic NTK picks its frequencies from each forward's length and the unpatched model caches keys rotated by
+    # the frequencies of their own forward: only its one-forward prefill has a plain restatement.
+    SeamCase("dynamic-ntk", "dynamic-ntk", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model),
+             decoded=0),
+)
+
+
+def seam_checks() -> Iterator[Check]:
+    """One check per case, as each completes."""
+    model = tiny_llama(train_len=TRAIN_LEN)
+    ids = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    try:
+        for case in CASES:
+            yield _seam_check(model, ids, case)
+    finally:
+        remove_method(model)
+
+
+def _seam_check(model: LlamaForCausalLM, ids: torch.Tensor, case: SeamCase) -> Check:
+    """gali's prefill and greedy decoding of `ids` with `case`'s method against its float64 restatement."""
+    name = f"transformers seam, {case.label}: {PROMPT}-token prompt"
+    started = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            resolved = apply_method(model, case.method, case.settings, PROMPT + case.decoded)
+            boundaries = METHODS[case.method].boundaries
+            spans = forward_spans(0, PROMPT, SPAN, boundaries(model, 0, PROMPT) if boundaries else None)
+            seen: list[torch.Tensor] = []
+
+            def greedy(logits: torch.Tensor) -> int:
+                seen.append(logits.double())
+                return int(logits.argmax())
+
+            cache = DynamicCache(config=model.config)
+            logits = prefill(model, ids, cache, spans)
+            tokens = list(decode(model, cache, logits, greedy, case.decoded, stop_ids=set()))
+        gali_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        reference = case.reference(model, resolved)
+        if case.decoded:
+            expected_tokens, expected = reference.greedy(ids[0].tolist(), case.decoded)
+        else:
+            seen, expected_tokens, expected = [logits.double()], [], [reference.prefill(ids[0].tolist())[-1]]
+    except Exception as error:  # noqa: BLE001 - whatever stops the seam (a SeamError above all) is this check's finding
+        return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:400]})", float("nan"),
+                     TOLERANCE, {}, seam=True)
+    name += (f" in {len(spans)} forward{'s' if len(spans) > 1 else ''}"
+             f"{f' + {case.decoded} decoded tokens' if case.decoded else ''} vs its float64 restatement")
+    error = max((got - want).abs().max().item() for got, want in zip(seen, expected))
+    if tokens != expected_tokens:
+        name, error = f"{name} (decoded {tokens}, expected {expected_tokens})", float("inf")
+    return Check(name, error, TOLERANCE, {"gali": gali_seconds, "float64": time.perf_counter() - started}, seam=True)
