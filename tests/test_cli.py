@@ -586,11 +586,11 @@ def test_a_transformers_outside_the_tested_range_is_said_once(gali, doc, monkeyp
     monkeypatch.setattr(compat, "_warned", False)
     result = gali("summarize", str(doc), "--max-new-tokens", "2")
     assert result.exit_code == 0, result.stderr
-    assert result.stderr.count("warning: transformers 5.99.0 is outside the releases gali is tested with (>=5.5,") == 1
+    assert result.stderr.count("warning: transformers 5.99.0 is outside the releases gali is tested with (>=5.6,") == 1
     info = gali("info")
-    assert "transformers_tested  no: gali is tested with >=5.5," in info.stdout
+    assert "transformers_tested  no: gali is tested with >=5.6," in info.stdout
     monkeypatch.setattr(compat, "installed_transformers", lambda: "5.24.0")
-    assert "transformers_tested  yes (>=5.5," in gali("info").stdout
+    assert "transformers_tested  yes (>=5.6," in gali("info").stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -35,13 +35,13 @@ def test_the_tested_range_is_the_one_pyproject_admits():
     assert compat.untested_release(compat.installed_transformers()) is None  # the suite runs on a tested release
 
 
-@pytest.mark.parametrize("version, tested", [("5.5.0", True), ("5.24.0", True), ("5.4.0", False), ("5.25.0", False),
+@pytest.mark.parametrize("version, tested", [("5.6.0", True), ("5.24.0", True), ("5.5.4", False), ("5.25.0", False),
                                              ("6.0.0", False), ("5.25.0.dev0", False), ("not-a-version", False)])
 def test_which_releases_are_tested(version, tested):
     message = compat.untested_release(version)
     assert (message is None) == tested
     if message:
-        assert message.startswith(f"transformers {version} is outside the releases gali is tested with (>=5.5,")
+        assert message.startswith(f"transformers {version} is outside the releases gali is tested with (>=5.6,")
         assert "gali info --check" in message
 
 

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import urlsplit
+from urllib.request import urlopen
 
 import openai
 import pytest
@@ -129,6 +130,7 @@ def test_models_and_health(served):
         client.models.retrieve("gpt-4o")
     status, _, health = raw(served, "GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["method"] == "gali" and health["train_len"] == 32
+    assert health["model_train_len"] == 32
 
 
 def test_a_chat_answer_is_gali_reading_the_whole_prompt(served, loaded):
@@ -458,6 +460,24 @@ def test_gali_serve_demo_streams_a_document_16_windows_long_to_six_clients_and_s
     assert list(cache.glob("*.safetensors")) and not list(cache.glob(".partial-*"))
     log = "".join(lines)
     assert '"POST /v1/chat/completions" 200' in log and "stopped" in log and "Traceback" not in log
+
+
+def test_the_window_served_is_the_one_the_method_keeps_to(loaded):
+    """--train-len narrows the window gali keeps positions within; /health and the start line say that one."""
+    assert ModelWorker(loaded, "gali", MethodSettings(train_len=16), None, 2).window == 16
+    assert ModelWorker(loaded, "self-extend", MethodSettings(train_len=16), None, 2).window == 16
+    assert ModelWorker(loaded, "original", MethodSettings(train_len=16), None, 2).window == 32  # it ignores it
+    assert ModelWorker(loaded, "gali", MethodSettings(), None, 2).window == 32
+
+
+@pytest.mark.slow
+def test_gali_serve_says_the_window_of_train_len():
+    with gali_serve("--train-len", "64") as (url, process, lines):
+        assert "(gali, 64-token window of --train-len, the model's 256)" in "".join(lines)
+        health = json.loads(urlopen(f"{url}/health", timeout=60).read())
+        assert health["train_len"] == 64 and health["model_train_len"] == 256
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 130
 
 
 @pytest.mark.slow

@@ -27,8 +27,9 @@ def serve(choice: ModelChoice, serving: Serving) -> None:
                                   serving.top_p)
         if not serving.api_key and serving.host not in LOCAL_HOSTS:
             warn(f"listening on {serving.host} without --api-key: anyone who can reach it can use the model")
-        say(f"gali serve: {settings.name} ({method}, {loaded.train_len}-token window) at {address(listener)}/v1 "
-            "(Ctrl-C stops)")
+        window = (f"{worker.window}-token window" if worker.window == loaded.train_len else
+                  f"{worker.window}-token window of --train-len, the model's {loaded.train_len}")
+        say(f"gali serve: {settings.name} ({method}, {window}) at {address(listener)}/v1 (Ctrl-C stops)")
         run_server(worker, settings, listener, _log)
     finally:
         listener.close()

@@ -77,7 +77,8 @@ class _API:
 
     async def health(self, request: Request) -> Response:
         worker = self.worker
-        facts = {"model": self.settings.name, "method": worker.method, "train_len": worker.loaded.train_len,
+        facts = {"model": self.settings.name, "method": worker.method, "train_len": worker.window,
+                 "model_train_len": worker.loaded.train_len,
                  "busy": worker.busy, "waiting": worker.waiting, "queue_size": worker.queue_size}
         if worker.stopping:
             return JSONResponse({"status": "stopping", **facts}, 503)

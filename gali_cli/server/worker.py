@@ -142,6 +142,13 @@ class ModelWorker:
         self._thread = threading.Thread(target=self._serve, name="gali-model", daemon=True)
 
     @property
+    def window(self) -> int:
+        """The window the method keeps positions within: --train-len where given (the original model ignores it),
+        else the model's."""
+        narrowed = self.settings.train_len
+        return narrowed if narrowed is not None and self.method != "original" else self.loaded.train_len
+
+    @property
     def waiting(self) -> int:
         return self._jobs.qsize()
 
