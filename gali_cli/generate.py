@@ -45,8 +45,11 @@ class Finished:
         return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
-    def decode_tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens per second of decoding, or None below two tokens: the first token is sampled from the prefill's
+        logits (its cost is the prefill's), each later one needs a forward of its own."""
+        forwards = self.generated_tokens - 1
+        return forwards / self.decode_seconds if forwards > 0 and self.decode_seconds else None
 
 
 def make_sampler(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> Sampler:

@@ -107,3 +107,19 @@ def test_only_the_generator_runs_in_inference_mode(tiny):
                                       cache=cache)]
     assert len(modes) > 1 and not any(modes)
     assert cache.layers[0].keys.is_inference()  # the model itself ran in inference mode
+
+
+def test_the_verbose_line_says_what_was_read_and_rates_that_mean_something():
+    from gali_cli.runs.answer import stats_line
+
+    def finished(prompt, prefilled, generated, decode_seconds):
+        return Finished(reason="length", prompt_tokens=prompt, prefilled_tokens=prefilled, generated_tokens=generated,
+                        prefill_seconds=0.5, decode_seconds=decode_seconds, peak_memory_bytes=2**30)
+
+    cached = stats_line(finished(4350, 20, 1, 0.0001))
+    assert cached.startswith("prompt 4350 tokens: 4330 from the cache, 20 read in 0.50 s (40 tokens/s); ")
+    assert "generated 1 token, length" in cached and "tokens/s after" not in cached  # no rate from one token
+    fresh = stats_line(finished(100, 100, 5, 2.0))
+    assert fresh.startswith("prompt 100 tokens: 100 read in 0.50 s (200 tokens/s); generated 5 tokens (2.0 tokens/s "
+                            "after the first), length")
+    assert finished(100, 100, 1, 0.0001).decode_tokens_per_second is None

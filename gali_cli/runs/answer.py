@@ -140,8 +140,17 @@ class _Reading:
 
 
 def _say_stats(finished: Finished) -> None:
-    cached = finished.prompt_tokens - finished.prefilled_tokens
-    say(f"prompt {finished.prompt_tokens} tokens ({cached} from the cache), prefill {finished.prefill_seconds:.2f} s "
-        f"({finished.prefill_tokens_per_second:.0f} tokens/s); generated {finished.generated_tokens} tokens "
-        f"({finished.decode_tokens_per_second:.1f} tokens/s, {finished.reason}); "
-        f"peak memory {finished.peak_memory_bytes / 2**30:.2f} GiB")
+    say(stats_line(finished))
+
+
+def stats_line(finished: Finished) -> str:
+    """-v's line: what of the prompt came from the cache and what was read (the prefill's rate is of the tokens read),
+    and the decoding rate of the tokens after the first (which is sampled from the prefill's logits)."""
+    cached, read = finished.prompt_tokens - finished.prefilled_tokens, finished.prefilled_tokens
+    source = f"{cached} from the cache, {read} read" if cached else f"{read} read"
+    rate = finished.decode_tokens_per_second
+    generated = finished.generated_tokens
+    return (f"prompt {finished.prompt_tokens} tokens: {source} in {finished.prefill_seconds:.2f} s "
+            f"({finished.prefill_tokens_per_second:.0f} tokens/s); generated {generated} "
+            f"token{'s' if generated != 1 else ''}{f' ({rate:.1f} tokens/s after the first)' if rate else ''}, "
+            f"{finished.reason}; peak memory {finished.peak_memory_bytes / 2**30:.2f} GiB")

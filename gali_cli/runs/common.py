@@ -161,5 +161,6 @@ def finished_facts(finished: Finished) -> dict:
             "cached_tokens": finished.prompt_tokens - finished.prefilled_tokens,
             "generated_tokens": finished.generated_tokens,
             "prefill_tokens_per_second": round(finished.prefill_tokens_per_second, 2),
-            "decode_tokens_per_second": round(finished.decode_tokens_per_second, 2),
+            "decode_tokens_per_second": (None if finished.decode_tokens_per_second is None
+                                         else round(finished.decode_tokens_per_second, 2)),
             "peak_memory_mib": round(finished.peak_memory_bytes / 2**20, 1)}
