@@ -3,7 +3,7 @@
 gali hooks into transformers (engine/hooks.py, engine/seam.py), and a minor release can change what the hooks rely on
 without raising anything: 5.24 renamed the forward's cache argument, and every token decoded after a long prompt was
 computed at position 0. So pyproject.toml admits only the releases on which the engine's equivalence tests passed
-(`benchmarks/compat.py` runs them, one environment per release; docs/compatibility.md has the table), and a user who
+(`scripts/compat.py` runs them, one environment per release; docs/compatibility.md has the table), and a user who
 forces another release is told once. Torch-free: `gali info` reports it without importing torch.
 """
 
@@ -16,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 from .errors import GaliWarning
 
 # Kept equal to the transformers requirement in pyproject.toml (tests/test_compat.py). Raise the upper bound only
-# after `python benchmarks/compat.py` has passed on the new release and its row is in docs/compatibility.md.
+# after `python scripts/compat.py` has passed on the new release and its row is in docs/compatibility.md.
 TESTED_TRANSFORMERS = ">=5.6,<5.25"
 
 _warned = False

@@ -111,11 +111,11 @@ def prefill(
     """Run the prompt `ids` (1, n) through the model span by span; returns the last position's logits (vocab,).
 
     `progress` hears (0, tokens) before the first forward, then (tokens done, tokens) after each."""
-    logits = None
+    logits, given = None, with_cache(model, cache)
     if progress:
         progress(0, spans[-1][1] - spans[0][0])
     for first, last in spans:
-        logits = model(input_ids=ids[:, first:last], **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids[:, first:last], **given, use_cache=True, logits_to_keep=1).logits
         if progress:
             progress(last - spans[0][0], spans[-1][1] - spans[0][0])
     return logits[0, -1].float()
@@ -130,14 +130,14 @@ def decode(
     stop_ids: set[int],
 ) -> Iterator[int]:
     """Sample from `logits`, then one token per forward; yields token ids, stop tokens included."""
-    device = model.get_input_embeddings().weight.device
+    device, given = model.get_input_embeddings().weight.device, with_cache(model, cache)
     for step in range(max_new_tokens):
         token = sampler(logits)
         yield token
         if token in stop_ids or step == max_new_tokens - 1:
             return
         step_ids = torch.tensor([[token]], device=device)
-        logits = model(input_ids=step_ids, **with_cache(model, cache), use_cache=True).logits[0, -1].float()
+        logits = model(input_ids=step_ids, **given, use_cache=True).logits[0, -1].float()
 
 
 @torch.inference_mode()  # the generator form: only this function's own steps run in inference mode, not the caller's

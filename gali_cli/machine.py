@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compat import TESTED_TRANSFORMERS, installed_transformers, untested_release
+from . import compat
 from .engine.kernel_choice import noisy_attention_path
 from .errors import ConfigError
 
@@ -132,10 +132,11 @@ def environment_facts(device: str, dtype: str) -> dict:
 
 def _tested_transformers() -> str:
     """Whether the installed transformers is one gali's equivalence tests passed on (compat.py)."""
-    if installed_transformers() is None:
+    version = compat.installed_transformers()
+    if version is None:
         return "not installed"
-    untested = untested_release()
-    return f"no: gali is tested with {TESTED_TRANSFORMERS}" if untested else f"yes ({TESTED_TRANSFORMERS})"
+    tested = compat.TESTED_TRANSFORMERS
+    return f"no: gali is tested with {tested}" if compat.untested_release(version) else f"yes ({tested})"
 
 
 def _bitsandbytes(imported_torch: bool) -> str:

@@ -45,9 +45,9 @@ def perplexities(
     cuts = sorted({*(boundaries or []), *(last for _, last in spans)})
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
+        given = with_cache(model.model, cache)
         for first, last in spans:
-            hidden = model.model(input_ids=ids[:, first:last], **with_cache(model.model, cache),
-                                 use_cache=True).last_hidden_state
+            hidden = model.model(input_ids=ids[:, first:last], **given, use_cache=True).last_hidden_state
             start = first
             for end in (cut for cut in cuts if first < cut <= last):
                 for begin in range(start, end, _LOGIT_SLICE):

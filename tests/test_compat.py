@@ -4,6 +4,7 @@ gali does not know refused (never computed on), and a release outside the tested
 import tomllib
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -72,11 +73,9 @@ def greedy_through_gali(model, ids: torch.Tensor, cuts: list[int], steps: int, p
     return tokens, seen
 
 
-def lm_head(model, hidden_states) -> object:
-    class Output:
-        logits = model.lm_head(hidden_states)
-
-    return Output
+def lm_head(model, hidden_states) -> SimpleNamespace:
+    """The causal LM's output for the LlamaModel's hidden states (the tests below call the LlamaModel directly)."""
+    return SimpleNamespace(logits=model.lm_head(hidden_states))
 
 
 WAYS = {  # how a caller can hand the cache over

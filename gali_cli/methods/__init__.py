@@ -200,6 +200,12 @@ def preview_method(config: PretrainedConfig, name: str, settings: MethodSettings
     return method.preview(config, settings, train_len, None) if method.preview else None
 
 
+def kept_window(name: str, train_len: int | None, model_window: int) -> int:
+    """The window method `name` keeps positions within: `train_len` (--train-len) where given, though the original
+    model ignores it, else the model's: what an input's length is told against."""
+    return train_len if train_len is not None and name != "original" else model_window
+
+
 def _train_len(config: PretrainedConfig, settings: MethodSettings) -> int:
     window = config.max_position_embeddings
     train_len = settings.train_len if settings.train_len is not None else window

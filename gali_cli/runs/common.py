@@ -24,6 +24,7 @@ from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration
 from ..generate import Finished
 from ..loading import LoadedModel, load_model
+from ..methods import kept_window
 from . import ModelChoice, Reading
 
 Params, Result = ParamSpec("Params"), TypeVar("Result")
@@ -142,10 +143,9 @@ def say_input(loaded: LoadedModel, method: str, document: Document, tokens: int,
     """One dim line on stderr: the document, its length, and how far past the window the method stays within that
     is: the model's, or a narrower --train-len (which the original model does not use)."""
     pages = f"{document.pages} page{'s' if document.pages != 1 else ''}, " if document.pages else ""
-    if train_len is None or train_len == loaded.train_len or method == "original":
-        window, about = loaded.train_len, f"the model's {loaded.train_len}-token window"
-    else:
-        window, about = train_len, f"the {train_len}-token window of --train-len (the model's: {loaded.train_len})"
+    window = kept_window(method, train_len, loaded.train_len)
+    about = (f"the model's {window}-token window" if window == loaded.train_len else
+             f"the {window}-token window of --train-len (the model's: {loaded.train_len})")
     say(f"{document.name}: {pages}{tokens} tokens, {tokens / window:.1f}x {about} ({method})", style="dim")
 
 

@@ -23,7 +23,7 @@ from ..doc_cache import DocumentCache
 from ..errors import GaliError, InputError
 from ..generate import Finished, Sampler, TextPiece, make_sampler, stop_token_ids, stream_generate
 from ..loading import LoadedModel
-from ..methods import apply_method
+from ..methods import apply_method, kept_window
 from ..prompts import ServedPrompt
 from .reuse import States
 
@@ -143,10 +143,7 @@ class ModelWorker:
 
     @property
     def window(self) -> int:
-        """The window the method keeps positions within: --train-len where given (the original model ignores it),
-        else the model's."""
-        narrowed = self.settings.train_len
-        return narrowed if narrowed is not None and self.method != "original" else self.loaded.train_len
+        return kept_window(self.method, self.settings.train_len, self.loaded.train_len)
 
     @property
     def waiting(self) -> int:
