@@ -236,6 +236,12 @@ def print_cache_entries(entries: list, directory, limit: int) -> None:
         f"{limit / 2**30:.2f} GiB, in {short_path(str(directory))}", style="dim")
 
 
+def _count(tokens: float) -> str:
+    """A token count as people write it on an axis: 512, 2k and 32k for multiples of 1024, else 3,000."""
+    tokens = round(tokens)
+    return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else f"{tokens:,}"
+
+
 def short_path(name: str) -> str:
     """An absolute path as one would type it here: relative to the working directory, or from ~, when that is
     shorter; anything else (a hub id, "<stdin>") as it is."""
@@ -276,19 +282,56 @@ def check_plotting(path: str) -> None:
         raise ConfigError(f"--plot {path}: {problem}")
 
 
-def plot_ppl(rows: list[dict], path: str, title: str) -> None:
-    """Perplexity against length, one line per method, saved as an image at `path`."""
+def plot_ppl(rows: list[dict], path: str, title: str, window: int) -> None:
+    """Perplexity against length, one line per method, saved as an image at `path`: lengths in tokens (2k, 8k), the
+    training `window` marked, the legend beside the axes, and the y axis bounded so that one method's divergence (the
+    original model past its window, in the thousands) does not flatten the others into the floor; points above the
+    bound are drawn on the top edge as open triangles, with their values."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for method in dict.fromkeys(row["method"] for row in rows):
+    values = [row["ppl"] for row in rows]
+    best = {}
+    for row in rows:
+        best[row["length"]] = min(best.get(row["length"], float("inf")), row["ppl"])
+    low = min(values) / 1.15
+    high = min(max(values) * 1.15, max(best.values()) * 4)  # a spread of 4x above the best at any length shows
+    lengths = sorted(best)
+    markers = "osD^vP*Xhp<>"
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    clipped = False
+    for index, method in enumerate(dict.fromkeys(row["method"] for row in rows)):
         points = sorted((row["length"], row["ppl"]) for row in rows if row["method"] == method)
-        axes.plot(*zip(*points), marker="o", label=method)
-    axes.set(xscale="log", yscale="log", xlabel="tokens", ylabel="perplexity", title=title)
-    axes.legend()
+        xs, ys = zip(*points)
+        line, = axes.plot(xs, [min(y, high) for y in ys], marker=markers[index % len(markers)], markersize=5,
+                          linewidth=1.5, label=method, linestyle="-" if index < 10 else "--")
+        for x, y in points:
+            if y > high:
+                axes.plot([x], [high], marker="^", markersize=9, markerfacecolor="white", color=line.get_color())
+                axes.annotate(f"{y:.3g}" if y < 1000 else f"{y:,.0f}", (x, high), textcoords="offset points", xytext=(0, 7), ha="center",
+                              fontsize=7, color=line.get_color())
+                clipped = True
+    axes.axvline(window, color="0.4", linestyle=":", linewidth=1.2)
+    axes.annotate(f"training window ({_count(window)})", (window, 0), xycoords=("data", "axes fraction"),
+                  xytext=(4, 5), textcoords="offset points", fontsize=8, color="0.3")
+    if clipped:
+        axes.plot([], [], linestyle="none", marker="^", markersize=8, markerfacecolor="white", color="0.3",
+                  label="above the scale\n(value shown)")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_ylim(low, high * 1.3)
+    axes.set_xlim(min(lengths + [window]) / 1.2, max(lengths + [window]) * 1.2)
+    axes.xaxis.set_major_locator(FixedLocator(lengths))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _count(x)))
+    axes.xaxis.set_minor_locator(NullLocator())
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.3g}"))
+    axes.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:.3g}") if high / low < 20 else NullFormatter())
+    axes.grid(True, which="major", color="0.9", linewidth=0.8)
+    axes.set(xlabel="tokens evaluated (log scale)", ylabel="perplexity (log scale)", title=title)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, frameon=False, fontsize=9)
     figure.tight_layout()
     try:
         figure.savefig(path)

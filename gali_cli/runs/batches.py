@@ -24,6 +24,7 @@ from ..documents import read_document
 from ..errors import ConfigError, InputError
 from ..generate import TextPiece, make_sampler
 from ..loading import resolve_device, resolve_dtype
+from ..methods import kept_window
 from . import Answering, ModelChoice, Reading
 from .common import conversation, entry_point, finished_facts, load, store
 from .ppl import method_perplexities, ppl_ids, print_rows
@@ -90,7 +91,8 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
             elif rows:
                 print_rows(rows, csv, single=len(rows) == 1)
             if plot and lengths and rows:
-                display.plot_ppl(rows, plot, f"{len(batch.documents)} documents, {choice.model}")
+                window = kept_window("gali", choice.settings.train_len, loaded.train_len)
+                display.plot_ppl(rows, plot, f"{len(batch.documents)} documents, {choice.model}", window)
                 say(f"Saved {plot}.")
         return failed
 

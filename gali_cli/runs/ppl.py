@@ -12,7 +12,7 @@ from ..documents import Document
 from ..errors import InputError
 from ..generate import peak_memory_bytes, reset_peak_memory
 from ..loading import LoadedModel
-from ..methods import METHODS, apply_method
+from ..methods import METHODS, apply_method, kept_window
 from ..perplexity import Perplexity, perplexities
 from ..prompts import text_ids
 from . import ModelChoice, Reading
@@ -43,7 +43,8 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
     else:
         print_rows(rows, csv, single)
     if plot:
-        display.plot_ppl(rows, plot, f"{os.path.basename(document.name)}, {choice.model}")
+        window = kept_window("gali", choice.settings.train_len, loaded.train_len)
+        display.plot_ppl(rows, plot, f"{os.path.basename(document.name)}, {choice.model}", window)
         say(f"Saved {plot}.")
 
 
