@@ -291,14 +291,14 @@ def serve(
 
 cache_app = typer.Typer(name="cache", cls=Group, no_args_is_help=True,
                         help="The document cache: prefilled states of documents asked about (GALI_CACHE_DIR, "
-                             "GALI_CACHE_LIMIT).")
+                             "GALI_CACHE_LIMIT); and GGUF models dequantized once (GALI_MODEL_CACHE).")
 app.add_typer(cache_app)
 
 
 @cache_app.command("list", cls=Command)
 @_guarded
 def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> None:
-    """List cached documents, most recently used first.
+    """List cached documents, then dequantized models, most recently used first.
 
     Example: gali cache list
     """
@@ -309,14 +309,29 @@ def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> N
 
 @cache_app.command("clear", cls=Command)
 @_guarded
-def cache_clear(cache_dir: CacheDir = None) -> None:
+def cache_clear(cache_dir: CacheDir = None, models: Annotated[bool, typer.Option(
+        "--models", help="Delete the dequantized models instead (the next load of a GGUF dequantizes it again).")]
+        = False) -> None:
     """Delete every cached document state.
 
     Example: gali cache clear
     """
     from .runs.cache import clear_cache
 
-    clear_cache(cache_dir)
+    clear_cache(cache_dir, models)
+
+
+@cache_app.command("prune", cls=Command)
+@_guarded
+def cache_prune() -> None:
+    """Delete the dequantized models this installation cannot use: written by another transformers release, or
+    from a GGUF that is gone or changed. (Unused for 30 days, they also go when a GGUF is next dequantized.)
+
+    Example: gali cache prune
+    """
+    from .runs.cache import prune_cache
+
+    prune_cache()
 
 
 @app.command(cls=Command)

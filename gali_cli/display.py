@@ -209,31 +209,57 @@ def print_ppl_table(rows: list[dict]) -> None:
 
 
 def print_cache_entries(entries: list, directory, limit: int) -> None:
-    """`gali cache list`: the cached documents on stdout, the totals on stderr. Names are never cut: a table where
-    it fits (into a pipe or a file, as wide as it needs), else one entry a paragraph, its name on a line of its own
-    that the terminal wraps."""
+    """`gali cache list`: the cached documents on stdout, the totals on stderr."""
     rows = [(short_path(entry.document), short_path(entry.model), entry.method, str(entry.tokens),
              f"{entry.size / 2**20:.1f}", datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M"))
             for entry in entries]
-    if rows:
-        console, table = _stdout_console(), Table(box=box.SIMPLE_HEAD)
-        for column in ("document", "model", "method", "tokens", "MiB", "last used"):
-            table.add_column(column, justify="right" if column in ("tokens", "MiB") else "left", no_wrap=True)
-        for row in rows:
-            table.add_row(*map(escape, row))
-        width = console.measure(table, options=console.options.update_width(2**16)).maximum
-        if not console.is_terminal:
-            Console(highlight=False, width=max(console.width, width)).print(table)
-        elif width <= console.width:
-            console.print(table)
-        else:
-            for document, model, method, tokens, size, used in rows:
-                console.print(document, markup=False, soft_wrap=True)
-                console.print(f"  {model}, {method}, {tokens} tokens, {size} MiB, last used {used}", markup=False,
-                              soft_wrap=True, style="dim")
+    _print_whole(("document", "model", "method", "tokens", "MiB", "last used"), rows, {"tokens", "MiB"},
+                 lambda model, method, tokens, size, used: f"{model}, {method}, {tokens} tokens, {size} MiB, "
+                                                           f"last used {used}")
     total = sum(entry.size for entry in entries)
     say(f"{len(entries)} cached document state{'s' if len(entries) != 1 else ''}, {total / 2**30:.2f} of "
         f"{limit / 2**30:.2f} GiB, in {short_path(str(directory))}", style="dim")
+
+
+def print_model_entries(entries: list, directory) -> None:
+    """`gali cache list`, second part: the dequantized models (on stdout when there are any) and their total on
+    stderr, saying which this installation cannot use and how to delete those."""
+    if not entries:
+        return
+    rows = [(short_path(entry.gguf), entry.dtype, entry.transformers, f"{entry.size / 2**20:.1f}",
+             datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M"),
+             "yes" if entry.usable else f"no: {entry.reason_unusable}") for entry in entries]
+    _print_whole(("dequantized from", "dtype", "transformers", "MiB", "last used", "usable here"), rows, {"MiB"},
+                 lambda dtype, release, size, used, usable: f"{dtype}, transformers {release}, {size} MiB, "
+                                                            f"last used {used}, usable here: {usable}")
+    unusable = [entry for entry in entries if not entry.usable]
+    total = sum(entry.size for entry in entries)
+    say(f"{len(entries)} dequantized model{'s' if len(entries) != 1 else ''}, {total / 2**30:.2f} GiB, in "
+        f"{short_path(str(directory))}" + (f"; {len(unusable)} not usable by this installation "
+                                           f"({sum(e.size for e in unusable) / 2**30:.2f} GiB): gali cache prune"
+                                           if unusable else ""), style="dim")
+
+
+def _print_whole(columns: tuple[str, ...], rows: list[tuple[str, ...]], right: set[str],
+                 paragraph: Callable[..., str]) -> None:
+    """Rows on stdout with their first column (a name) never cut: a table where it fits (into a pipe or a file, as
+    wide as it needs), else one row a paragraph, the name on a line of its own that the terminal wraps."""
+    if not rows:
+        return
+    console, table = _stdout_console(), Table(box=box.SIMPLE_HEAD)
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*map(escape, row))
+    width = console.measure(table, options=console.options.update_width(2**16)).maximum
+    if not console.is_terminal:
+        Console(highlight=False, width=max(console.width, width)).print(table)
+    elif width <= console.width:
+        console.print(table)
+    else:
+        for name, *rest in rows:
+            console.print(name, markup=False, soft_wrap=True)
+            console.print(f"  {paragraph(*rest)}", markup=False, soft_wrap=True, style="dim")
 
 
 def _count(tokens: float) -> str:

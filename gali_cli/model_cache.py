@@ -7,6 +7,10 @@ the generation config, and the tokenizer with its chat template. It is named aft
 modification time, digest of its first MiB), the dtype and the transformers version, built in a temporary
 directory and renamed, so a crash never leaves half an entry, and carries a manifest with every file's size and
 CRC-32, checked before the weights are used: a damaged entry is rebuilt with a warning.
+
+Entries another transformers release wrote are kept (another environment may use them) until they are unused for
+`UNUSED_DAYS`, or their GGUF is gone: each build prunes those, and `gali cache prune` prunes every entry this
+installation cannot use at once. An entry's modification time is the last time gali loaded it.
 """
 
 import copy
@@ -21,7 +25,8 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
@@ -39,6 +44,29 @@ MANIFEST = "gali-gguf.json"
 WEIGHTS = "model.safetensors"
 _STALE_SECONDS = 3600  # a temporary directory older than this was left by a killed build, not a running one
 _TRANSFORMERS = f"transformers-{transformers.__version__}"
+UNUSED_DAYS = 30  # an entry this installation cannot use, unused this long, goes at the next build
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One dequantized model in the cache, as `gali cache list` shows it."""
+
+    path: Path
+    gguf: str  # the GGUF file it was dequantized from
+    dtype: str
+    transformers: str  # the release that dequantized it; only that release loads it
+    size: int
+    last_used: float
+    usable: bool  # this installation would load it: its transformers, its GGUF unchanged and present
+    damaged: str | None = None  # why its manifest or files are not sound
+
+    @property
+    def reason_unusable(self) -> str | None:
+        if self.damaged:
+            return f"damaged: {self.damaged}"
+        if self.transformers != transformers.__version__:
+            return f"written by transformers {self.transformers}"
+        return None if self.usable else "its GGUF file is gone or changed"
 
 
 def default_directory() -> Path:
@@ -73,6 +101,8 @@ class DequantizedModels:
             try:
                 if _manifest(entry, full=True).get("key") != _key(gguf, dtype):
                     raise ValueError("its manifest describes another file")
+                with suppress(OSError):
+                    os.utime(entry)  # last used now: what pruning goes by
                 return entry
             except ValueError as problem:
                 warnings.warn(f"the cached dequantized model {entry} is damaged ({problem}); rebuilding it",
@@ -81,6 +111,25 @@ class DequantizedModels:
         self.notice(f"Dequantizing {gguf.path.name} once (it takes a while); later runs load it from {self.directory}")
         self._build(gguf, dtype, entry)
         return entry
+
+    def entries(self) -> list[ModelEntry]:
+        """Every entry, most recently used first (an unreadable directory holds none)."""
+        try:
+            paths = [path for path in self.directory.iterdir() if path.is_dir() and not path.name.startswith(".")]
+        except OSError:
+            return []
+        entries = [_describe(path) for path in paths]
+        return sorted((entry for entry in entries if entry), key=lambda entry: -entry.last_used)
+
+    def prune(self, unused_seconds: float = 0.0) -> tuple[list[ModelEntry], list[ModelEntry]]:
+        """Delete the entries this installation cannot use (another transformers release, a GGUF gone or changed,
+        damaged) that have been unused for `unused_seconds`; returns (deleted, those that could not be)."""
+        stale = time.time() - unused_seconds
+        return _remove([entry for entry in self.entries() if not entry.usable and entry.last_used <= stale])
+
+    def clear(self) -> tuple[list[ModelEntry], list[ModelEntry]]:
+        """Delete every entry (a later load dequantizes again); returns (deleted, those that could not be)."""
+        return _remove(self.entries())
 
     def _entries_of(self, gguf: GgufFile) -> list[Path]:
         try:
@@ -92,6 +141,7 @@ class DequantizedModels:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             _remove_leftovers(self.directory, gguf)
+            self.prune(UNUSED_DAYS * 86400)
             temporary = Path(tempfile.mkdtemp(dir=self.directory, prefix=".partial-"))
         except OSError as error:
             raise ModelLoadError(f"cannot write the model cache in {self.directory}: {error.strerror or error} "
@@ -217,6 +267,44 @@ def _stem(gguf: GgufFile) -> str:
 
 def _entry_name(gguf: GgufFile, dtype: torch.dtype) -> str:
     return f"{_stem(gguf)}.{str(dtype).removeprefix('torch.')}.{_TRANSFORMERS}"
+
+
+def _remove(entries: list[ModelEntry]) -> tuple[list[ModelEntry], list[ModelEntry]]:
+    for entry in entries:
+        shutil.rmtree(entry.path, ignore_errors=True)
+    return ([entry for entry in entries if not entry.path.exists()],
+            [entry for entry in entries if entry.path.exists()])
+
+
+def _describe(path: Path) -> ModelEntry | None:
+    """What `path` holds, from its manifest (sizes checked, not CRCs: listing stays fast); None for what is not an
+    entry gali wrote (no manifest and not named like one)."""
+    try:
+        size = sum(file.stat().st_size for file in path.iterdir())
+        last_used = path.stat().st_mtime
+    except OSError:
+        return None
+    try:
+        manifest = _manifest(path, full=False)
+    except ValueError as problem:
+        if not (path / MANIFEST).exists() and ".transformers-" not in path.name:
+            return None
+        return ModelEntry(path, "?", "?", path.name.rpartition(".transformers-")[2] or "?", size, last_used, False,
+                          str(problem))
+    source = manifest.get("gguf") or {}
+    release = str(manifest.get("transformers", "?"))
+    usable = release == transformers.__version__ and _unchanged(source)
+    return ModelEntry(path, str(source.get("path", "?")), str(manifest.get("dtype", "?")), release, size, last_used,
+                      usable)
+
+
+def _unchanged(source: dict) -> bool:
+    """The GGUF an entry was made from is still there, with the size and modification time it had."""
+    try:
+        status = os.stat(source["path"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
+    return status.st_size == source.get("size") and status.st_mtime_ns == source.get("mtime_ns")
 
 
 def _remove_leftovers(directory: Path, gguf: GgufFile) -> None:

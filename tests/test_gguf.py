@@ -2,8 +2,11 @@
 line. The GGUFs are written at test time with the gguf package's own writer (conftest.write_gguf)."""
 
 import importlib.util
+import json
 import math
+import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -208,3 +211,65 @@ def test_sources(tiny_gguf, tmp_path):
     assert resolve_source(str(tiny_gguf)).gguf.path == tiny_gguf.resolve()
     renamed = shutil.copy(tiny_gguf, tmp_path / "weights.bin")  # the magic decides, not the suffix
     assert resolve_source(str(renamed)).gguf is not None
+
+
+def _as_if_written_by(entry: Path, release: str, days_ago: float) -> Path:
+    """`entry` renamed and relabelled as another transformers release's copy, last used `days_ago`."""
+    other = entry.with_name(entry.name.replace(f"transformers-{model_cache.transformers.__version__}",
+                                               f"transformers-{release}"))
+    shutil.copytree(entry, other)
+    manifest = other / model_cache.MANIFEST
+    manifest.write_text(manifest.read_text().replace(f'"transformers": "{model_cache.transformers.__version__}"',
+                                                     f'"transformers": "{release}"'))
+    when = time.time() - days_ago * 86400
+    os.utime(other, (when, when))
+    return other
+
+
+def test_copies_another_release_wrote_are_listed_kept_a_while_then_pruned(tiny_gguf, tmp_path, fresh_cache):
+    copy = shutil.copy(tiny_gguf, tmp_path / "model.gguf")
+    load_model(str(copy), device="cpu")
+    (ours,) = fresh_cache.iterdir()
+    recent = _as_if_written_by(ours, "5.0.0", days_ago=2)
+    old = _as_if_written_by(ours, "4.99.0", days_ago=model_cache.UNUSED_DAYS + 1)
+    cache = model_cache.DequantizedModels()
+    entries = {entry.path: entry for entry in cache.entries()}
+    assert entries[ours].usable and entries[ours].reason_unusable is None
+    assert entries[recent].reason_unusable == "written by transformers 5.0.0" and not entries[old].usable
+    assert list(entries) == [ours, recent, old]  # most recently used first
+    used_before = ours.stat().st_mtime
+    os.utime(ours, (used_before - 100, used_before - 100))
+    load_model(str(copy), device="cpu")
+    assert ours.stat().st_mtime > used_before - 100  # a load marks the copy used
+    load_model(str(copy), device="cpu", dtype="bfloat16")  # a build, which prunes what is unused for 30 days
+    left = {path.name for path in fresh_cache.iterdir()}
+    assert {ours.name, recent.name} < left and old.name not in left and len(left) == 3
+    removed, kept = cache.prune()  # now: everything this installation cannot use
+    assert [entry.path for entry in removed] == [recent] and kept == []
+    assert [entry.usable for entry in cache.entries()] == [True, True]
+    Path(copy).unlink()  # the GGUF is gone: its copies are of no use to anyone
+    assert {entry.reason_unusable for entry in cache.entries()} == {"its GGUF file is gone or changed"}
+
+
+def test_gali_cache_lists_prunes_and_clears_dequantized_models(tiny_gguf, tmp_path, fresh_cache, capsys):
+    copy = shutil.copy(tiny_gguf, tmp_path / "model.gguf")
+    load_model(str(copy), device="cpu")
+    (ours,) = fresh_cache.iterdir()
+    _as_if_written_by(ours, "5.0.0", days_ago=1)
+    states = ["--cache-dir", str(tmp_path / "states")]
+
+    def gali(*args: str) -> tuple[int, str, str]:
+        code = main([*args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = gali("cache", "list", *states)
+    assert code == 0 and "5.0.0" in out and "written by transformers 5.0.0" in out
+    assert "2 dequantized models" in err and "1 not usable by this installation" in err and "gali cache prune" in err
+    facts = json.loads(gali("cache", "list", "--json", *states)[1])
+    assert [model["usable"] for model in facts["models"]] == [True, False]
+    assert facts["models"][1]["unusable_because"] == "written by transformers 5.0.0"
+    code, out, err = gali("cache", "prune")
+    assert code == 0 and err.startswith("Removed 1 dequantized model (") and list(fresh_cache.iterdir()) == [ours]
+    code, out, err = gali("cache", "clear", "--models")
+    assert code == 0 and err.startswith("Removed 1 dequantized model (") and list(fresh_cache.iterdir()) == []

@@ -1,28 +1,40 @@
-"""gali cache list / clear: the document cache's entries, and emptying it."""
+"""gali cache list / clear / prune: the document cache's entries and the dequantized models, and emptying them."""
 
 from .. import display
 from ..display import print_json, say
 from ..errors import GaliError
+from ..model_cache import DequantizedModels, ModelEntry
 from .common import entry_point, store
 
 
 @entry_point
 def list_cache(cache_dir: str | None, json_output: bool) -> None:
-    """The cached document states, most recently used first."""
-    cache = store(cache_dir)
-    entries = cache.entries()
+    """The cached document states, then the dequantized models, most recently used first."""
+    cache, models = store(cache_dir), DequantizedModels()
+    entries, copies = cache.entries(), models.entries()
     if json_output:
         print_json({"directory": str(cache.directory), "limit_bytes": cache.limit,
                     "entries": [{"document": entry.document, "model": entry.model, "method": entry.method,
                                  "tokens": entry.tokens, "bytes": entry.size, "last_used": entry.last_used,
-                                 "path": str(entry.path)} for entry in entries]})
+                                 "path": str(entry.path)} for entry in entries],
+                    "models_directory": str(models.directory),
+                    "models": [{"gguf": copy.gguf, "dtype": copy.dtype, "transformers": copy.transformers,
+                                "bytes": copy.size, "last_used": copy.last_used, "usable": copy.usable,
+                                "unusable_because": copy.reason_unusable, "path": str(copy.path)}
+                               for copy in copies]})
     else:
         display.print_cache_entries(entries, cache.directory, cache.limit)
+        display.print_model_entries(copies, models.directory)
 
 
 @entry_point
-def clear_cache(cache_dir: str | None) -> None:
-    """Delete every cached document state, and say how much that freed; GaliError if some could not be deleted."""
+def clear_cache(cache_dir: str | None, models: bool = False) -> None:
+    """Delete every cached document state (with `models`, every dequantized model instead), and say how much that
+    freed; GaliError if some could not be deleted."""
+    if models:
+        copies = DequantizedModels()
+        _say_removed(copies.clear(), copies)
+        return
     cache = store(cache_dir)
     cleared = cache.clear()
     removed = (f"{len(cleared.removed)} cached document state{'s' if len(cleared.removed) != 1 else ''} "
@@ -35,3 +47,23 @@ def clear_cache(cache_dir: str | None) -> None:
         raise GaliError(f"cannot clear the document cache: {cache.directory}: {reason}")
     raise GaliError(f"removed {removed} from {cache.directory}, but not the other {len(cleared.kept)} "
                     f"({cleared.kept_bytes / 2**20:.1f} MiB): {reason} ({path})")
+
+
+@entry_point
+def prune_cache() -> None:
+    """Delete the dequantized models this installation cannot use: written by another transformers release, or from
+    a GGUF file that is gone or changed since (another environment with that release dequantizes it again)."""
+    copies = DequantizedModels()
+    _say_removed(copies.prune(), copies)
+
+
+def _say_removed(removal: tuple[list[ModelEntry], list[ModelEntry]], copies: DequantizedModels) -> None:
+    """One line on what was freed; GaliError naming what could not be deleted."""
+    removed, kept = removal
+    freed = (f"{len(removed)} dequantized model{'s' if len(removed) != 1 else ''} "
+             f"({sum(entry.size for entry in removed) / 2**20:.1f} MiB)")
+    where = display.short_path(str(copies.directory))
+    if kept:
+        raise GaliError(f"removed {freed} from {where}, but not the other {len(kept)}: {kept[0].path} could not be "
+                        "deleted")
+    say(f"Removed {freed} from {where}.")
