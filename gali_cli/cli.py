@@ -80,7 +80,7 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
 @with_model_options
 def summarize(
     files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
-    max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
+    max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = 0, system: System = None,
     no_stream: NoStream = False, cache_dir: CacheDir = None, no_cache: NoCache = False,
     json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
@@ -259,7 +259,7 @@ def serve(
     model_name: Annotated[str | None, typer.Option(metavar="NAME", help="The model's name for clients (default: "
                                                                         "the --model value).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Longest answer when a request sets no "
-                                                                         "max_tokens.")] = 512,
+                                                                         "max_tokens.")] = 1024,
     temperature: Annotated[float, typer.Option(min=0.0, max=2.0, metavar="X", help="When a request sets none; 0 "
                                                                                    "is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, metavar="X", help="When a request sets none.")] = 1.0,

@@ -31,7 +31,7 @@ class TextPiece:
 class Finished:
     """The end of a generation, with what it cost."""
 
-    reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    reason: str  # "stop" (a stop token), "length" (max_new_tokens) or "repetition" (see RepetitionGuard)
     prompt_tokens: int
     prefilled_tokens: int  # those of the prompt this call ran through the model; the others came from the cache
     generated_tokens: int
@@ -140,6 +140,29 @@ def decode(
         logits = model(input_ids=step_ids, **given, use_cache=True).logits[0, -1].float()
 
 
+class RepetitionGuard:
+    """Notices an answer that has fallen into a loop, as small models do past their depth: one block of up to
+    `longest_period` tokens repeated back to back, at least `min_copies` times and over at least `min_tokens`
+    tokens. A list or a table varies from line to line and never trips it; a sentence said four times over does.
+
+    Per token it updates, for each period p, how many tokens in a row have equalled the token p before: linear in
+    the answer, `longest_period` integer comparisons a token."""
+
+    def __init__(self, longest_period: int = 64, min_copies: int = 4, min_tokens: int = 48) -> None:
+        self.tokens: list[int] = []
+        self.runs = [0] * (longest_period + 1)  # runs[p]: the latest tokens that equal the token p before them
+        self.min_copies, self.min_tokens = min_copies, min_tokens
+
+    def looping(self, token: int) -> bool:
+        """Add `token`; True when the answer now ends in a loop."""
+        self.tokens.append(token)
+        for period in range(1, min(len(self.runs) - 1, len(self.tokens) - 1) + 1):
+            self.runs[period] = self.runs[period] + 1 if self.tokens[-1 - period] == token else 0
+            if self.runs[period] + period >= max(self.min_copies * period, self.min_tokens):
+                return True
+        return False
+
+
 @torch.inference_mode()  # the generator form: only this function's own steps run in inference mode, not the caller's
 def stream_generate(
     model: PreTrainedModel,
@@ -152,7 +175,8 @@ def stream_generate(
     progress: Progress | None = None,
     cache: DynamicCache | None = None,
 ) -> Iterator[TextPiece | Finished]:
-    """Prefill `prompt_ids` along `spans`, then decode; yields the answer piece by piece, then `Finished`.
+    """Prefill `prompt_ids` along `spans`, then decode; yields the answer piece by piece, then `Finished`. An
+    answer caught in a loop (RepetitionGuard) ends there, with the reason "repetition".
 
     A `cache` that already holds the prompt's first tokens (a document read before) is continued: `spans` then
     start where it ends. Either way the cache holds the prompt and the answer afterwards, for the next turn.
@@ -169,7 +193,7 @@ def stream_generate(
         torch.cuda.synchronize(device)  # kernels run asynchronously: wait for them before reading the clock
     prefilled = time.perf_counter()
     detokenizer = _Detokenizer(tokenizer)
-    generated, answer, reason = 0, [], "length"
+    generated, answer, reason, guard = 0, [], "length", RepetitionGuard()
     for token in decode(model, cache, logits, sampler, max_new_tokens, stop_ids):
         generated += 1
         if token in stop_ids:
@@ -179,6 +203,9 @@ def stream_generate(
         piece = detokenizer.add(token)
         if piece:
             yield TextPiece(piece)
+        if guard.looping(token):
+            reason = "repetition"
+            break
     if tail := detokenizer.finish():
         yield TextPiece(tail)
     yield Finished(

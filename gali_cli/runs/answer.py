@@ -108,6 +108,8 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
         display.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
     if finished.reason == "length":
         say(f"(stopped at --max-new-tokens {answering.max_new_tokens})", style="dim")
+    elif finished.reason == "repetition":
+        say("(stopped: the answer was repeating itself)", style="dim")
     return text, finished
 
 

@@ -37,7 +37,7 @@ class ServerSettings:
     name: str  # the model's name for clients ("model" in requests)
     api_key: str | None = None
     max_body_bytes: int = 32 * 2**20
-    max_new_tokens: int = 512  # when a request does not say (max_tokens)
+    max_new_tokens: int = 1024  # when a request does not say (max_tokens)
     temperature: float = 0.0  # when a request does not say
     top_p: float = 1.0
     created: int = field(default_factory=lambda: int(time.time()))

@@ -216,11 +216,18 @@ class Reply:
         if not self.id:
             object.__setattr__(self, "id", f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}")
 
+    @staticmethod
+    def finish_reason(reason: str) -> str:
+        """OpenAI's word for why an answer ended: a loop gali stopped (generate.RepetitionGuard) is a "stop", as a
+        stop string is; the server's log says which."""
+        return "stop" if reason == "repetition" else reason
+
     def whole(self, text: str, finish_reason: str, usage: Usage) -> dict:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat else
                   {"index": 0, "text": text})
         return self._envelope("chat.completion" if self.chat else "text_completion",
-                              [{**choice, "logprobs": None, "finish_reason": finish_reason}], usage=usage.body())
+                              [{**choice, "logprobs": None, "finish_reason": self.finish_reason(finish_reason)}],
+                              usage=usage.body())
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
         """A streamed piece of the answer (the first chat chunk also names the role; the last has a finish_reason
@@ -231,7 +238,8 @@ class Reply:
         else:
             choice = {"index": 0, "text": text}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion",
-                              [{**choice, "logprobs": None, "finish_reason": finish_reason}])
+                              [{**choice, "logprobs": None,
+                                "finish_reason": finish_reason and self.finish_reason(finish_reason)}])
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The chunk stream_options.include_usage asks for: no choices, the usage."""

@@ -43,7 +43,7 @@ class Sampling:
 class Done:
     """The end of an answer."""
 
-    reason: str  # "stop" (a stop token or string) or "length"
+    reason: str  # "stop" (a stop token or string), "length" or "repetition" (a loop, stopped)
     prompt_tokens: int
     cached_tokens: int  # of the prompt, taken from a prefilled state
     completion_tokens: int
