@@ -135,7 +135,7 @@ class _Reading:
         if not self.noted:
             self.noted = True
             if self.talk.from_store and not self.talk.questions:
-                say(f"(document state from the cache: {self.talk.document_tokens} tokens not read again)",
+                say(f"(document state from the cache: {self.talk.stored_tokens} tokens not read again)",
                     style="dim")
 
 
