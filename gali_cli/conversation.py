@@ -1,10 +1,11 @@
 """Questions about one document, answered from one model state: `gali summarize` and `gali ask` are one-turn
 conversations, `gali chat` a long one.
 
-The document is prefilled once, in forwards that always end where the document ends and where the question starts
-(prompts.py), so its keys and values are the same whatever question follows: they come from the document cache
-when an earlier run (or `gali serve`: document_states.py) stored them, and each later turn only runs its own new
-tokens (the question, and the chat template's markers) through the model.
+The document is prefilled once, in forwards that always end where the first instruction starts, after the document
+and the blank line that follows it (prompts.py), so the keys and values of those tokens are the same whatever
+question follows: they come from the document cache when an earlier run stored them (or `gali serve`, which ends
+its forwards at the same place: document_states.py), and each later turn only runs its own new tokens (the
+question, and the chat template's markers) through the model.
 """
 
 from collections.abc import Callable, Iterator
@@ -42,10 +43,9 @@ class Conversation:
         self.answers: list[list[int]] = []
         self.resolved: dict | None = None  # the method's settings as applied
         self.cache: DynamicCache | None = None
-        self.cached_ids: list[int] = []  # the tokens whose K/V `cache` holds
-        self.document_tokens = 0
+        self.cached_ids: list[int] = []  # the tokens whose keys and values the KV cache `cache` holds
+        self.document_tokens = 0  # the document's state: its tokens up to where the first instruction starts
         self.from_store = False  # whether the document's state came from the document cache
-        self.stored_tokens = 0  # and how many tokens it held
         self._turns = 0  # answers begun: a stopped answer's generator rolls back only while its turn is the last
         self._last_prompt: tuple[tuple[str, int], Prompt] | None = None
 
@@ -70,7 +70,7 @@ class Conversation:
         turn = self._turns
         self._roll_back()  # what an answer left unfinished may have added, whether or not its generator was closed
         prompt = self.prompt(instruction)
-        self.document_tokens = prompt.document_end
+        self.document_tokens = prompt.question_start
         resolved = apply_method(model, self.method, self.settings, len(prompt.ids))
         reusable = METHODS[self.method].prefix_reusable and resolved == self.resolved
         if self.cache is not None and not reusable:
@@ -81,12 +81,12 @@ class Conversation:
             self.cache, self.cached_ids = None, []
         self.resolved = resolved
         if self.cache is None:  # the document's state: from the document cache, or read in this turn (stored after)
-            stored = self.states.load(prompt.ids, self._cuts(prompt), self._cuts(prompt), resolved)
-            self.from_store, self.stored_tokens = stored is not None, stored[1] if stored else 0
-            self.cached_ids = prompt.ids[: self.stored_tokens]
+            stored = self.states.load(prompt.ids, [], [self.document_tokens], resolved)
+            self.from_store = stored is not None
+            self.cached_ids = prompt.ids[: self.document_tokens] if stored else []
             self.cache = stored[0] if stored else DynamicCache(config=model.config)
         start, recorded = len(self.cached_ids), False
-        spans = prefill_spans(model, self.method, start, len(prompt.ids), self._cuts(prompt))
+        spans = prefill_spans(model, self.method, start, len(prompt.ids), [self.document_tokens])
         try:
             for event in stream_generate(model, tokenizer, prompt.ids, sampler, max_new_tokens,
                                          stop_token_ids(model, tokenizer), spans, progress, self.cache):
@@ -99,11 +99,11 @@ class Conversation:
                 self._roll_back()
 
     def _roll_back(self) -> None:
-        """Forget what an unfinished turn added to the cache. A forward stopped midway may have extended some
+        """Forget what an unfinished turn added to the KV cache. A forward stopped midway may have extended some
         layers and not others: every layer goes back to the tokens of the turns before."""
         kept = len(self.cached_ids)
         if kept == 0:
-            self.cache, self.from_store, self.stored_tokens = None, False, 0
+            self.cache, self.from_store = None, False
             return
         truncate_cache(self.cache, kept)
 
@@ -112,12 +112,5 @@ class Conversation:
         self.questions.append(instruction)
         self.answers.append(answer)
         self.cached_ids = (prompt.ids + answer)[: self.cache.get_seq_length()]
-        if not self.from_store and start == 0:
-            self.states.save(prompt.ids[: prompt.document_end], self._cuts(prompt), self.resolved, self.cache,
-                             self.document_name)
-
-    @staticmethod
-    def _cuts(prompt: Prompt) -> list[int]:
-        """Where every prefill of this conversation ends a forward (as `gali serve` does for the same message):
-        where the document ends, and where the first question starts."""
-        return [prompt.document_end, prompt.question_start]
+        if not self.from_store and start == 0:  # no forward ended before it, but where GALI's chunks end
+            self.states.save(prompt.ids[: self.document_tokens], [], self.resolved, self.cache, self.document_name)

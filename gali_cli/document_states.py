@@ -44,7 +44,7 @@ class DocumentStates:
     def load(self, ids: list[int], cuts: list[int], ends: list[int], resolved: dict
              ) -> tuple[DynamicCache, int] | None:
         """The longest stored state of `ids[:end]`, `end` one of `ends`, with how many tokens it holds; None when
-        the cache holds none of them."""
+        the document cache holds none of them."""
         if self.store is None:
             return None
         for end in sorted(set(ends), reverse=True):
@@ -54,7 +54,8 @@ class DocumentStates:
         return None
 
     def save(self, ids: list[int], cuts: list[int], resolved: dict, cache: DynamicCache, label: str) -> None:
-        """Store the state of `ids` (the first len(ids) tokens of `cache`) unless the cache holds it already."""
+        """Store the state of `ids` (the first len(ids) tokens of the KV cache `cache`) unless the document cache
+        holds it already."""
         if self.store is None:
             return
         key = self.key(ids, cuts, resolved)

@@ -18,7 +18,8 @@ _SLOT = "\x00gali-slot-{}\x00"  # stands for a message's text while the chat tem
 
 class Prompt(NamedTuple):
     """Token ids of a prompt, how many of them depend only on the system prompt and the document, and where the first
-    question starts (after the blank line that follows the document: where `gali serve` cuts the same message)."""
+    instruction starts: after the blank line that follows the document, where `gali serve` cuts the same message
+    (served_prompt, question_starts), and where the document's state ends (conversation.py)."""
 
     ids: list[int]
     document_end: int
@@ -120,14 +121,6 @@ class ServedPrompt(NamedTuple):
     ids: list[int]
     cuts: list[int]  # sorted token indices in (0, len(ids)]; the last one is len(ids)
     shared: int  # the last cut before the last message ends: what the next question is likely to share (or 0)
-
-
-def document_ends(text: str) -> list[int]:
-    """The character offset in a message where a document followed by a blank line and a question ends, as
-    `gali ask` and `gali chat` write them ("document\n\nquestion"): the last blank line's."""
-    text = text.rstrip()
-    end = text.rfind("\n\n")
-    return [end] if end > 0 else []
 
 
 def question_starts(text: str) -> list[int]:

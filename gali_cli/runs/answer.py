@@ -112,7 +112,7 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
 
 
 class _Reading:
-    """The prefill's (done, total) callback: a note first when the document's state came from the cache (known
+    """The prefill's (done, total) callback: a note first when the document's state came from the document cache (known
     once the prefill starts), then the bar (and, for a long prefill, its estimate: common.announcing); `over()`
     takes the bar away before the answer is written (on a terminal that shows stdout too, a live bar would erase
     the answer's line)."""
@@ -135,7 +135,7 @@ class _Reading:
         if not self.noted:
             self.noted = True
             if self.talk.from_store and not self.talk.questions:
-                say(f"(document state from the cache: {self.talk.stored_tokens} tokens not read again)",
+                say(f"(document state from the cache: {self.talk.document_tokens} tokens not read again)",
                     style="dim")
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..prompts import document_ends, question_starts
+from ..prompts import question_starts
 
 MAX_COMPLETION_TOKENS = 1 << 20
 _Request = TypeVar("_Request", bound=BaseModel)
@@ -135,14 +135,13 @@ class Message(_Strict):
         return "\n".join(self.content)
 
     def cuts(self) -> list[int]:
-        """Character offsets where the prefill ends a forward: each part's start, where a question may follow a
-        document (prompts.question_starts), and where a document followed by a blank line ends (prompts.document_ends:
-        where `gali ask` ends its forwards too, so that the document cache serves both)."""
+        """Character offsets where the prefill ends a forward: each part's start, and where a question may follow a
+        document (prompts.question_starts)."""
         starts, offset = set(), 0
         for part in self.content[:-1]:
             offset += len(part) + 1
             starts.add(offset)
-        return sorted(starts | set(question_starts(self.text)) | set(document_ends(self.text)))
+        return sorted(starts | set(question_starts(self.text)))
 
 
 class ChatRequest(_Generation):
