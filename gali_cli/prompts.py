@@ -5,8 +5,9 @@ Prompts are tokenized piece by piece: the chat template is rendered around place
 tokenized with the template text before it, which is how the template's own tokenization cuts them (for ordinary
 text the ids are exactly the template's). Two things follow. A message that spells a control token such as
 "<|eot_id|>" keeps it as characters: its text is then tokenized apart, so only the template can end a turn. And the
-first `document_end` tokens depend only on the system prompt and the document, never on what follows: a prefix
-every question about the document shares, whose prefilled state can be reused.
+first `document_end` tokens depend only on the system prompt and the document, never on what follows; with the blank
+line after the document, up to `question_start`, they are the prefix every question about the document shares,
+whose prefilled state can be reused (and the one `gali serve` cuts the same message at, served_prompt).
 """
 
 from typing import NamedTuple

@@ -19,8 +19,7 @@ model can run them all in turn. Each also says where a forward may be cut withou
 """
 
 import math
-from collections.abc import Callable
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig, PreTrainedModel
