@@ -6,7 +6,7 @@ the time the prefill then took.
     python benchmarks/bench_estimate.py --model DIR --tokens 4096 --train-len 1024
 
 The document is the start of Python's difflib.py and its other modules, repeated as needed (the demo never saw them);
-the prefill is the CLI's: GALI with its defaults, forwards of about 8 chunks (conversation.model_spans).
+the prefill is the CLI's: GALI with its defaults, forwards of about 8 chunks (methods.prefill_spans).
 """
 
 import argparse
@@ -22,11 +22,10 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings  # noqa: E402
-from gali_cli.conversation import model_spans  # noqa: E402
 from gali_cli.estimate import PrefillClock  # noqa: E402
 from gali_cli.generate import prefill  # noqa: E402
 from gali_cli.loading import DEMO, load_model  # noqa: E402
-from gali_cli.methods import apply_method  # noqa: E402
+from gali_cli.methods import apply_method, prefill_spans  # noqa: E402
 
 
 def text_of(tokens: int, tokenizer) -> list[int]:
@@ -45,8 +44,8 @@ def measure(loaded, tokens: int, settings: MethodSettings) -> tuple[dict[str, fl
     """({"first", "second", "tenth": the total time expected then}, the actual seconds, the first two forwards'
     tokens)."""
     ids = torch.tensor([text_of(tokens, loaded.tokenizer)])
-    resolved = apply_method(loaded.model, "gali", settings, tokens)
-    spans = model_spans(loaded, "gali", resolved, 0, tokens)
+    apply_method(loaded.model, "gali", settings, tokens)
+    spans = prefill_spans(loaded.model, "gali", 0, tokens)
     clock = PrefillClock(loaded.model.config)
     estimates: dict[str, float] = {}
 

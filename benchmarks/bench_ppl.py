@@ -26,9 +26,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings  # noqa: E402
-from gali_cli.generate import forward_spans  # noqa: E402
 from gali_cli.loading import demo_model_path  # noqa: E402
-from gali_cli.methods import METHODS, apply_method  # noqa: E402
+from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans  # noqa: E402
 from gali_cli.perplexity import perplexities  # noqa: E402
 
 WINDOW = 256
@@ -44,11 +43,8 @@ def texts(tokenizer, min_tokens: int) -> dict[str, list[int]]:
 
 def mean_nll(model, ids: list[int], method: str, settings: MethodSettings) -> float:
     """Mean NLL of tokens 2..N of `ids` under `method`, applied for an input of N tokens."""
-    applied = apply_method(model, method, settings, len(ids))
-    boundaries = METHODS[method].boundaries
-    cuts = boundaries(model, 0, len(ids)) if boundaries else None
-    chunk = applied.get("chunk_size") or WINDOW // 8
-    spans = forward_spans(0, len(ids), max(256, 8 * chunk), cuts)
+    apply_method(model, method, settings, len(ids))
+    spans, cuts = prefill_spans(model, method, 0, len(ids)), forward_ends(model, method, 0, len(ids))
     return perplexities(model, torch.tensor([ids]), [len(ids)], spans, boundaries=cuts)[0].mean_nll
 
 

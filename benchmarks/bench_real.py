@@ -111,8 +111,7 @@ def _measure(spec: dict) -> dict:
 def _ppl(loaded, spec: dict, settings) -> dict:
     import torch
 
-    from gali_cli.conversation import model_spans
-    from gali_cli.methods import METHODS, apply_method
+    from gali_cli.methods import apply_method, forward_ends, prefill_spans
     from gali_cli.perplexity import perplexities
     from gali_cli.prompts import text_ids
 
@@ -121,8 +120,8 @@ def _ppl(loaded, spec: dict, settings) -> dict:
         raise SystemExit(f"{spec['text']} has {len(ids)} tokens, fewer than {max(spec['lengths'])}")
     method = spec["method"]
     applied = apply_method(loaded.model, method, settings, len(ids))
-    spans = model_spans(loaded, method, applied, 0, len(ids))
-    boundaries = METHODS[method].boundaries(loaded.model, 0, len(ids)) if METHODS[method].boundaries else None
+    spans = prefill_spans(loaded.model, method, 0, len(ids))
+    boundaries = forward_ends(loaded.model, method, 0, len(ids))
     found = perplexities(loaded.model, torch.tensor([ids]), spec["lengths"], spans, boundaries=boundaries)
     return {"settings": applied, "ppl": {str(result.length): result.ppl for result in found}}
 

@@ -99,7 +99,7 @@ def synchronize(device: str) -> None:
 def two_matmul_gali(settings):
     """GALI computed the straightforward way, as the anchor: Alg. 3 literally, per chunk (the tests' oracle)."""
     from gali_cli.engine.noise import Noise
-    from gali_cli.engine.positions import chunk_plan, interpolate
+    from gali_cli.engine.positions import interpolate
     from gali_cli.engine.reference import reference_gali_attention
     from gali_cli.methods.gali import Gali
 
@@ -108,7 +108,7 @@ def two_matmul_gali(settings):
             config, outputs = self.config, []
             noise = Noise(config.seed, module.layer_idx, config.noise_scale) if config.noise else None
             table = forward.table(query.device, query.dtype)
-            for first, last in chunk_plan(forward.start, forward.stop, config.train_len, config.chunk_size):
+            for first, last in self.chunks(forward.start, forward.stop):
                 if last <= config.train_len:
                     outputs.append(forward.exact_attention(module, query, key, value, last, scaling, dropout))
                     continue
@@ -212,17 +212,17 @@ def worker(args: argparse.Namespace) -> dict:
     from transformers import DynamicCache
 
     from gali_cli.engine.seam import with_cache
-
-    from gali_cli.engine.positions import chunk_plan
+    from gali_cli.methods import forward_ends
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model = build_model(args)
     train_len = int(args.train_len)  # a worker gets one train_len and one factor
     length = int(args.factors) * train_len
-    settings = apply_variant(model, args.variant, train_len, length + args.decode_tokens)
+    apply_variant(model, args.variant, train_len, length + args.decode_tokens)
     ids = torch.randint(0, model.config.vocab_size, (1, length + args.decode_tokens), device=args.device)
     prompt = ids[:, :length]
-    pieces = chunk_plan(0, length, train_len, settings.chunk_size) if args.variant.endswith("pieces") else None
+    ends = forward_ends(model, "gali", 0, length) if args.variant.endswith("pieces") else None  # one forward a chunk
+    pieces = list(zip([0, *ends[:-1]], ends)) if ends else None
 
     def prefill() -> DynamicCache:
         cache = DynamicCache(config=model.config)

@@ -22,9 +22,9 @@ from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings  # noqa: E402
-from gali_cli.generate import decode, forward_spans, make_sampler, prefill  # noqa: E402
+from gali_cli.generate import decode, make_sampler, prefill  # noqa: E402
 from gali_cli.loading import demo_model_path  # noqa: E402
-from gali_cli.methods import METHODS, apply_method  # noqa: E402
+from gali_cli.methods import METHODS, apply_method, prefill_spans  # noqa: E402
 
 WINDOW = 256
 MODEL_DIR = Path(__file__).resolve().parent / "passkey_model"
@@ -112,8 +112,7 @@ def evaluate_one(model, texts: Texts, method: str, length: int, depths: list[flo
         for _ in range(trials):
             ids, key = texts.example(rng, length, depth)
             apply_method(model, method, MethodSettings(), len(ids))
-            boundaries = METHODS[method].boundaries
-            spans = forward_spans(0, len(ids), 1024, boundaries(model, 0, len(ids)) if boundaries else None)
+            spans = prefill_spans(model, method, 0, len(ids), step=1024)
             with torch.inference_mode():
                 cache = DynamicCache(config=model.config)
                 logits = prefill(model, torch.tensor([ids]), cache, spans)

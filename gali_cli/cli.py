@@ -7,6 +7,7 @@ Neither this module nor what it imports loads torch or transformers: each comman
 only once its options are parsed.
 """
 
+import dataclasses
 import functools
 import os
 import sys
@@ -96,8 +97,7 @@ def summarize(
 
     Example: gali summarize reports/ --out summaries.jsonl
     """
-    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
-                          cache_dir, no_cache, seed)
+    answering = _answering(locals())
     _answer(files, out, "summarize", SUMMARIZE, None, choice, Reading(password, max_input_size), answering)
 
 
@@ -123,10 +123,16 @@ def ask(
     """
     if not question.strip():
         raise ConfigError("QUESTION is empty")
-    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
-                          cache_dir, no_cache, seed)
+    answering = _answering(locals())
     _answer(files, out, "ask", ask_instruction(question), question, choice, Reading(password, max_input_size),
             answering)
+
+
+def _answering(options: dict) -> Answering:
+    """summarize's, ask's and chat's answer options, given as the command's parameters by name (its `locals()`),
+    as one Answering: --no-stream turned into `stream`, every other field under its own name."""
+    names = [field.name for field in dataclasses.fields(Answering) if field.name != "stream"]
+    return Answering(stream=not options["no_stream"], **{name: options[name] for name in names})
 
 
 def _check_first(choice: ModelChoice, source: str) -> None:
@@ -241,8 +247,7 @@ def chat(
     _check_first(choice, file)
     from .runs.answer import chat as run_chat
 
-    answering = Answering(max_new_tokens, temperature, top_p, top_k, system, not no_stream, json_output, verbose,
-                          cache_dir, no_cache, seed)
+    answering = _answering(locals())
     run_chat(file, choice, Reading(password, max_input_size), answering)
 
 

@@ -1,29 +1,28 @@
 """Questions about one document, answered from one model state: `gali summarize` and `gali ask` are one-turn
 conversations, `gali chat` a long one.
 
-The document is prefilled once, in forwards that always end where the document ends (prompts.py), so its keys and
-values are the same whatever question follows: they come from the document cache when an earlier run stored them,
-and each later turn only runs its own new tokens (the question, and the chat template's markers) through the model.
+The document is prefilled once, in forwards that always end where the first instruction starts, after the document
+and the blank line that follows it (prompts.py), so the keys and values of those tokens are the same whatever
+question follows: they come from the document cache when an earlier run stored them (or `gali serve`, which ends
+its forwards at the same place: document_states.py), and each later turn only runs its own new tokens (the
+question, and the chat template's markers) through the model.
 """
 
 from collections.abc import Callable, Iterator
 
-import torch
-import transformers
 from transformers import DynamicCache
 
-from . import __version__
 from .config import MethodSettings
-from .doc_cache import DocumentCache, entry_key
-from .generate import (Finished, Progress, Sampler, TextPiece, forward_spans, stop_token_ids, stream_generate,
-                       truncate_cache)
+from .doc_cache import DocumentCache
+from .document_states import DocumentStates
+from .generate import Finished, Progress, Sampler, TextPiece, stop_token_ids, stream_generate, truncate_cache
 from .loading import LoadedModel
-from .methods import METHODS, apply_method
+from .methods import METHODS, apply_method, prefill_spans
 from .prompts import Prompt, conversation_ids
 
 
 class Conversation:
-    """A document, the questions asked about it so far and their answers, and the model's cache of all of them."""
+    """A document, the questions asked about it so far and their answers, and the KV cache of all of them."""
 
     def __init__(
         self,
@@ -38,14 +37,14 @@ class Conversation:
     ) -> None:
         self.loaded, self.method, self.settings = loaded, method, settings
         self.document, self.document_name, self.system = document, document_name, system
-        self.store = store if METHODS[method].prefix_reusable else None
+        self.states = DocumentStates(loaded, method, store)
         self.notice = notice
         self.questions: list[str] = []
         self.answers: list[list[int]] = []
         self.resolved: dict | None = None  # the method's settings as applied
         self.cache: DynamicCache | None = None
-        self.cached_ids: list[int] = []  # the tokens whose K/V `cache` holds
-        self.document_tokens = 0
+        self.cached_ids: list[int] = []  # the tokens whose keys and values the KV cache `cache` holds
+        self.document_tokens = 0  # the document's state: its tokens up to where the first instruction starts
         self.from_store = False  # whether the document's state came from the document cache
         self._turns = 0  # answers begun: a stopped answer's generator rolls back only while its turn is the last
         self._last_prompt: tuple[tuple[str, int], Prompt] | None = None
@@ -71,7 +70,7 @@ class Conversation:
         turn = self._turns
         self._roll_back()  # what an answer left unfinished may have added, whether or not its generator was closed
         prompt = self.prompt(instruction)
-        self.document_tokens = prompt.document_end
+        self.document_tokens = prompt.question_start
         resolved = apply_method(model, self.method, self.settings, len(prompt.ids))
         reusable = METHODS[self.method].prefix_reusable and resolved == self.resolved
         if self.cache is not None and not reusable:
@@ -81,20 +80,18 @@ class Conversation:
         if not reusable or prompt.ids[: len(self.cached_ids)] != self.cached_ids:
             self.cache, self.cached_ids = None, []
         self.resolved = resolved
-        document_ids, key = prompt.ids[: prompt.document_end], None
-        if self.cache is None:  # the document's state: from the store, or read in this turn (and stored after it)
-            key = entry_key(self.identity(), document_ids) if self.store else None
-            self.cache = self.store.load(key, document_ids, model) if self.store else None
-            self.from_store = self.cache is not None
-            self.cached_ids = document_ids if self.cache is not None else []
-            self.cache = self.cache if self.cache is not None else DynamicCache(config=model.config)
+        if self.cache is None:  # the document's state: from the document cache, or read in this turn (stored after)
+            stored = self.states.load(prompt.ids, [], [self.document_tokens], resolved)
+            self.from_store = stored is not None
+            self.cached_ids = prompt.ids[: self.document_tokens] if stored else []
+            self.cache = stored[0] if stored else DynamicCache(config=model.config)
         start, recorded = len(self.cached_ids), False
+        spans = prefill_spans(model, self.method, start, len(prompt.ids), [self.document_tokens])
         try:
             for event in stream_generate(model, tokenizer, prompt.ids, sampler, max_new_tokens,
-                                         stop_token_ids(model, tokenizer), self._spans(start, len(prompt.ids)),
-                                         progress, self.cache):
+                                         stop_token_ids(model, tokenizer), spans, progress, self.cache):
                 if isinstance(event, Finished):  # before yielding it: a consumer may stop at the last event
-                    self._record(instruction, prompt.ids, list(event.answer_ids), key, document_ids, start)
+                    self._record(instruction, prompt, list(event.answer_ids), start)
                     recorded = True
                 yield event
         finally:
@@ -102,7 +99,7 @@ class Conversation:
                 self._roll_back()
 
     def _roll_back(self) -> None:
-        """Forget what an unfinished turn added to the cache. A forward stopped midway may have extended some
+        """Forget what an unfinished turn added to the KV cache. A forward stopped midway may have extended some
         layers and not others: every layer goes back to the tokens of the turns before."""
         kept = len(self.cached_ids)
         if kept == 0:
@@ -110,48 +107,10 @@ class Conversation:
             return
         truncate_cache(self.cache, kept)
 
-    def _record(self, instruction: str, ids: list[int], answer: list[int], key: str | None, document_ids: list[int],
-                start: int) -> None:
+    def _record(self, instruction: str, prompt: Prompt, answer: list[int], start: int) -> None:
         """The turn joins the conversation; a document read in this turn is stored for later runs."""
         self.questions.append(instruction)
         self.answers.append(answer)
-        self.cached_ids = (ids + answer)[: self.cache.get_seq_length()]
-        if self.store and not self.from_store and start == 0:
-            self.store.save(key, document_ids, self.cache, {
-                "document": self.document_name, "model": self.loaded.identity.get("model", "?"),
-                "method": self.method})
-
-    def _spans(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """Forwards over tokens [start, stop), always cut at the end of the document."""
-        return prefill_spans(self.loaded, self.method, self.resolved, start, stop, [self.document_tokens])
-
-    def identity(self) -> dict:
-        """Everything a document's K/V depend on besides its tokens: model, weights, dtype, method, settings."""
-        return state_identity(self.loaded, self.method, self.resolved)
-
-
-def state_identity(loaded: LoadedModel, method: str, resolved: dict, kind: str = "gali-document-state") -> dict:
-    """What prefilled keys and values depend on besides their tokens: versions, model, weights, dtype, method and
-    its settings as applied (the document cache's key)."""
-    return {"format": kind, "gali": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            **loaded.identity, "method": method, "settings": resolved}
-
-
-def prefill_spans(loaded: LoadedModel, method: str, resolved: dict, start: int, stop: int, cuts: list[int]
-                  ) -> list[tuple[int, int]]:
-    """Forwards over tokens [start, stop): a bounded number of tokens each (about 8 GALI chunks, at least 256), cut
-    where the method allows, and always at `cuts` (unless the method needs the whole input in one forward)."""
-    ends = sorted({cut for cut in cuts if start < cut < stop} | {stop}) if METHODS[method].prefix_reusable else [stop]
-    spans, first = [], start
-    for last in ends:
-        spans += model_spans(loaded, method, resolved, first, last)
-        first = last
-    return spans
-
-
-def model_spans(loaded: LoadedModel, method: str, resolved: dict, start: int, stop: int) -> list[tuple[int, int]]:
-    """Forwards over [start, stop) of about 8 GALI chunks (at least 256 tokens), cut only where `method` allows."""
-    chunk = resolved.get("chunk_size") or loaded.train_len // 8
-    boundaries = METHODS[method].boundaries
-    return forward_spans(start, stop, max(256, 8 * chunk),
-                         boundaries(loaded.model, start, stop) if boundaries else None)
+        self.cached_ids = (prompt.ids + answer)[: self.cache.get_seq_length()]
+        if not self.from_store and start == 0:  # no forward ended before it, but where GALI's chunks end
+            self.states.save(prompt.ids[: self.document_tokens], [], self.resolved, self.cache, self.document_name)

@@ -1,8 +1,10 @@
 """The document cache: a document's prefilled keys and values kept on disk, so the next question skips the prefill.
 
-Prompts put the document first (prompts.py), so every question about it shares the tokens up to `document_end`, and
-their keys and values do not depend on what follows (attention is causal, and the prefill is always cut at the end
-of the document, cached or not). An entry holds one document's K/V for one model and method with its settings.
+Prompts put the document first (prompts.py), so every question about it shares the tokens up to where the
+instruction starts, and their keys and values do not depend on what follows (attention is causal, and the prefill
+is always cut there, cached or not). An entry holds one document's K/V for one model and method with its settings;
+document_states.py names entries and decides when to load and store them, for `gali ask`/`chat` and `gali serve`
+alike.
 
 Entries are safetensors files (plain tensors, no pickled objects) named by a SHA-256 of everything the K/V depend
 on; they are written to a temporary file and renamed, so a crash or a full disk never leaves half an entry, and are

@@ -5,8 +5,9 @@ Prompts are tokenized piece by piece: the chat template is rendered around place
 tokenized with the template text before it, which is how the template's own tokenization cuts them (for ordinary
 text the ids are exactly the template's). Two things follow. A message that spells a control token such as
 "<|eot_id|>" keeps it as characters: its text is then tokenized apart, so only the template can end a turn. And the
-first `document_end` tokens depend only on the system prompt and the document, never on what follows: a prefix
-every question about the document shares, whose prefilled state can be reused.
+first `document_end` tokens depend only on the system prompt and the document, never on what follows; with the blank
+line after the document, up to `question_start`, they are the prefix every question about the document shares,
+whose prefilled state can be reused (and the one `gali serve` cuts the same message at, served_prompt).
 """
 
 from typing import NamedTuple
@@ -17,10 +18,13 @@ _SLOT = "\x00gali-slot-{}\x00"  # stands for a message's text while the chat tem
 
 
 class Prompt(NamedTuple):
-    """Token ids of a prompt, and how many of them depend only on the system prompt and the document."""
+    """Token ids of a prompt, how many of them depend only on the system prompt and the document, and where the first
+    instruction starts: after the blank line that follows the document, where `gali serve` cuts the same message
+    (served_prompt, question_starts), and where the document's state ends (conversation.py)."""
 
     ids: list[int]
     document_end: int
+    question_start: int
 
 
 def ask_instruction(question: str) -> str:
@@ -67,25 +71,27 @@ def conversation_ids(
 
     if not tokenizer.chat_template:
         ids = text_ids(tokenizer, f"{system}\n\n" if system else "", add_special_tokens=True)
-        document_ids, document_end = _document_turn(tokenizer, "", document, f"\n\n{questions[0]}\n", specials)
-        ids, document_end = ids + document_ids, len(ids) + document_end
+        document_ids, ends = _document_turn(tokenizer, "", document, f"\n\n{questions[0]}\n", specials)
+        document_end, question_start = (len(ids) + end for end in ends)
+        ids += document_ids
         for role, content in turns[first_user + 1:]:
             ids += content if role == "assistant" else text_ids(tokenizer, f"\n\n{content}\n")
-        return Prompt(ids, document_end)
+        return Prompt(ids, document_end, question_start)
 
     parts = template_parts(tokenizer, [role for role, _ in turns])
-    ids, document_end = [], 0
+    ids, document_end, question_start = [], 0, 0
     for index, ((role, content), template_part) in enumerate(zip(turns, parts)):
         if role == "assistant":
             ids += tokenizer(template_part, add_special_tokens=False).input_ids + content
         elif index == first_user:
-            turn_ids, turn_end = _document_turn(tokenizer, template_part, document, f"\n\n{content}", specials)
-            ids, document_end = ids + turn_ids, len(ids) + turn_end
+            turn_ids, ends = _document_turn(tokenizer, template_part, document, f"\n\n{content}", specials)
+            document_end, question_start = (len(ids) + end for end in ends)
+            ids = ids + turn_ids
         elif any(special in content for special in specials):
             ids += tokenizer(template_part, add_special_tokens=False).input_ids + text_ids(tokenizer, content)
         else:  # together, as the template's own tokenization cuts them
             ids += tokenizer(template_part + content, add_special_tokens=False).input_ids
-    return Prompt(ids + tokenizer(parts[-1], add_special_tokens=False).input_ids, document_end)
+    return Prompt(ids + tokenizer(parts[-1], add_special_tokens=False).input_ids, document_end, question_start)
 
 
 def template_parts(tokenizer, roles: list[str]) -> list[str]:
@@ -171,21 +177,23 @@ def raw_prompt(tokenizer, text: str) -> ServedPrompt:
 
 
 def _document_turn(tokenizer, template_part: str, document: str, after: str, specials: list[str]
-                   ) -> tuple[list[int], int]:
-    """Ids of template text, document and what follows it in the same turn, and how many of them depend on the
-    template text and the document alone.
+                   ) -> tuple[list[int], tuple[int, int]]:
+    """Ids of template text, document and what follows it in the same turn (a blank line, then the question); how
+    many of them depend on the template text and the document alone, and where the question starts.
 
     Ordinary text is tokenized as one, as the template's own tokenization would; the shared part ends where that
-    and the document's own tokens part (a pre-token may span the document's end, as ".\n\n" does in Llama 3).
+    and the document's own tokens part (a pre-token may span the document's end, as ".\n\n" does in Llama 3), and
+    the question starts where it and the tokens of the document and the blank line part (as served_prompt cuts).
     Text that spells a special token is tokenized apart, as characters.
     """
     template_ids = tokenizer(template_part, add_special_tokens=False).input_ids if template_part else []
     if any(special in text for special in specials for text in (document, after)):
         document_ids = template_ids + text_ids(tokenizer, document)
-        return document_ids + text_ids(tokenizer, after), len(document_ids)
+        return document_ids + text_ids(tokenizer, after), (len(document_ids), len(document_ids))
     together = tokenizer(template_part + document + after, add_special_tokens=False).input_ids
     alone = tokenizer(template_part + document, add_special_tokens=False).input_ids
-    return together, _common_prefix(together, alone)
+    blank = tokenizer(template_part + document + after[: after.index("\n\n") + 2], add_special_tokens=False).input_ids
+    return together, (_common_prefix(together, alone), _common_prefix(together, blank))
 
 
 def _common_prefix(first: list[int], second: list[int]) -> int:

@@ -18,8 +18,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from .config import MethodSettings
 from .engine import reference_model as ref
 from .engine.self_check import Check
-from .generate import decode, forward_spans, prefill
-from .methods import METHODS, apply_method, remove_method
+from .generate import decode, prefill
+from .methods import apply_method, prefill_spans, remove_method
 
 TRAIN_LEN, PROMPT, DECODED, SPAN = 16, 40, 4, 12  # a prompt 2.5 windows long, fed 12 tokens a forward at most
 VOCAB = 64
@@ -115,8 +115,7 @@ def _seam_check(model: LlamaForCausalLM, ids: torch.Tensor, case: SeamCase) -> C
     try:
         with torch.inference_mode():
             resolved = apply_method(model, case.method, case.settings, PROMPT + case.decoded)
-            boundaries = METHODS[case.method].boundaries
-            spans = forward_spans(0, PROMPT, SPAN, boundaries(model, 0, PROMPT) if boundaries else None)
+            spans = prefill_spans(model, case.method, 0, PROMPT, step=SPAN)
             seen: list[torch.Tensor] = []
 
             def greedy(logits: torch.Tensor) -> int:

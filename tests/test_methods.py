@@ -8,7 +8,10 @@ from gali_cli import ConfigError, GaliConfig
 from gali_cli.engine.seam import with_cache
 from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
 from gali_cli.generate import truncate_cache
-from gali_cli.methods import METHODS, apply_method, preview_method, remove_method
+import gali_cli.methods.gali as gali_module
+from gali_cli.engine.hooks import installed_method
+from gali_cli.engine.positions import chunk_plan
+from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans, preview_method, remove_method
 from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
 from conftest import VOCAB
@@ -268,6 +271,31 @@ def test_dynamic_ntk_prefills_in_one_forward(make_llama):
     assert METHODS["gali"].boundaries(model, 0, 40) == [16, 21, 26, 31, 36, 40]
     assert math.isfinite(float(model(prompt(40)).logits.sum()))
     assert GaliConfig  # the public config still imports
+
+
+@pytest.mark.parametrize("method, ends", [("gali", None), ("dynamic-ntk", [(0, 300)]), ("yarn", None)])
+def test_one_prefill_plan_per_method(make_llama, method, ends):
+    """prefill_spans: forwards of about `step` tokens, ending at every cut, and elsewhere only where the method
+    allows (GALI's chunk boundaries; one forward for dynamic NTK)."""
+    model = make_llama(train_len=16)
+    apply_method(model, method, MethodSettings(chunk_size=5), 300)
+    spans = prefill_spans(model, method, 0, 300, [50, 203], step=40)
+    assert spans[0][0] == 0 and spans[-1][1] == 300 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    if ends is not None:
+        assert spans == ends
+        return
+    allowed = forward_ends(model, method, 0, 300)
+    assert {50, 203} <= {last for _, last in spans} <= {50, 203, *(allowed or range(301))}
+    assert all(last - first <= 40 for first, last in spans)
+
+
+def test_gali_plans_a_prefill_once_and_its_forwards_take_their_chunks_from_the_plan(make_llama, monkeypatch):
+    model = make_llama(train_len=16)
+    apply_method(model, "gali", MethodSettings(chunk_size=5), 300)
+    spans = prefill_spans(model, "gali", 0, 300, [50, 203], step=40)
+    expected = {span: chunk_plan(*span, 16, 5) for span in spans}
+    monkeypatch.setattr(gali_module, "chunk_plan", lambda *args: pytest.fail("planned again"))
+    assert {span: installed_method(model).chunks(*span) for span in spans} == expected
 
 
 def test_the_command_line_knows_every_method_by_name():

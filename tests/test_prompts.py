@@ -43,7 +43,7 @@ def test_a_document_cannot_end_the_users_turn(tiny_model_dir):
 def test_plain_prompt_without_a_chat_template(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = None
-    ids, end = prompt_ids(tokenizer, "The document.\n", SUMMARIZE)
+    ids, end, _ = prompt_ids(tokenizer, "The document.\n", SUMMARIZE)
     assert tokenizer.decode(ids[1:end]) == "The document."
     assert ids[0] == tokenizer.bos_token_id and tokenizer.decode(ids[1:]) == f"The document.\n\n{SUMMARIZE}\n"
     assert text_ids(tokenizer, "<|eot_id|>") != [tokenizer.convert_tokens_to_ids("<|eot_id|>")]

@@ -24,9 +24,8 @@ from conftest import CORPUS
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
-from gali_cli.conversation import prefill_spans
 from gali_cli.loading import load_model
-from gali_cli.methods import apply_method
+from gali_cli.methods import apply_method, prefill_spans
 from gali_cli.prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
 from gali_cli.server.app import ServerSettings
 from gali_cli.server.reuse import States
@@ -92,10 +91,10 @@ def direct(loaded, messages: list[dict], max_tokens: int) -> tuple[str, ServedPr
     parsed = [Message.model_validate(message) for message in messages]
     parts, bos = served_parts(loaded.tokenizer, [message.role for message in parsed])
     prompt = served_prompt(loaded.tokenizer, parts, [m.text for m in parsed], [m.cuts() for m in parsed], bos)
-    resolved = apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
+    apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
     events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), max_tokens,
                              stop_token_ids(loaded.model, loaded.tokenizer),
-                             prefill_spans(loaded, "gali", resolved, 0, len(prompt.ids), prompt.cuts))
+                             prefill_spans(loaded.model, "gali", 0, len(prompt.ids), prompt.cuts))
     return "".join(event.text for event in events if isinstance(event, TextPiece)), prompt
 
 
@@ -191,10 +190,10 @@ def test_completions_from_text_and_from_token_ids(served, loaded):
     client = client_for(served)
     text = client.completions.create(model="tiny", prompt="def read(path):\n", max_tokens=6)
     prompt = raw_prompt(loaded.tokenizer, "def read(path):\n")
-    resolved = apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
+    apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
     events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), 6,
                              stop_token_ids(loaded.model, loaded.tokenizer),
-                             prefill_spans(loaded, "gali", resolved, 0, len(prompt.ids), prompt.cuts))
+                             prefill_spans(loaded.model, "gali", 0, len(prompt.ids), prompt.cuts))
     assert text.choices[0].text == "".join(event.text for event in events if isinstance(event, TextPiece))
     assert text.object == "text_completion" and text.usage.prompt_tokens == len(prompt.ids)
     by_ids = client.completions.create(model="tiny", prompt=prompt.ids, max_tokens=6)

@@ -9,10 +9,9 @@ from transformers import DynamicCache
 
 import gali_cli.server.worker as worker_module
 from gali_cli.config import MethodSettings
-from gali_cli.conversation import prefill_spans
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
 from gali_cli.loading import load_model
-from gali_cli.methods import apply_method
+from gali_cli.methods import apply_method, prefill_spans
 from gali_cli.prompts import ServedPrompt, question_starts, served_parts, served_prompt
 from gali_cli.server.reuse import Prefilled, States, reusable_tokens
 from gali_cli.server.worker import Done, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping, StopStrings
@@ -79,10 +78,10 @@ def _job(prompt: ServedPrompt, max_new_tokens: int = 6) -> tuple[Job, list]:
 
 
 def _fresh_answer(loaded, prompt: ServedPrompt, max_new_tokens: int = 6, method: str = "gali") -> str:
-    resolved = apply_method(loaded.model, method, MethodSettings(), len(prompt.ids))
+    apply_method(loaded.model, method, MethodSettings(), len(prompt.ids))
     events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), max_new_tokens,
                              stop_token_ids(loaded.model, loaded.tokenizer),
-                             prefill_spans(loaded, method, resolved, 0, len(prompt.ids), prompt.cuts))
+                             prefill_spans(loaded.model, method, 0, len(prompt.ids), prompt.cuts))
     return "".join(event.text for event in events if isinstance(event, TextPiece))
 
 
@@ -138,9 +137,9 @@ def test_a_failed_forward_leaves_every_layer_at_the_tokens_read(loaded):
     prompt = _prompt(loaded, "The lease ends in March.")
     states = States(loaded, "gali", None)
     resolved = apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
-    cache, reused, _ = states.start(prompt, resolved)
+    cache, reused = states.start(prompt, resolved)
     list(stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), 1, set(),
-                         prefill_spans(loaded, "gali", resolved, 0, len(prompt.ids), prompt.cuts), cache=cache))
+                         prefill_spans(loaded.model, "gali", 0, len(prompt.ids), prompt.cuts), cache=cache))
     first = cache.layers[0]
     first.keys, first.values = first.keys[:, :, :3], first.values[:, :, :3]  # as a forward stopped midway leaves it
     cache.layers[1].keys = torch.cat([cache.layers[1].keys, cache.layers[1].keys[:, :, :2]], dim=2)

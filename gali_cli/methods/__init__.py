@@ -14,11 +14,12 @@
 | gali | Greedy Attention Logit Interpolation | --chunk-size L/4, --local-window L/2, --noise |
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
-model can run them all in turn. Each also says where a forward may be cut without changing the results.
+model can run them all in turn. Each also says where a forward may be cut without changing the results, and
+`prefill_spans` turns that into the forwards every prefill runs (conversation, server, ppl, batch, benchmarks).
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig, PreTrainedModel
@@ -26,11 +27,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..compat import warn_if_untested
 from ..config import MethodSettings
 from ..engine.hooks import PositionalAttention, install, installed_method, uninstall
-from ..engine.positions import chunk_plan
 from ..errors import ConfigError
+from ..generate import forward_spans
 from .chunk_llama import DualChunkAttention
 from .dpe import DPE, check_scales, default_groups, published_settings
-from .gali import apply_gali, gali_settings
+from .gali import Gali, apply_gali, gali_settings
 from .rerope import ReRoPE, leaky_reach
 from .rope_scaling import rescale, restore
 from .self_extend import SelfExtend, reach
@@ -41,11 +42,11 @@ class Method:
     """A method by name: how to apply it to a loaded model, and where its forwards may be cut."""
 
     name: str
-    summary: str
     # (model, settings, train_len, input tokens) -> the settings it resolved, for reports
     apply: Callable[[PreTrainedModel, MethodSettings, int, int], dict]
-    # Token indices in (start, stop] where a forward over [start, stop) may end; None: anywhere.
-    boundaries: Callable[[PreTrainedModel, int, int], list[int]] | None = None
+    # (model, start, stop, cuts) -> token indices in (start, stop] where a forward over [start, stop) may end, each
+    # of `cuts` ending one too; None: anywhere.
+    boundaries: Callable[..., list[int]] | None = None
     # False when results depend on one forward over the whole input: no prefilled prefix can then be reused.
     prefix_reusable: bool = True
     # (model config, settings, train_len, None) -> what it would resolve, known before any input (gali info); it
@@ -62,9 +63,8 @@ def _apply_gali(model: PreTrainedModel, settings: MethodSettings, train_len: int
     return gali_settings(model).facts()
 
 
-def _gali_boundaries(model: PreTrainedModel, start: int, stop: int) -> list[int]:
-    config = gali_settings(model)
-    return [last for _, last in chunk_plan(start, stop, config.train_len, config.chunk_size)]
+def _gali_boundaries(model: PreTrainedModel, start: int, stop: int, cuts: Iterable[int] = ()) -> list[int]:
+    return installed_method(model).chunk_ends(start, stop, list(cuts))
 
 
 def _rope(kind: str) -> Callable[[PreTrainedModel, MethodSettings, int, int], dict]:
@@ -154,25 +154,23 @@ def _installing(resolve: Callable[[PretrainedConfig, MethodSettings, int, int | 
 
 
 METHODS = {
-    "original": Method("original", "the unpatched model: positions simply run past train_len",
-                       lambda model, settings, train_len, tokens: {}),
-    "ntk": Method("ntk", "static NTK-aware RoPE scaling", _rope("ntk")),
+    "original": Method("original", lambda model, settings, train_len, tokens: {}),
+    "ntk": Method("ntk", _rope("ntk")),
     # Dynamic NTK picks its frequencies from the longest position of each forward: one forward for the whole input.
-    "dynamic-ntk": Method("dynamic-ntk", "dynamic NTK RoPE scaling (transformers)", _rope("dynamic-ntk"),
-                          lambda model, start, stop: [stop], prefix_reusable=False),
-    "yarn": Method("yarn", "YaRN RoPE scaling (transformers)", _rope("yarn")),
-    "self-extend": Method("self-extend", "SelfExtend: grouped positions beyond a neighbour window",
-                          _apply_self_extend),
-    "chunk-llama": Method("chunk-llama", "ChunkLlama's Dual Chunk Attention", _apply_chunk_llama),
-    "rerope": Method("rerope", "ReRoPE: distances beyond a window clamped to it", _installing(
+    "dynamic-ntk": Method("dynamic-ntk", _rope("dynamic-ntk"), lambda model, start, stop, cuts=(): [stop],
+                          prefix_reusable=False),
+    "yarn": Method("yarn", _rope("yarn")),
+    "self-extend": Method("self-extend", _apply_self_extend),
+    "chunk-llama": Method("chunk-llama", _apply_chunk_llama),
+    "rerope": Method("rerope", _installing(
         _rerope, lambda config, s: ReRoPE(s["neighbor_window"], s["train_len"], None, s["logn"])), preview=_rerope),
-    "leaky-rerope": Method("leaky-rerope", "Leaky ReRoPE: distances beyond a window compressed", _installing(
+    "leaky-rerope": Method("leaky-rerope", _installing(
         _leaky_rerope, lambda config, s: ReRoPE(s["neighbor_window"], s["train_len"], s["leaky_factor"], s["logn"])),
         preview=_leaky_rerope),
-    "dpe": Method("dpe", "DPE: SelfExtend per group of RoPE frequencies", _installing(
+    "dpe": Method("dpe", _installing(
         _dpe, lambda config, s: DPE(tuple(s["dpe_scales"]), s["neighbor_window"], s["train_len"], _head_dim(config))),
         preview=_dpe),
-    "gali": Method("gali", "Greedy Attention Logit Interpolation", _apply_gali, _gali_boundaries),
+    "gali": Method("gali", _apply_gali, _gali_boundaries),
 }
 
 
@@ -190,6 +188,34 @@ def apply_method(model: PreTrainedModel, name: str, settings: MethodSettings, in
     warn_if_untested()
     remove_method(model)
     return method.apply(model, settings, train_len, input_tokens)
+
+
+def prefill_spans(model: PreTrainedModel, name: str, start: int, stop: int, cuts: Iterable[int] = (),
+                  step: int | None = None) -> list[tuple[int, int]]:
+    """The forwards a prefill of tokens [start, stop) runs with method `name` as applied to `model`: about `step`
+    tokens each (default: 8 GALI chunks, at least 256 tokens; 8 * train_len / 8 for other methods), ending only
+    where the method allows, and at each of `cuts` (unless the method needs the whole input in one forward). GALI
+    keeps the plan for its forwards.
+    """
+    method, installed = get_method(name), installed_method(model)
+    cuts = sorted({cut for cut in cuts if start < cut < stop}) if method.prefix_reusable else []
+    gali = installed if isinstance(installed, Gali) else None
+    if gali is not None:  # planned once, here: the forwards take their chunks from this plan
+        ends = gali.keep_plan(start, stop, cuts)
+    else:
+        ends = method.boundaries(model, start, stop, cuts) if method.boundaries else None
+    step = step or max(256, 8 * (gali.config.chunk_size if gali else model.config.max_position_embeddings // 8))
+    spans = []
+    for first, last in zip([start, *cuts], [*cuts, stop]):
+        spans += forward_spans(first, last, step, None if ends is None else [e for e in ends if first < e <= last])
+    return spans
+
+
+def forward_ends(model: PreTrainedModel, name: str, start: int, stop: int) -> list[int] | None:
+    """Token indices in (start, stop] where a forward of method `name` (as applied to `model`) may end without
+    changing the results; None: anywhere."""
+    boundaries = get_method(name).boundaries
+    return boundaries(model, start, stop) if boundaries else None
 
 
 def preview_method(config: PretrainedConfig, name: str, settings: MethodSettings) -> dict | None:

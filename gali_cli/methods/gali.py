@@ -30,6 +30,33 @@ class Gali(PositionalAttention):
         self.config = config  # resolved: no None left
         self.exact_until = config.train_len
         self._decode_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer: state}
+        self._plan: list[list[tuple[int, int]]] = []  # the last prefill's chunks, one list per stretch between cuts
+
+    def chunk_ends(self, start: int, stop: int, cuts: list[int] = ()) -> list[int]:
+        """Where a forward over tokens [start, stop) may end without changing the results: its chunks' ends (Alg. 1),
+        each of `cuts` ending a forward too."""
+        return [last for stretch in self._planned(start, stop, cuts) for _, last in stretch]
+
+    def keep_plan(self, start: int, stop: int, cuts: list[int] = ()) -> list[int]:
+        """`chunk_ends` for a prefill, whose forwards then take their chunks from this plan instead of planning
+        again."""
+        self._plan = self._planned(start, stop, cuts)
+        return [last for stretch in self._plan for _, last in stretch]
+
+    def _planned(self, start: int, stop: int, cuts: list[int]) -> list[list[tuple[int, int]]]:
+        ends = [*sorted({cut for cut in cuts if start < cut < stop}), stop]
+        return [chunk_plan(first, last, self.config.train_len, self.config.chunk_size)
+                for first, last in zip([start, *ends[:-1]], ends)]
+
+    def chunks(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """GALI's chunks of a forward over [start, stop): a run of the planned ones where it starts and ends at chunk
+        boundaries of the plan (chunk_plan's pieces between two of its boundaries are its own), else planned now."""
+        for stretch in self._plan:
+            firsts = [first for first, _ in stretch]
+            lasts = [last for _, last in stretch]
+            if start in firsts and stop in lasts and firsts.index(start) <= lasts.index(stop):
+                return stretch[firsts.index(start) : lasts.index(stop) + 1]
+        return chunk_plan(start, stop, self.config.train_len, self.config.chunk_size)
 
     def table_rows(self, start: int, stop: int) -> int:
         # Positions reach train_len - 1, or train_len itself when there is no local window (Alg. 2's edge).
@@ -45,7 +72,7 @@ class Gali(PositionalAttention):
             self._decode_states.pop(forward.cache, None)  # the cache grew by more than a token
 
         def build_chunks():
-            pieces = chunk_plan(forward.start, forward.stop, config.train_len, config.chunk_size)
+            pieces = self.chunks(forward.start, forward.stop)
             table = forward.table(query.device, query.dtype)
             return chunk_contexts(table, pieces, config.train_len, config.local_window)
 

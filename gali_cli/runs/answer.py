@@ -114,7 +114,7 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
 
 
 class _Reading:
-    """The prefill's (done, total) callback: a note first when the document's state came from the cache (known
+    """The prefill's (done, total) callback: a note first when the document's state came from the document cache (known
     once the prefill starts), then the bar (and, for a long prefill, its estimate: common.announcing); `over()`
     takes the bar away before the answer is written (on a terminal that shows stdout too, a live bar would erase
     the answer's line)."""

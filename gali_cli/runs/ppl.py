@@ -6,13 +6,12 @@ import time
 import torch
 
 from .. import display
-from ..conversation import model_spans
 from ..display import print_json, say
 from ..documents import Document
 from ..errors import InputError
 from ..generate import peak_memory_bytes, reset_peak_memory
 from ..loading import LoadedModel
-from ..methods import METHODS, apply_method, kept_window
+from ..methods import apply_method, forward_ends, kept_window, prefill_spans
 from ..perplexity import Perplexity, perplexities
 from ..prompts import text_ids
 from . import ModelChoice, Reading
@@ -61,8 +60,8 @@ def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice
     """Apply `method` for these tokens and measure PPL at `lengths` in one pass; returns its settings and results."""
     device = loaded.model.get_input_embeddings().weight.device
     settings = apply_method(loaded.model, method, choice.settings, len(ids))
-    spans = model_spans(loaded, method, settings, 0, len(ids))
-    boundaries = METHODS[method].boundaries(loaded.model, 0, len(ids)) if METHODS[method].boundaries else None
+    spans = prefill_spans(loaded.model, method, 0, len(ids))
+    boundaries = forward_ends(loaded.model, method, 0, len(ids))
     reset_peak_memory(device)
     started = time.perf_counter()
     with display.progress_bar(method) as bar:

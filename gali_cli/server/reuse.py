@@ -8,18 +8,19 @@ starting from a reused state gets the same answer as one read from scratch, toke
 
 Two sources: the state the worker kept from the last request, in memory, and the document cache on disk, where a
 prompt's `shared` prefix (up to where its last question starts) is stored when it spared at least
-STORE_MIN_TOKENS tokens of reading.
+STORE_MIN_TOKENS tokens of reading. The document cache is read and written as `gali ask` and `gali chat` do
+(document_states.py): one key, so that a document one of them read is a cache hit for the other.
 """
 
 from dataclasses import dataclass
 
 from transformers import DynamicCache
 
-from ..conversation import state_identity
-from ..doc_cache import DocumentCache, entry_key
+from ..doc_cache import DocumentCache
+from ..document_states import DocumentStates
 from ..generate import truncate_cache
 from ..loading import LoadedModel
-from ..methods import METHODS
+from ..methods import METHODS, forward_ends
 from ..prompts import ServedPrompt
 
 STORE_MIN_TOKENS = 1024
@@ -62,29 +63,30 @@ class States:
     """The worker's prefilled states: the last request's, and the document cache (None: --no-cache)."""
 
     def __init__(self, loaded: LoadedModel, method: str, store: DocumentCache | None) -> None:
-        self.loaded, self.method, self.store = loaded, method, store
+        self.loaded, self.method = loaded, method
+        self.documents = DocumentStates(loaded, method, store)
         self.kept: Prefilled | None = None
 
-    def start(self, prompt: ServedPrompt, resolved: dict) -> tuple[DynamicCache, int, str]:
-        """A cache holding the keys and values of the longest reusable prefix of `prompt`, how many tokens that
-        is, and where they came from ("memory", "store" or ""). The kept state is handed over: it changes now."""
+    @property
+    def store(self) -> DocumentCache | None:
+        return self.documents.store
+
+    def start(self, prompt: ServedPrompt, resolved: dict) -> tuple[DynamicCache, int]:
+        """A KV cache holding the keys and values of the longest reusable prefix of `prompt`, and how many tokens
+        that is. The kept state is handed over: it changes now."""
         model, method = self.loaded.model, METHODS[self.method]
         kept, self.kept = self.kept, None
         memory = 0
         if kept is not None and method.prefix_reusable and kept.resolved == resolved:
             memory = reusable_tokens(kept, prompt, self._grid(len(prompt.ids)))
-        if self.store is not None and method.prefix_reusable:
-            for cut in reversed(prompt.cuts):
-                if cut <= memory:
-                    break
-                if STORE_MIN_TOKENS <= cut < len(prompt.ids):
-                    cache = self.store.load(self._key(prompt, resolved, cut), prompt.ids[:cut], model)
-                    if cache is not None:
-                        return cache, cut, "store"
+        ends = [cut for cut in prompt.cuts if cut > memory and STORE_MIN_TOKENS <= cut < len(prompt.ids)]
+        stored = self.documents.load(prompt.ids, prompt.cuts, ends, resolved)
+        if stored is not None:
+            return stored
         if memory:
             truncate_cache(kept.cache, memory)
-            return kept.cache, memory, "memory"
-        return DynamicCache(config=model.config), 0, ""
+            return kept.cache, memory
+        return DynamicCache(config=model.config), 0
 
     def keep(self, cache: DynamicCache, prompt: ServedPrompt, read: int, resolved: dict) -> None:
         """Keep the state of the first `read` tokens of `prompt` (all of them, or as far as a stopped prefill got)
@@ -98,23 +100,11 @@ class States:
         """Write the kept state of `prompt.shared` tokens to the document cache, when that spares a later request at
         least STORE_MIN_TOKENS tokens of reading and is not there yet."""
         shared = prompt.shared
-        if (self.store is None or self.kept is None or len(self.kept.ids) < shared
-                or shared - reused < STORE_MIN_TOKENS):
+        if self.kept is None or len(self.kept.ids) < shared or shared - reused < STORE_MIN_TOKENS:
             return
-        key = self._key(prompt, resolved, shared)
-        if not self.store.path(key).exists():
-            self.store.save(key, prompt.ids[:shared], self.kept.cache,
-                            {"document": label, "model": self.loaded.identity.get("model", "?"),
-                             "method": self.method})
+        self.documents.save(prompt.ids[:shared], prompt.cuts, resolved, self.kept.cache, label)
 
     def _grid(self, stop: int) -> list[int] | None:
         """Places in [1, stop) where a forward may end without changing the results (None: anywhere)."""
-        boundaries = METHODS[self.method].boundaries
-        return boundaries(self.loaded.model, 0, stop)[:-1] if boundaries else None
-
-    def _key(self, prompt: ServedPrompt, resolved: dict, tokens: int) -> str:
-        """The document cache's name for the first `tokens` tokens of `prompt`, read with forwards cut as they
-        were."""
-        identity = {**state_identity(self.loaded, self.method, resolved, kind="gali-served-state"),
-                    "cuts": [cut for cut in prompt.cuts if cut < tokens]}
-        return entry_key(identity, prompt.ids[:tokens])
+        ends = forward_ends(self.loaded.model, self.method, 0, stop)
+        return ends[:-1] if ends is not None else None

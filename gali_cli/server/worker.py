@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import MethodSettings
-from ..conversation import prefill_spans
 from ..doc_cache import DocumentCache
 from ..errors import GaliError, InputError
 from ..generate import Finished, Sampler, TextPiece, make_sampler, stop_token_ids, stream_generate
 from ..loading import LoadedModel
-from ..methods import apply_method, kept_window
+from ..methods import apply_method, kept_window, prefill_spans
 from ..prompts import ServedPrompt
 from .reuse import States
 
@@ -220,11 +219,11 @@ class ModelWorker:
             raise InputError("the prompt has no tokens")
         sampler = make_sampler(sampling.temperature, sampling.top_p, 0, sampling.seed)
         resolved = apply_method(loaded.model, self.method, self.settings, len(prompt.ids))
-        cache, reused, _ = self.states.start(prompt, resolved)
+        cache, reused = self.states.start(prompt, resolved)
         counts.reused = counts.read = reused
         events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, counts.counted(sampler),
                                  sampling.max_new_tokens, self.stop_ids,
-                                 prefill_spans(loaded, self.method, resolved, reused, len(prompt.ids), prompt.cuts),
+                                 prefill_spans(loaded.model, self.method, reused, len(prompt.ids), prompt.cuts),
                                  counts.progress, cache)
         try:
             reason = _relay(job, events, StopStrings(sampling.stop))
