@@ -315,7 +315,7 @@ def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> N
 @cache_app.command("clear", cls=Command)
 @_guarded
 def cache_clear(cache_dir: CacheDir = None, models: Annotated[bool, typer.Option(
-        "--models", help="Delete the dequantized models instead (the next load of a GGUF dequantizes it again).")]
+        "--models", metavar="", help="Delete the dequantized models instead (the next load of a GGUF dequantizes it again).")]
         = False) -> None:
     """Delete every cached document state.
 

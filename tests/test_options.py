@@ -64,7 +64,7 @@ def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_p
 
 
 COMMANDS = [[], ["summarize"], ["ask"], ["chat"], ["ppl"], ["serve"], ["info"], ["cache"], ["cache", "list"],
-            ["cache", "clear"]]
+            ["cache", "clear"], ["cache", "prune"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda command: " ".join(command) or "gali")
