@@ -10,15 +10,18 @@ question, and the chat template's markers) through the model.
 
 from collections.abc import Callable, Iterator
 
+import torch
 from transformers import DynamicCache
 
 from .config import MethodSettings
 from .doc_cache import DocumentCache
 from .document_states import DocumentStates
-from .generate import Finished, Progress, Sampler, TextPiece, stop_token_ids, stream_generate, truncate_cache
+from .generate import (
+    Finished, Progress, Sampler, TextPiece, prefill, stop_token_ids, stream_generate, truncate_cache,
+)
 from .loading import LoadedModel
 from .methods import METHODS, apply_method, prefill_spans
-from .prompts import Prompt, conversation_ids
+from .prompts import Prompt, ask_instruction, conversation_ids
 
 
 class Conversation:
@@ -57,6 +60,32 @@ class Conversation:
             self._last_prompt = turn, conversation_ids(self.loaded.tokenizer, self.document,
                                                        [*self.questions, instruction], self.answers, self.system)
         return self._last_prompt[1]
+
+    @torch.inference_mode()
+    def read(self, progress: Progress | None = None) -> None:
+        """Take in the document before any question (`gali chat` reads, then prompts: the wait comes before asking,
+        not after): its state from the document cache, else read now and stored. The first question then runs only
+        its own tokens. A method that needs the whole input in one forward has nothing to read ahead."""
+        if self.questions or self.cache is not None or not METHODS[self.method].prefix_reusable:
+            return
+        model = self.loaded.model
+        prompt = self.prompt(ask_instruction("?"))  # the tokens before question_start are those of any question
+        self.document_tokens = prompt.question_start
+        self.resolved = apply_method(model, self.method, self.settings, len(prompt.ids))
+        document_ids = prompt.ids[: self.document_tokens]
+        stored = self.states.load(prompt.ids, [], [self.document_tokens], self.resolved)
+        self.from_store = stored is not None
+        if stored:
+            self.cache = stored[0]
+            if progress:
+                progress(self.document_tokens, self.document_tokens)
+        else:
+            self.cache = DynamicCache(config=model.config)
+            device = model.get_input_embeddings().weight.device
+            prefill(model, torch.tensor([document_ids], device=device), self.cache,
+                    prefill_spans(model, self.method, 0, self.document_tokens, [self.document_tokens]), progress)
+            self.states.save(document_ids, [], self.resolved, self.cache, self.document_name)
+        self.cached_ids = document_ids
 
     def ask(
         self, instruction: str, sampler: Sampler, max_new_tokens: int, progress: Progress | None = None

@@ -219,3 +219,22 @@ def test_batch_lines_stay_above_the_bar_and_the_bar_goes(code, tmp_path, screens
     assert not any("━" in line for line in lines)  # the bar is gone
     if screens == "two terminals":
         assert screen == ""
+
+
+def test_chat_reads_the_document_before_it_prompts(code, tmp_path):
+    """The wait comes before the prompt, not after the first question: when ">" shows, the document is read (its
+    state already in the document cache); a second chat says it came from the cache, before its prompt."""
+    states = tmp_path / "states"
+    args = ["chat", str(code), "-m", "demo", "--max-new-tokens", "5", "--cache-dir", str(states)]
+    for run in ("first", "second"):
+        with Terminal() as terminal:
+            terminal.run(*args)
+            terminal.wait_for(lambda t: t.lines()[t.screen.cursor.y].startswith(">"))
+            assert len(list(states.glob("*.safetensors"))) == 1, terminal.text()
+            before_prompt = terminal.text()
+            assert ("document state from the cache" in before_prompt) == (run == "second"), before_prompt
+            terminal.type(QUESTION + "\r")
+            terminal.wait_for(lambda t: prompts(t) == 2)
+            terminal.type("\x04")
+            assert terminal.finish() == 0
+            assert terminal.text().count("document state from the cache") == (run == "second")

@@ -34,6 +34,10 @@ def chat(file: str, choice: ModelChoice, reading: Reading, answering: Answering)
     sampler, loaded, document, talk = _start(file, choice, reading, answering)
     say_input(loaded, choice.method, document, talk.prompt(ask_instruction("?")).document_end,
               choice.settings.train_len)
+    with display.progress_bar("Reading") as bar:  # the document first, then the prompt: the wait is not after asking
+        reading = _Reading(talk, bar)
+        talk.read(reading)
+        reading.over()
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # a stray byte in a piped question is not worth a crash
@@ -45,7 +49,7 @@ def chat(file: str, choice: ModelChoice, reading: Reading, answering: Answering)
             continue
         instruction = question if talk.questions else ask_instruction(question)
         try:
-            text, finished = _stream_answer(talk, instruction, sampler, answering)
+            text, finished = _stream_answer(talk, instruction, sampler, answering, read_before=True)
         except KeyboardInterrupt:  # stops this answer; Ctrl-C at the prompt leaves
             say("(answer stopped; the question is forgotten)", style="dim")
             continue
@@ -81,13 +85,14 @@ def _read_question(interactive: bool) -> str | None:
         return None
 
 
-def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answering: Answering
-                   ) -> tuple[str, Finished]:
-    """One answer, streamed to stdout unless --json or --no-stream; returns its text and what it cost."""
+def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answering: Answering,
+                   read_before: bool = False) -> tuple[str, Finished]:
+    """One answer, streamed to stdout unless --json or --no-stream; returns its text and what it cost.
+    `read_before`: the document was read (and the document cache's part said) before the question."""
     stream = answering.stream and not answering.json_output
     pieces, finished = [], None
     with display.progress_bar("Reading") as bar:
-        reading = _Reading(talk, bar)
+        reading = _Reading(talk, bar, noted=read_before)
         events = talk.ask(instruction, sampler, answering.max_new_tokens, reading)
         try:
             for event in events:
@@ -119,8 +124,8 @@ class _Reading:
     takes the bar away before the answer is written (on a terminal that shows stdout too, a live bar would erase
     the answer's line)."""
 
-    def __init__(self, talk: Conversation, bar: display.Bar) -> None:
-        self.talk, self.bar, self.noted, self.done = talk, bar, False, False
+    def __init__(self, talk: Conversation, bar: display.Bar, noted: bool = False) -> None:
+        self.talk, self.bar, self.noted, self.done = talk, bar, noted, False
         self.progress = announcing(bar, talk.loaded)
 
     def __call__(self, done: int, total: int) -> None:
