@@ -128,6 +128,8 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
         return None
     late = query[:, :, first - start :].float()
     key, value = key.float(), value.float()
+    if stop - start == 1:  # one query (decoding) sees every far key
+        return partial(late, key[:, :, : stop - window], value[:, :, : stop - window], scale, dropout=dropout)
     # Query i sees keys [0, i - window]: the keys before first - window in full, then a causal square.
     part = partial(late, key[:, :, first - window : stop - window], value[:, :, first - window : stop - window],
                    scale, causal=True, dropout=dropout)
