@@ -3,13 +3,13 @@ forward and followed. (`gali info` prints its words from the plan itself: test_c
 
 import pytest
 import torch
-
-import gali_cli.engine.plan as plan
-from gali_cli import GaliConfig, apply_gali
-from gali_cli.engine.plan import AttentionPlan, decide, plan_for
-from gali_cli.errors import ConfigError
 from test_attention import qkv
 from test_hooks import prompt
+
+from gali_cli import GaliConfig, apply_gali
+from gali_cli.engine import plan
+from gali_cli.engine.plan import AttentionPlan, decide, plan_for
+from gali_cli.errors import ConfigError
 
 # (device, dtype, forward only) -> (causal, partial)
 ROUTES = [
@@ -86,7 +86,7 @@ def test_the_one_test_of_autograd_or_dropout():
 
 
 def test_a_failed_first_use_check_takes_the_pytorch_path(monkeypatch):
-    import gali_cli.engine.noisy_attention as noisy_attention
+    from gali_cli.engine import noisy_attention
 
     monkeypatch.delenv("GALI_KERNEL", raising=False)
     monkeypatch.setattr(noisy_attention, "native_verified", lambda: False)

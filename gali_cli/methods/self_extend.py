@@ -45,7 +45,7 @@ class SelfExtend(PositionalAttention):
 
     def table_rows(self, start: int, stop: int) -> int:
         grouped = (stop - 1) // self.group_size + group_shift(self.group_size, self.neighbor_window) + 1
-        return max(grouped, 2 * self.neighbor_window)  # neighbour positions are relative to a band of 2 W keys
+        return max(grouped, 2 * self.neighbor_window)  # neighbour positions are relative to a tile (engine.windowed)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
