@@ -119,6 +119,7 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
                   partial: PartialAttention, dropout: float = 0.0) -> Partial | None:
     """Attention of rotated queries (B, H, q, D), tokens [start, start + q), over their far keys j <= i - window,
     rotated as the method places them: key (B, Hkv, >= start + q - window, D). None when no query has a far key.
+    The output is float32.
 
     Rows of tokens below `window` have none: their lse is -inf.
     """
@@ -126,16 +127,21 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
     first = max(start, window)  # the first query with a far key
     if first >= stop:
         return None
-    late = query[:, :, first - start :].float()
-    key, value = key.float(), value.float()
+    # In the wider of the queries' and keys' dtypes: far keys in the model's dtype are not copied when the method
+    # rotated its queries in that dtype too (SelfExtend); the result in float32, as the near part's.
+    dtype = torch.promote_types(query.dtype, key.dtype)
+    late = query[:, :, first - start :].to(dtype)
+    key, value = key.to(dtype), value.to(dtype)
     if stop - start == 1:  # one query (decoding) sees every far key
-        return partial(late, key[:, :, : stop - window], value[:, :, : stop - window], scale, dropout=dropout)
+        part = partial(late, key[:, :, : stop - window], value[:, :, : stop - window], scale, dropout=dropout)
+        return Partial(part.output.float(), part.lse)
     # Query i sees keys [0, i - window]: the keys before first - window in full, then a causal square.
     part = partial(late, key[:, :, first - window : stop - window], value[:, :, first - window : stop - window],
                    scale, causal=True, dropout=dropout)
     if first > window:
         part = merge_partials([part, partial(late, key[:, :, : first - window], value[:, :, : first - window], scale,
                                              dropout=dropout)])
+    part = Partial(part.output.float(), part.lse)
     if first == start:
         return part
     before = first - start  # rows without far keys

@@ -67,9 +67,10 @@ class SelfExtend(PositionalAttention):
         else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
             self._kept.forget(forward.cache)
             grouped_key = rotate(key[:, :, : stop - window], *grouped_rotation(0, stop - window))
-        # Queries at i // G + W - W // G (the rows of queries without grouped keys are not used).
+        # Queries at i // G + W - W // G (the rows of queries without grouped keys are not used), in the model's
+        # dtype like the grouped keys: windowed.far_attention then copies neither.
         query_index = torch.arange(start, stop, device=key.device) // size + group_shift(size, window)
-        grouped_query = rotate(query.float(), table.cos32[query_index], table.sin32[query_index])
+        grouped_query = rotate(query, table.cos[query_index], table.sin[query_index])
         output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, grouped_query, grouped_key,
                                     window, start, scaling, dropout, plan)
         return output.transpose(1, 2)
