@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import compat
-from .engine.kernel_choice import noisy_attention_path
+from .engine.plan import decide
 from .errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -123,9 +123,10 @@ def environment_facts(device: str, dtype: str) -> dict:
     found = gpus()
     target = choose_device(device, bool(found.devices))
     build = torch_build()
-    return {"device": target, "dtype": choose_dtype(dtype, target, found.bf16), "cuda": list(found.devices),
+    resolved = choose_dtype(dtype, target, found.bf16)
+    return {"device": target, "dtype": resolved, "cuda": list(found.devices),
             "bitsandbytes": _bitsandbytes(imported_torch="torch" in sys.modules),
-            "noisy_attention": noisy_attention_path(target),
+            "noisy_attention": decide(target, resolved, forward_only=True, noise=True).noisy_words(),
             "torch": build.version if build else "not installed", "transformers": _version("transformers"),
             "transformers_tested": _tested_transformers()}
 

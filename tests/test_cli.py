@@ -461,6 +461,24 @@ def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):
     assert len(result.stdout.splitlines()) == 1 and calls[1] == cli.ask_instruction("Second?")
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+@pytest.mark.parametrize("noise", [False, True])
+def test_info_prints_the_attention_plan(gali, monkeypatch, kernel, noise):
+    """gali info's words are the plan's, as the engine decides it for this device, dtype and noise."""
+    from gali_cli.engine.plan import decide
+
+    flags = ["--noise"] if noise else []
+    facts = json.loads(gali("info", "--json", *flags, env={"GALI_KERNEL": kernel}).stdout)
+    monkeypatch.setenv("GALI_KERNEL", kernel)
+    plan = decide(facts["device"], facts["dtype"], forward_only=True, noise=noise)
+    assert facts["attention"] == plan.describe()
+    assert facts["noisy_attention"] == decide(facts["device"], facts["dtype"], True, noise=True).noisy_words()
+    if noise:
+        assert f"noisy chunks: {facts['noisy_attention']};" in facts["attention"]
+    text = gali("info", *flags, env={"GALI_KERNEL": kernel})
+    assert plan.describe() in " ".join(text.stdout.split())  # the plain output too, wrapped or not
+
+
 def test_a_mistyped_gali_kernel_fails_before_the_model_loads(gali, doc):
     result = gali("summarize", str(doc), env={"GALI_KERNEL": "fastest"})
     assert result.exit_code == 2 and not result.stdout
@@ -474,12 +492,13 @@ def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
     import gali_cli.engine.noisy_attention as noisy_attention
     from gali_cli.errors import GaliWarning
 
-    def fall_back(query, key):
+    def fall_back(*arguments):
         warnings.warn("the fused GALI kernel does not run here (test); noisy attention uses the slower PyTorch path",
                       GaliWarning, stacklevel=2)
         return False
 
-    monkeypatch.setattr(noisy_attention, "fused_kernel_applies", fall_back)
+    monkeypatch.setattr(noisy_attention, "kernel_verified", fall_back)  # the first-use checks the plan runs
+    monkeypatch.setattr(noisy_attention, "native_verified", fall_back)
     result = gali("summarize", str(doc), "--max-new-tokens", "2", "--noise")
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "fused GALI kernel" in line]

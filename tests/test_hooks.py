@@ -2,9 +2,8 @@ import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, StaticCache
 
-import gali_cli.engine.gali_attention as gali_attention
 import gali_cli.engine.hooks as hooks
-import gali_cli.engine.noisy_attention as noisy_attention
+import gali_cli.engine.plan as plan
 from gali_cli import ConfigError, GaliConfig, GaliError, UnsupportedModelError, apply_gali, gali_settings, remove_gali
 from gali_cli.engine.gali_attention import chunk_contexts
 from gali_cli.engine.positions import chunk_plan, interpolate
@@ -94,9 +93,8 @@ def test_attention_routes_are_decided_once_per_forward(make_llama, monkeypatch):
 
         return wrapper
 
-    kernel_applies = noisy_attention.fused_kernel_applies
-    monkeypatch.setattr(gali_attention, "causal_route", counted("causal", gali_attention.causal_route))
-    monkeypatch.setattr(noisy_attention, "fused_kernel_applies", counted("kernel", kernel_applies))
+    monkeypatch.setattr(plan, "decide", counted("causal", plan.decide))
+    monkeypatch.setattr(plan, "checked", counted("kernel", plan.checked))
     model = apply_gali(make_llama(train_len=16, layers=3), GaliConfig(chunk_size=4, local_window=2, noise=True))
     model(prompt(60))  # 11 chunks beyond the window, 3 layers
     assert sorted(decisions) == ["causal", "kernel"]

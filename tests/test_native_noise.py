@@ -12,12 +12,8 @@ import gali_cli.engine.native_noise as native_noise
 import gali_cli.engine.noisy_attention as noisy_attention
 from gali_cli import GaliConfig, apply_gali
 from gali_cli.engine.noise import Noise
-from gali_cli.engine.noisy_attention import (
-    explicit_noisy_partial,
-    native_noisy_attention,
-    noisy_route,
-    tiled_noisy_attention,
-)
+from gali_cli.engine.noisy_attention import explicit_noisy_partial, native_noisy_attention, tiled_noisy_attention
+from gali_cli.engine.plan import plan_for
 from gali_cli.engine.positions import grouping
 from gali_cli.engine.seam import with_cache
 from gali_cli.errors import ConfigError, GaliWarning
@@ -98,10 +94,10 @@ def test_no_compiler_means_the_pytorch_path_and_one_warning(fresh_kernel, monkey
     monkeypatch.delenv("GALI_KERNEL", raising=False)
     query, key, value = qkv(1, 2, 1, 4, 8)
     with pytest.warns(GaliWarning, match="native noise kernel cannot be built here"):
-        assert noisy_route(query, key, value) is tiled_noisy_attention
+        assert plan_for(query, key, value, noise=True).noisy == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert noisy_route(query, key, value) is tiled_noisy_attention  # decided once: no second warning
+        assert plan_for(query, key, value, noise=True).noisy == "torch"  # checked once: no second warning
 
 
 def test_a_kernel_that_disagrees_is_not_used(fresh_kernel, monkeypatch):
@@ -118,7 +114,7 @@ def test_forced_native_kernel_off_the_cpu_is_a_config_error(monkeypatch):
     monkeypatch.setenv("GALI_KERNEL", "native")
     query = torch.empty(1, 1, 1, 8, device="meta")
     with pytest.raises(ConfigError, match="GALI_KERNEL=native runs on the CPU"):
-        noisy_attention.native_kernel_applies(query)
+        plan_for(query, query, query, noise=True)
 
 
 def test_a_kernel_without_openmp_shares_rows_through_a_thread_pool(monkeypatch):

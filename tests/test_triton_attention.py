@@ -13,13 +13,18 @@ import sys
 import pytest
 import torch
 
-import gali_cli.engine.noisy_attention as noisy_attention_module
+import gali_cli.engine.plan as plan_module
 from gali_cli import GaliConfig, apply_gali
 from gali_cli.engine.noise import Noise
-from gali_cli.engine.noisy_attention import (fused_kernel_applies, kernel_verified, noisy_attention,
-                                             tiled_noisy_attention)
+from gali_cli.engine.noisy_attention import kernel_verified, noisy_attention, tiled_noisy_attention
+from gali_cli.engine.plan import plan_for
 from gali_cli.errors import ConfigError, GaliWarning
 from test_attention import qkv
+
+
+def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the plan sends noisy attention over these tensors through the fused kernel."""
+    return plan_for(query, key, key, noise=True).noisy == "triton"
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +153,7 @@ def test_forced_kernel_refuses_what_it_cannot_run(kernel, monkeypatch):
 
 def test_forced_kernel_without_triton_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("GALI_KERNEL", "triton")
-    monkeypatch.setattr(noisy_attention_module, "_triton_installed", lambda: False)
+    monkeypatch.setattr(plan_module, "_triton_installed", lambda: False)
     query, key, _ = qkv(1, 2, 1, 4, 8)
     with pytest.raises(ConfigError, match="triton is not installed"):
         fused_kernel_applies(query, key)

@@ -3,7 +3,9 @@ import torch
 from transformers import DynamicCache
 
 from gali_cli.engine.kept_keys import KeptKeys
-from gali_cli.engine.windowed import attention_lse, windowed_attention
+from gali_cli.engine.dense import PARTIAL
+from gali_cli.engine.plan import plan_for
+from gali_cli.engine.windowed import windowed_attention
 from test_attention import HEAD_DIM, qkv, rope_table
 
 
@@ -69,6 +71,10 @@ def test_windowed_attention_under_autograd_takes_the_explicit_route_with_the_sam
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_lse_routes_agree(causal):
     query, key, value = qkv(2, 6, 2, 5, 5 if causal else 9)
+
+    def attention_lse(query, key, value, scale, causal):  # the route the plan picks for these tensors
+        return PARTIAL[plan_for(query, key, value).partial](query, key, value, scale, causal=causal)
+
     fast = attention_lse(query, key, value, 0.3, causal)
     with torch.enable_grad():
         explicit = attention_lse(query.requires_grad_(), key, value, 0.3, causal)

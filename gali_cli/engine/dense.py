@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from .plan import AttentionPlan, plan_for
+
 # Explicit logits held at once (a tile of queries): 1M float32, 4 MiB; noise or extra position sets take a few
 # times that.
 _LOGITS_TILE_ELEMENTS = 1 << 20
@@ -41,25 +43,9 @@ PartialAttention = Callable[..., Partial]
 _CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records an op on these tensors: forward-only routes must then step aside."""
-    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-
-
-def causal_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float = 0.0) -> CausalAttention:
-    """The route `causal_attention` takes when a chunk has fewer queries than keys, for tensors like these.
-
-    Device, dtype and dropout are fixed for a forward, so a forward decides this once (from its first layer's
-    tensors) and every chunk of every layer takes the route: on CUDA the lower-right causal bias; on the CPU in
-    float32 the mask-free split (which still steps aside for a layer that needs gradients); elsewhere a bool mask.
-    """
-    if query.device.type == "cuda":
-        return lower_right_causal_attention
-    cpu_float32 = query.device.type == "cpu" and query.dtype == torch.float32  # bfloat16: the mask is faster
-    # Forward only: autograd takes the log-sum-exp of that op as a constant, which would drop gradients.
-    if cpu_float32 and dropout == 0.0 and not needs_grad(query, key, value) and _CPU_FLASH_WITH_LSE is not None:
-        return split_causal_attention
-    return masked_causal_attention
+def cpu_flash_available() -> bool:
+    """Whether this torch has the CPU flash kernel with log-sum-exp (plan.py asks, once per forward)."""
+    return _CPU_FLASH_WITH_LSE is not None
 
 
 def causal_attention(
@@ -68,18 +54,18 @@ def causal_attention(
     value: torch.Tensor,
     scale: float,
     dropout: float = 0.0,
-    route: CausalAttention | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """scaled_dot_product_attention where the q queries are the last q of the T keys (lower-right causal).
 
-    `route`: from `causal_route`, decided once per forward; chosen here when not given.
+    `plan`: the forward's (`plan.plan_for`), decided once per forward; decided here for these tensors when not given.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len == 1 or q_len == kv_len:  # no mask needed: decoding, or a square causal block
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=q_len > 1, scale=scale,
                                               enable_gqa=query.shape[1] != key.shape[1])
-    route = route or causal_route(query, key, value, dropout)
-    return route(query, key, value, scale, dropout)
+    plan = plan or plan_for(query, key, value, dropout)
+    return CAUSAL[plan.causal](query, key, value, scale, dropout)
 
 
 def masked_causal_attention(
@@ -100,23 +86,9 @@ def split_causal_attention(
     query sees in full, then the causal square of the last q, merged by their log-sum-exps). A (q, T) mask would be
     built, converted and added to every logit, about a fifth of the attention's time in GALI's chunks.
 
-    Forward only: under autograd or dropout it takes the masked route.
+    Forward only, float32: the plan sends autograd, dropout and other dtypes elsewhere.
     """
-    if dropout != 0.0 or needs_grad(query, key, value):
-        return masked_causal_attention(query, key, value, scale, dropout)
     return causal_partial(query, key, value, scale, flash_partial).output
-
-
-def partial_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float = 0.0) -> PartialAttention:
-    """Which implementation `Partial`s of tensors like these take: decided once per forward, like `causal_route`.
-
-    torch's CPU flash kernel (it returns the log-sum-exp; float32, bfloat16 and float16) outside autograd and dropout;
-    elsewhere (CUDA, gradients, dropout) explicit logits a tile of queries at a time.
-    """
-    flash = query.device.type == "cpu" and _CPU_FLASH_WITH_LSE is not None
-    if flash and dropout == 0.0 and not needs_grad(query, key, value):
-        return flash_partial
-    return explicit_partial
 
 
 def flash_partial(
@@ -132,7 +104,7 @@ def flash_partial(
     kernel: every key visible (the default), top-left causal (`causal`: row r sees keys 0..r, the causal square when
     q == n), or as a bool `mask` (q, n) or (B, 1, q, n) says (True: visible). Every query must see at least one key (the kernel gives an empty row lse 0).
 
-    Forward only, no dropout: `partial_route` sends those elsewhere.
+    Forward only, no dropout: the plan sends those to `explicit_partial`.
     """
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -260,3 +232,9 @@ def mask_future(logits: torch.Tensor, query_index: torch.Tensor) -> None:
     """Causal mask in place on logits (B, H, n, T): query i sees keys j <= i."""
     future = torch.arange(logits.shape[-1], device=logits.device) > query_index.unsqueeze(-1)  # (n, T)
     logits.masked_fill_(future, float("-inf"))
+
+
+# The plan's routes (plan.CAUSAL_WORDS, plan.PARTIAL_WORDS say them in words).
+CAUSAL: dict[str, CausalAttention] = {"lower-right": lower_right_causal_attention, "split": split_causal_attention,
+                                      "masked": masked_causal_attention}
+PARTIAL: dict[str, PartialAttention] = {"flash": flash_partial, "explicit": explicit_partial}

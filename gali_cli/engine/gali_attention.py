@@ -14,17 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .dense import (
-    CausalAttention,
-    Partial,
-    causal_attention,
-    causal_route,
-    flash_partial,
-    merge_partials,
-    split_causal_attention,
-)
+from .dense import Partial, causal_attention, flash_partial, merge_partials
 from .noise import Noise
-from .noisy_attention import NoisyAttention, NoisyPartial, explicit_noisy_partial, noisy_partial_route, noisy_route
+from .noisy_attention import NOISY, NOISY_PARTIAL, NoisyPartial
+from .plan import AttentionPlan, plan_for
 from .positions import group_size, grouping, interpolate
 from .rope import RopeTable, key_rotation, rotate_fused
 
@@ -51,40 +44,6 @@ class ChunkContext:
     @property
     def interpolated(self) -> bool:
         return self.group > 1
-
-
-@dataclass(frozen=True)
-class Routes:
-    """The attention routes of a forward's chunks: fixed by device, dtype, dropout, $GALI_KERNEL and the kernel's
-    first-use check, so decided once per forward (`attention_routes`) and shared by its chunks and layers."""
-
-    causal: CausalAttention  # chunks with fewer queries than keys
-    noisy: NoisyAttention | None  # interpolated chunks with noise; None when no chunk is noisy
-    # The CPU's split of every chunk (`split_gali_attention`): the keys before the chunk by one call each, with noise
-    # by `noisy_partial`, and the chunks' own causal squares batched. False elsewhere (CUDA, autograd, dropout).
-    split: bool = False
-    noisy_partial: NoisyPartial | None = None
-
-
-def attention_routes(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: list[ChunkContext], noisy: bool,
-    dropout: float = 0.0,
-) -> Routes:
-    """The routes of `gali_attention` over these chunks, with noise when `noisy`.
-
-    The noisy route is chosen only when some chunk takes it: a forced kernel that cannot run (GALI_KERNEL=triton
-    without CUDA) then fails where it would run, not in a forward that never adds noise. The split is taken where
-    the causal route is the CPU's mask-free split (float32, forward only) and, with noise, the native kernel makes it.
-    """
-    noisy = noisy and any(chunk.interpolated for chunk in chunks)
-    noisy_attention = noisy_route(query, key, value, dropout) if noisy else None
-    causal = causal_route(query, key, value, dropout)
-    split = causal is split_causal_attention  # the CPU in float32, forward only
-    noisy_partial = None
-    if split and noisy:
-        noisy_partial = noisy_partial_route(query, key, value)
-        split = noisy_partial is not explicit_noisy_partial
-    return Routes(causal, noisy_attention, split, noisy_partial)
 
 
 def chunk_context(
@@ -124,6 +83,12 @@ def chunk_contexts(
     return contexts
 
 
+def noisy(chunks: list[ChunkContext], noise: Noise | None) -> bool:
+    """Whether a forward over these chunks adds noise: noise is on and some chunk is interpolated. Only then is the
+    noisy route planned, so that a kernel GALI_KERNEL forces and cannot run fails where it would run."""
+    return noise is not None and any(chunk.interpolated for chunk in chunks)
+
+
 def gali_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -132,7 +97,7 @@ def gali_attention(
     scale: float,
     dropout: float = 0.0,
     noise: Noise | None = None,
-    routes: Routes | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal GALI attention of the successive chunks of one forward.
 
@@ -141,17 +106,18 @@ def gali_attention(
         key, value: (B, Hkv, >= T, D) un-rotated keys and values of every token so far.
         chunks: the chunks' contexts, from `chunk_contexts`; the first one must not reuse rows.
         noise: the layer's noise settings, or None for noise-free GALI.
-        routes: from `attention_routes` (with noise when `noise` is given), decided once per forward; decided here
-            for these chunks when not given.
+        plan: the forward's (`plan.plan_for`, with noise when some chunk is noisy), decided once per forward;
+            decided here for these chunks when not given.
 
     Returns:
         (B, H, q, D) attention output.
     """
     if chunks[0].reuse:
         raise ValueError("the first chunk of a forward has no previous chunk to reuse keys from")
-    routes = routes or attention_routes(query, key, value, chunks, noise is not None, dropout)
-    if routes.split and all(chunk.grouped <= chunk.keys - chunk.queries for chunk in chunks):
-        return split_gali_attention(query, key, value, chunks, scale, noise, routes.noisy_partial)
+    plan = plan or plan_for(query, key, value, dropout, noisy(chunks, noise))
+    if plan.split and all(chunk.grouped <= chunk.keys - chunk.queries for chunk in chunks):
+        return split_gali_attention(query, key, value, chunks, scale, noise,
+                                    NOISY_PARTIAL[plan.noisy_partial] if plan.noise else None)
     # K_mix, the interpolation folded into the keys, kept across chunks: only rows that moved are rotated again.
     # Under autograd every chunk's keys must stay intact, so they are rebuilt without writing in place.
     differentiable = torch.is_grad_enabled()
@@ -167,9 +133,9 @@ def gali_attention(
         chunk_query = rotate_fused(query[:, :, row : row + chunk.queries], chunk.query_cos, chunk.query_sin)
         chunk_key, chunk_value = mixed[:, :, : chunk.keys], value[:, :, : chunk.keys]
         if noise is None or not chunk.interpolated:
-            outputs.append(causal_attention(chunk_query, chunk_key, chunk_value, scale, dropout, routes.causal))
+            outputs.append(causal_attention(chunk_query, chunk_key, chunk_value, scale, dropout, plan))
         else:
-            outputs.append(routes.noisy(chunk_query, chunk_key, chunk_value, chunk.group, chunk.grouped, scale, noise,
+            outputs.append(NOISY[plan.noisy](chunk_query, chunk_key, chunk_value, chunk.group, chunk.grouped, scale, noise,
                                         dropout))
         row += chunk.queries
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from ..compat import warn_if_untested
 from ..errors import GaliError, UnsupportedModelError
+from .plan import AttentionPlan, plan_for
 from .rope import RopeTable, rotate
 from .seam import cached_tokens, forward_arguments, seam_error
 
@@ -79,7 +80,16 @@ class Forward:
         self.cache = cache  # the model's KV cache object, if it was given one
         # A StaticCache hands every layer all its slots; any other cache exactly the keys of tokens [0, stop).
         self.preallocated = isinstance(cache, StaticCache)
+        self.plan: AttentionPlan | None = None  # decided by the first layer (`attention_plan`)
         self._memo: dict[tuple, Any] = {}
+
+    def attention_plan(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
+                       noise: bool = False) -> AttentionPlan:
+        """The routes every layer of this forward takes (plan.py): decided by its first layer, from its tensors
+        (their device and dtype are first known there), and followed by the others without checking again."""
+        if self.plan is None:
+            self.plan = plan_for(query, key, value, dropout, noise)
+        return self.plan
 
     def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
         """`build()` once per forward and key (e.g. per device and dtype); later layers reuse it."""

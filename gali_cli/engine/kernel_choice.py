@@ -1,10 +1,10 @@
-"""Which path GALI's noisy attention takes, as $GALI_KERNEL asks, and that path in words for `gali info`.
+"""What the choice of GALI's attention kernels depends on outside torch: $GALI_KERNEL, whether triton is installed,
+the C compiler of the native kernel (the decision itself: plan.py).
 
 Without torch: `gali info` and a mistyped GALI_KERNEL answer before anything heavy is imported.
 """
 
 import functools
-import importlib.metadata
 import importlib.util
 import os
 import shlex
@@ -26,26 +26,6 @@ def kernel_choice() -> str:
 def triton_installed() -> bool:
     """Looked up once: every forward with noise, and `gali info`, ask."""
     return importlib.util.find_spec("triton") is not None
-
-
-def noisy_attention_path(device_type: str) -> str:
-    """Which path noisy GALI attention would take on a device of this type ("cuda", "cpu"), in words."""
-    choice = kernel_choice()
-    if choice == "torch":
-        return "PyTorch (GALI_KERNEL=torch)"
-    if device_type == "cpu" and choice in ("auto", "native"):
-        checked = " and checked against PyTorch" if choice == "auto" else ""
-        return f"native CPU kernel (built with {' '.join(compiler())}{checked} on first use)"
-    if choice == "native":
-        return "error: GALI_KERNEL=native runs on the CPU"
-    if not triton_installed():
-        return "PyTorch (triton is not installed)"
-    if device_type != "cuda" and choice == "auto":
-        return "PyTorch (the fused kernel needs CUDA)"
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "error: GALI_KERNEL=triton needs CUDA"
-    checked = ", checked against PyTorch on first use" if choice == "auto" else ""
-    return f"fused Triton kernel (triton {importlib.metadata.version('triton')}{checked})"
 
 
 def compiler() -> list[str]:

@@ -1,30 +1,20 @@
 """GALI's logit noise (paper Alg. 3) and the three paths of noisy attention: explicit float32 logits a tile of queries
-at a time (PyTorch, the reference), the fused Triton kernel (CUDA), or the native CPU kernel (native_noise.py);
-which one runs ($GALI_KERNEL, first-use checks; in words for `gali info`: kernel_choice.py).
+at a time (PyTorch, the reference), the fused Triton kernel (CUDA), or the native CPU kernel (native_noise.py); and
+the fast kernels' first-use checks. Which path runs is the forward's plan (plan.py).
 
 Shapes: B batch, H query heads, Hkv key/value heads, q queries (the last q of the T keys), D head dim.
 """
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 
 import torch
 
-from ..errors import ConfigError, GaliWarning
-from .dense import (
-    Partial,
-    flash_partial,
-    grouped_logits,
-    mask_future,
-    merge_partials,
-    needs_grad,
-    tiled_attention,
-)
-from .kernel_choice import kernel_choice
-from .kernel_choice import triton_installed as _triton_installed  # a name of this module: tests replace it
+from ..errors import GaliWarning
+from .dense import Partial, flash_partial, grouped_logits, mask_future, merge_partials, tiled_attention
 from .noise import Noise, standard_normal
+from .plan import AttentionPlan, plan_for
 
 # (query, key, value, group, grouped, scale, noise, dropout) -> (B, H, q, D)
 NoisyAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, float, Noise, float], torch.Tensor]
@@ -50,27 +40,20 @@ def add_noise(
     logits[..., :grouped] += standard_normal(noise, batch, heads, query_index, grouped) * sigma
 
 
-def noisy_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float = 0.0) -> NoisyAttention:
-    """Which path noisy attention takes for tensors like these: decided once per forward, at its first noisy chunk.
-
-    The fused Triton kernel where it applies (see `fused_kernel_applies`), else the native CPU kernel where it
-    applies (`native_kernel_applies`), else the PyTorch path. Both fast paths are forward only: under autograd or dropout
-    the PyTorch path runs (and a fast route still steps aside for a layer that needs gradients). All give the same
-    noise.
-    """
-    if dropout != 0.0 or needs_grad(query, key, value):
-        return tiled_noisy_attention
-    if not fused_kernel_applies(query, key):
-        return native_noisy_attention if native_kernel_applies(query) else tiled_noisy_attention
+def fused_noisy_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: int,
+    grouped: int,
+    scale: float,
+    noise: Noise,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """The CUDA path of `noisy_attention`: the fused Triton kernel (forward only: the plan takes it only then)."""
     from .triton_attention import noisy_gali_attention
 
-    def fused_noisy_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: int, grouped: int,
-                              scale: float, noise: Noise, dropout: float = 0.0) -> torch.Tensor:
-        if dropout != 0.0 or needs_grad(query, key, value):
-            return tiled_noisy_attention(query, key, value, group, grouped, scale, noise, dropout)
-        return noisy_gali_attention(query, key, value, group, grouped, scale, noise)
-
-    return fused_noisy_attention
+    return noisy_gali_attention(query, key, value, group, grouped, scale, noise)
 
 
 def noisy_attention(
@@ -82,22 +65,12 @@ def noisy_attention(
     scale: float,
     noise: Noise,
     dropout: float = 0.0,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal GALI attention with logit noise of rotated queries (B, H, q, D), the last q of the mixed keys
-    (B, Hkv, T, D), by the path `noisy_route` picks for them (a chunked forward picks it once instead)."""
-    route = noisy_route(query, key, value, dropout)
-    return route(query, key, value, group, grouped, scale, noise, dropout)
-
-
-def noisy_partial_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> NoisyPartial:
-    """How a noisy part over keys every query sees (`NoisyPartial`) is computed, for decoding and for the CPU's split
-    chunks: the native CPU kernel where it applies, else explicit logits (the fused Triton kernel has no log-sum-exp
-    output). Decided once per forward."""
-    if not needs_grad(query, key, value) and native_kernel_applies(query):
-        from .native_noise import noisy_partial
-
-        return noisy_partial
-    return explicit_noisy_partial
+    (B, Hkv, T, D), by the path the forward's `plan` names (decided here for these tensors when not given)."""
+    plan = plan or plan_for(query, key, value, dropout, noise=True)
+    return NOISY[plan.noisy](query, key, value, group, grouped, scale, noise, dropout)
 
 
 def explicit_noisy_partial(
@@ -134,11 +107,11 @@ def native_noisy_attention(
 ) -> torch.Tensor:
     """The CPU path of `noisy_attention`: the keys before the chunk (which every query sees; the grouped ones get
     noise) through the native kernel (native_noise.py), the chunk's own causal square through torch's flash kernel,
-    merged by their log-sum-exps. No (q x T) mask, and the noise in one sweep over the logits."""
+    merged by their log-sum-exps. No (q x T) mask, and the noise in one sweep over the logits. Forward only: the
+    plan takes it only then."""
     kv_len, q_len = key.shape[2], query.shape[2]
     past = kv_len - q_len
-    if dropout != 0.0 or needs_grad(query, key, value) or grouped > past:
-        # (The last alternative: a chunk longer than the exact tail, whose own keys get noise; unusual settings.)
+    if grouped > past:  # a chunk longer than the exact tail, whose own keys get noise (unusual settings)
         return tiled_noisy_attention(query, key, value, group, grouped, scale, noise, dropout)
     from .native_noise import noisy_partial
 
@@ -168,47 +141,6 @@ def tiled_noisy_attention(
         return scores
 
     return tiled_attention(logits, value, query.shape[1], query.shape[2], dropout)
-
-
-def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether noisy attention runs the fused Triton kernel, as $GALI_KERNEL says.
-
-    auto (default): on CUDA, when triton is installed, the shapes suit it, and the kernel passed its check on this
-    device (`kernel_verified`). triton: always (errors if it cannot; on the CPU only under TRITON_INTERPRET=1, which
-    the tests use). torch: never, the PyTorch path.
-    """
-    choice = kernel_choice()
-    if choice in ("torch", "native") or (choice == "auto" and query.device.type != "cuda"):
-        return False
-    if not _triton_installed():
-        if choice == "triton":
-            raise ConfigError("GALI_KERNEL=triton, but triton is not installed (pip install triton)")
-        return False
-    from .triton_attention import supports
-
-    if choice == "triton":
-        if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(f"GALI_KERNEL=triton needs a CUDA device, the model is on {query.device.type}")
-        if not supports(query, key):
-            raise ConfigError(f"GALI_KERNEL=triton: the kernel needs a power-of-two head dim of 16..256 and "
-                              f"float16/bfloat16/float32, got {query.shape[-1]} and {query.dtype}")
-        return True
-    heads_per_kv = query.shape[1] // key.shape[1]
-    return supports(query, key) and kernel_verified(query.device, query.dtype, query.shape[-1], heads_per_kv)
-
-
-def native_kernel_applies(query: torch.Tensor) -> bool:
-    """Whether noisy attention on these queries runs the native CPU kernel, as $GALI_KERNEL says.
-
-    auto (default): on the CPU, once it was built and agreed with the PyTorch path (`native_verified`). native: on
-    the CPU, always (errors if it cannot be built). triton, torch: never.
-    """
-    choice = kernel_choice()
-    if choice == "native" and query.device.type != "cpu":
-        raise ConfigError(f"GALI_KERNEL=native runs on the CPU; the model is on {query.device.type}")
-    if choice not in ("auto", "native") or query.device.type != "cpu":
-        return False
-    return choice == "native" or native_verified()
 
 
 @functools.cache
@@ -269,3 +201,16 @@ def kernel_verified(device: torch.device, dtype: torch.dtype, head_dim: int, hea
                       f"noisy attention uses the PyTorch path", GaliWarning, stacklevel=2)
         return False
     return True
+
+
+def native_noisy_partial(*arguments) -> Partial:
+    """native_noise.noisy_partial, imported when first used (`NoisyPartial`'s arguments)."""
+    from .native_noise import noisy_partial
+
+    return noisy_partial(*arguments)
+
+
+# The plan's routes (plan.AttentionPlan.noisy, .noisy_partial).
+NOISY: dict[str, NoisyAttention] = {"triton": fused_noisy_attention, "native": native_noisy_attention,
+                                    "torch": tiled_noisy_attention}
+NOISY_PARTIAL: dict[str, NoisyPartial] = {"native": native_noisy_partial, "explicit": explicit_noisy_partial}

@@ -1,5 +1,5 @@
 """Attention split at a distance `window`, for methods that keep the keys within a window of each query at their true
-distances and give the keys beyond it positions of their own (ReRoPE, Leaky ReRoPE, DPE).
+distances and give the keys beyond it positions of their own (ReRoPE, Leaky ReRoPE, DPE, SelfExtend).
 
 Neither part builds a (queries x keys) tensor. Each is a few mask-free attention calls that also return the
 log-sum-exp of their logits, and the parts are merged exactly: softmax over a union of key sets is the parts' outputs
@@ -9,25 +9,22 @@ weighted by exp(lse_part - lse_all).
   [a, a + n) sees its own keys [a, a + n) causally (one square causal call), and of the `window - 1` keys before a
   the nearest ones: key a - 1 - u is seen by rows r <= window - 2 - u. Flipped (queries last-to-first, keys nearest
   first), that triangle is an ordinary top-left causal call. Every tile uses the same table rows (positions relative
-  to the tile), so the full tiles of a forward go through as one batch.
+  to the tile), so the full tiles of a forward go through as one batch. One query (decoding) sees its `window`
+  nearest keys in one call.
 - Far keys, j <= i - window, with the rotations the method gives (already applied): the keys every query of the
   forward sees in full, plus a square causal call over the last ones, like engine.dense.split_causal_attention.
+
+Every attention call here is the forward's `Partial` route (dense.PARTIAL[plan.partial]): torch's CPU flash kernel
+outside autograd and dropout, else float32 logits a tile of rows at a time.
 
 Shapes: B batch, H query heads, Hkv key/value heads, q queries (tokens [start, start + q)), D head dim.
 """
 
 import torch
 
-from .dense import Partial, merge_partials, partial_route
+from .dense import PARTIAL, Partial, PartialAttention, merge_partials
+from .plan import AttentionPlan, plan_for
 from .rope import RopeTable, rotate
-
-
-def attention_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
-                  dropout: float = 0.0) -> Partial:
-    """Attention of query (N, H, n, D) over key/value (N, Hkv, m >= 1, D), all of them or top-left causal (row r sees
-    keys 0..r), with its log-sum-exp: the route `dense.partial_route` picks (torch's CPU flash kernel outside
-    autograd and dropout, else float32 logits a tile of rows at a time)."""
-    return partial_route(query, key, value, dropout)(query, key, value, scale, causal=causal, dropout=dropout)
 
 
 def _rows(part: Partial, index: slice) -> Partial:
@@ -35,13 +32,19 @@ def _rows(part: Partial, index: slice) -> Partial:
 
 
 def near_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RopeTable, window: int,
-                   start: int, scale: float, dropout: float = 0.0) -> Partial:
+                   start: int, scale: float, partial: PartialAttention, dropout: float = 0.0) -> Partial:
     """Attention of query (B, H, q, D), tokens [start, start + q), over its near keys, i - window < j <= i, with RoPE
     at their true distances. key/value: (B, Hkv, >= start + q, D), un-rotated. `table` needs 2 * window rows.
 
     Every row sees at least itself: the result has a finite lse everywhere.
     """
     rows = query.shape[2]
+    if rows == 1 and start >= window - 1:  # decoding: keys start - window + 1 .. start at 0..window-1, the query last
+        cos, sin = table.cos32, table.sin32
+        near = slice(start - window + 1, start + 1)
+        return partial(rotate(query.float(), cos[window - 1 : window], sin[window - 1 : window]),
+                       rotate(key[:, :, near].float(), cos[:window], sin[:window]), value[:, :, near].float(), scale,
+                       dropout=dropout)
     # Tiles of `window` rows. The full tiles whose earlier keys all exist run as one batch; a first tile too close to
     # token 0 and a last, shorter tile run alone.
     first_full = 0 if start >= window - 1 else 1
@@ -64,13 +67,14 @@ def near_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
         earlier = (blocks(key, a - m, m), blocks(value, a - m, m)) if m else (None, None)
         part = _tiles(blocks(query, row, n), blocks(key, a, n), blocks(value, a, n), *earlier, table, window, scale,
-                      dropout)
+                      partial, dropout)
         parts.append(Partial(part.output.flatten(2, 3), part.lse.flatten(2, 3)))
     return Partial(torch.cat([part.output for part in parts], dim=2), torch.cat([part.lse for part in parts], dim=2))
 
 
 def _tiles(query: torch.Tensor, own_key: torch.Tensor, own_value: torch.Tensor, earlier_key: torch.Tensor | None,
-           earlier_value: torch.Tensor | None, table: RopeTable, window: int, scale: float, dropout: float) -> Partial:
+           earlier_value: torch.Tensor | None, table: RopeTable, window: int, scale: float, partial: PartialAttention,
+           dropout: float) -> Partial:
     """Near attention of `count` tiles of n queries: query (B, H, count, n, D) with their own keys/values
     (B, Hkv, count, n, D) and the m <= window - 1 tokens before each tile (B, Hkv, count, m, D; None when m = 0),
     all un-rotated.
@@ -86,8 +90,8 @@ def _tiles(query: torch.Tensor, own_key: torch.Tensor, own_value: torch.Tensor, 
         return x.transpose(1, 2).flatten(0, 1)
 
     query = query.float()
-    result = attention_lse(batched(rotate(query, cos[:n], sin[:n])), batched(rotate(own_key.float(), cos[:n], sin[:n])),
-                           batched(own_value.float()), scale, causal=True, dropout=dropout)
+    result = partial(batched(rotate(query, cos[:n], sin[:n])), batched(rotate(own_key.float(), cos[:n], sin[:n])),
+                     batched(own_value.float()), scale, causal=True, dropout=dropout)
     if m:
         late = batched(rotate(query, cos[window : window + n], sin[window : window + n]))  # seen from earlier keys
         earlier = batched(rotate(earlier_key.float(), cos[window - m : window], sin[window - m : window]))
@@ -96,13 +100,13 @@ def _tiles(query: torch.Tensor, own_key: torch.Tensor, own_value: torch.Tensor, 
         # row, the `triangle` before them by fewer rows the farther they are.
         triangle = max(0, n + m - window)
         if m > triangle:
-            result = merge_partials([result, attention_lse(late, earlier[:, :, triangle:], earlier_value[:, :, triangle:],
-                                                            scale, causal=False, dropout=dropout)])
+            result = merge_partials([result, partial(late, earlier[:, :, triangle:], earlier_value[:, :, triangle:],
+                                                      scale, dropout=dropout)])
         if triangle:
             # Flipped (rows last to first, keys nearest first), row n - 2 - r sees the keys up to its own index:
             # top-left causal. Row n - 1 sees none of them.
-            seen = attention_lse(late[:, :, : n - 1].flip(2), earlier[:, :, :triangle].flip(2),
-                                 earlier_value[:, :, :triangle].flip(2), scale, causal=True, dropout=dropout)
+            seen = partial(late[:, :, : n - 1].flip(2), earlier[:, :, :triangle].flip(2),
+                           earlier_value[:, :, :triangle].flip(2), scale, causal=True, dropout=dropout)
             head = merge_partials([_rows(result, slice(0, n - 1)), Partial(seen.output.flip(2), seen.lse.flip(2))])
             tail = _rows(result, slice(n - 1, n))
             result = Partial(torch.cat((head.output, tail.output), dim=2), torch.cat((head.lse, tail.lse), dim=2))
@@ -112,9 +116,10 @@ def _tiles(query: torch.Tensor, own_key: torch.Tensor, own_value: torch.Tensor, 
 
 
 def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int, start: int, scale: float,
-                  dropout: float = 0.0) -> Partial | None:
+                  partial: PartialAttention, dropout: float = 0.0) -> Partial | None:
     """Attention of rotated queries (B, H, q, D), tokens [start, start + q), over their far keys j <= i - window,
     rotated as the method places them: key (B, Hkv, >= start + q - window, D). None when no query has a far key.
+    The output is float32.
 
     Rows of tokens below `window` have none: their lse is -inf.
     """
@@ -122,14 +127,21 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
     first = max(start, window)  # the first query with a far key
     if first >= stop:
         return None
-    late = query[:, :, first - start :].float()
-    key, value = key.float(), value.float()
+    # In the wider of the queries' and keys' dtypes: far keys in the model's dtype are not copied when the method
+    # rotated its queries in that dtype too (SelfExtend); the result in float32, as the near part's.
+    dtype = torch.promote_types(query.dtype, key.dtype)
+    late = query[:, :, first - start :].to(dtype)
+    key, value = key.to(dtype), value.to(dtype)
+    if stop - start == 1:  # one query (decoding) sees every far key
+        part = partial(late, key[:, :, : stop - window], value[:, :, : stop - window], scale, dropout=dropout)
+        return Partial(part.output.float(), part.lse)
     # Query i sees keys [0, i - window]: the keys before first - window in full, then a causal square.
-    part = attention_lse(late, key[:, :, first - window : stop - window], value[:, :, first - window : stop - window],
-                         scale, causal=True, dropout=dropout)
+    part = partial(late, key[:, :, first - window : stop - window], value[:, :, first - window : stop - window],
+                   scale, causal=True, dropout=dropout)
     if first > window:
-        part = merge_partials([part, attention_lse(late, key[:, :, : first - window], value[:, :, : first - window],
-                                                   scale, causal=False, dropout=dropout)])
+        part = merge_partials([part, partial(late, key[:, :, : first - window], value[:, :, : first - window], scale,
+                                             dropout=dropout)])
+    part = Partial(part.output.float(), part.lse)
     if first == start:
         return part
     before = first - start  # rows without far keys
@@ -140,7 +152,7 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
 
 def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RopeTable,
                        far_query: torch.Tensor, far_key: torch.Tensor, window: int, start: int, scale: float,
-                       dropout: float = 0.0) -> torch.Tensor:
+                       dropout: float = 0.0, plan: AttentionPlan | None = None) -> torch.Tensor:
     """Near keys at true distances, far keys as the method rotated them, merged: (B, H, q, D) in the value's dtype.
 
     Args:
@@ -149,7 +161,10 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         table: the model's cos/sin, at least 2 * window rows.
         far_query: (B, H, q, D) the queries rotated for their far keys.
         far_key: (B, Hkv, >= start + q - window, D) the keys rotated as far keys.
+        plan: the forward's (`plan.plan_for`), decided once per forward; decided here when not given.
     """
-    near = near_attention(query, key, value, table, window, start, scale, dropout)
-    far = far_attention(far_query, far_key, value, window, start, scale, dropout)
+    plan = plan or plan_for(query, key, value, dropout)
+    partial = PARTIAL[plan.partial]
+    near = near_attention(query, key, value, table, window, start, scale, partial, dropout)
+    far = far_attention(far_query, far_key, value, window, start, scale, partial, dropout)
     return (near if far is None else merge_partials([near, far])).output.to(value.dtype)

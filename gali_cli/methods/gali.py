@@ -1,15 +1,14 @@
 """GALI (paper §3, Algorithms 1-3) as a position-remapping attention, and its public apply / remove functions."""
 
-import weakref
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from ..config import GaliConfig
-from ..engine.decode import DecodeStep, decode_attention, decode_routes, decode_step
-from ..engine.gali_attention import attention_routes, chunk_contexts, gali_attention
+from ..engine.decode import DecodeStep, decode_attention, decode_step
+from ..engine.gali_attention import chunk_contexts, gali_attention, noisy
 from ..engine.hooks import Forward, PositionalAttention, install, installed_method, llama_model, uninstall
+from ..engine.kept_keys import KeptKeys
 from ..engine.noise import Noise
 from ..engine.positions import chunk_plan
 from ..engine.rope import absolute_table
@@ -20,7 +19,8 @@ class Gali(PositionalAttention):
     """Each forward is cut into GALI chunks; each chunk attends with positions recomputed for all its keys.
 
     Decoding (one-token forwards on a cache, outside autograd) keeps each layer's rotated keys from token to token
-    (engine.decode.decode_attention), per cache object: any longer forward on that cache starts them again.
+    (engine.decode.decode_attention, engine.kept_keys), per cache object: any longer forward on that cache starts them
+    again.
     """
 
     name = "gali"
@@ -29,7 +29,7 @@ class Gali(PositionalAttention):
     def __init__(self, config: GaliConfig) -> None:
         self.config = config  # resolved: no None left
         self.exact_until = config.train_len
-        self._decode_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer: state}
+        self._kept = KeptKeys()  # decoding's rotated keys, per cache and layer
         self._plan: list[list[tuple[int, int]]] = []  # the last prefill's chunks, one list per stretch between cuts
 
     def chunk_ends(self, start: int, stop: int, cuts: list[int] = ()) -> list[int]:
@@ -69,7 +69,7 @@ class Gali(PositionalAttention):
         if forward.cache is not None:
             if self.fast_decode and forward.stop - forward.start == 1 and not torch.is_grad_enabled():
                 return self._decode(forward, module, query, key, value, scaling, noise)
-            self._decode_states.pop(forward.cache, None)  # the cache grew by more than a token
+            self._kept.forget(forward.cache)  # the cache grew by more than a token
 
         def build_chunks():
             pieces = self.chunks(forward.start, forward.stop)
@@ -81,20 +81,15 @@ class Gali(PositionalAttention):
         if not chunks[0].interpolated:  # only the first piece can lie inside the training window
             window, chunks = chunks[0], chunks[1:]
             outputs.append(forward.exact_attention(module, query, key, value, window.keys, scaling, dropout, **kwargs))
-        # The kernel and causal routes: decided by the forward's first layer on this device, then taken by every
-        # chunk of every layer.
-        routes = forward.memo(("routes", query.device, query.dtype),
-                              lambda: attention_routes(query, key, value, chunks, noise is not None, dropout))
+        plan = forward.attention_plan(query, key, value, dropout, noisy(chunks, noise))
         beyond = query[:, :, query.shape[2] - sum(chunk.queries for chunk in chunks) :]
-        outputs.append(gali_attention(beyond, key, value, chunks, scaling, dropout, noise, routes).transpose(1, 2))
+        outputs.append(gali_attention(beyond, key, value, chunks, scaling, dropout, noise, plan).transpose(1, 2))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-
 
     def _decode(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, scaling: float, noise: Noise | None) -> torch.Tensor:
-        states = self._decode_states.setdefault(forward.cache, {})
-        state = states.get(module.layer_idx)
-        origin = state.origin(query.shape[0]) if state is not None else None
+        layer, stop = module.layer_idx, forward.stop
+        origin = self._kept.frame(forward.cache, layer, key, forward.start)
 
         def build_step() -> DecodeStep:
             rotary = forward.installed.rotary
@@ -103,9 +98,10 @@ class Gali(PositionalAttention):
                                self.config.train_len, self.config.local_window)
 
         step = forward.memo(("decode", query.device, query.dtype, origin), build_step)  # shared by the layers
-        routes = forward.memo(("decode-routes", query.device, query.dtype), lambda: decode_routes(query, key, value))
-        output, states[module.layer_idx] = decode_attention(
-            query, key[:, :, : forward.stop], value[:, :, : forward.stop], state, step, scaling, noise, routes)
+        rotated = self._kept.buffer(forward.cache, layer, key, stop, 0 if step.rebuild else forward.start)
+        plan = forward.attention_plan(query, key, value, 0.0, noise is not None)  # decoding draws no dropout
+        output = decode_attention(query, key[:, :, :stop], value[:, :, :stop], rotated, step, scaling, noise, plan)
+        self._kept.keep(forward.cache, layer, stop, (step.group, step.grouped), rotated)
         return output.transpose(1, 2)
 
 

@@ -64,8 +64,9 @@ class ReRoPE(PositionalAttention):
                     forward, torch.arange(first, last, device=key.device), 0.0, key.dtype))
 
             far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
+        plan = forward.attention_plan(query, key, value, dropout)
         output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, window,
-                                    start, scaling, dropout)
+                                    start, scaling, dropout, plan)
         return output.transpose(1, 2)
 
     def _logn(self, start: int, stop: int, device: torch.device) -> torch.Tensor:

@@ -9,6 +9,7 @@ from .. import display
 from ..compat import TESTED_TRANSFORMERS, installed_transformers
 from ..config import PREVIEWED_METHODS
 from ..display import print_json, say
+from ..engine.plan import decide
 from ..errors import GaliError
 from ..machine import environment_facts
 from ..model_config import read_model_config
@@ -21,6 +22,9 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> No
     needed: it runs even when the model cannot load)."""
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
+    # The routes a forward takes here, from the plan the engine decides by (engine/plan.py), not restated.
+    facts["attention"] = decide(facts["device"], facts["dtype"], forward_only=True,
+                                noise=bool(choice.settings.gali().noise)).describe()
     try:
         config = read_model_config(choice.model)
     except GaliError:

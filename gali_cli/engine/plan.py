@@ -1,0 +1,171 @@
+"""Which attention a forward takes: one `AttentionPlan`, decided once per forward, that the implementations follow
+without checking again, and that `gali info` prints (`describe`), so the words cannot drift from the decision.
+
+The plan follows from the device, the dtype, whether autograd or dropout is at work (the fast routes are forward
+only: this is the one place that asks), whether noise is added, which kernels exist here and $GALI_KERNEL; the
+fast kernels' first-use checks (held to PyTorch on first use, once per process) are part of the decision.
+
+`decide` needs no torch (`gali info` answers from it before torch loads); `plan_for` decides from a layer's tensors
+and imports torch when called.
+"""
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from .kernel_choice import compiler, kernel_choice
+from .kernel_choice import triton_installed as _triton_installed  # a name of this module: tests replace it
+
+# The routes, in words. Causal attention of a chunk with fewer queries than keys (dense.CAUSAL):
+CAUSAL_WORDS = {
+    "lower-right": "torch's lower-right causal bias (memory-efficient kernel, no mask)",
+    "split": "mask-free, by torch's CPU flash kernel (keys before the chunk, then its causal square)",
+    "masked": "a (queries x keys) bool mask",
+}
+# Attention over part of the keys with its log-sum-exp (dense.PARTIAL):
+PARTIAL_WORDS = {"flash": "torch's CPU flash kernel", "explicit": "explicit float32 logits, a tile at a time"}
+# Noisy attention over keys every query sees (noisy_attention.NOISY_PARTIAL), for decoding and the CPU's split:
+NOISY_PARTIAL_WORDS = {"native": "the native CPU kernel", "explicit": "explicit float32 logits"}
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The routes one forward's attention takes, for every layer and chunk."""
+
+    device: str  # device type: "cuda", "cpu", ...
+    dtype: str  # "float32", "bfloat16", ...
+    forward_only: bool  # no autograd and no dropout: the forward-only fast routes may run
+    noise: bool  # whether noise is added (some chunk, or the decode step, is noisy)
+    causal: str  # chunks with fewer queries than keys: a key of CAUSAL_WORDS
+    partial: str  # parts with their log-sum-exp: a key of PARTIAL_WORDS
+    noisy: str | None = None  # noisy chunks: "triton", "native" or "torch" (the PyTorch path); None without noise
+    noisy_partial: str | None = None  # noisy parts: a key of NOISY_PARTIAL_WORDS; None without noise
+    why: str = ""  # why the noisy route is the one it is, in words
+    checked: bool = False  # the noisy kernel is held to the PyTorch path on first use (GALI_KERNEL=auto)
+    error: str | None = None  # a kernel GALI_KERNEL forces that cannot run here: raised where noise would run
+
+    @property
+    def split(self) -> bool:
+        """GALI's chunks split on the CPU (gali_attention.split_gali_attention): the keys before each chunk by one
+        call each, noisy ones by the native kernel, and the chunks' own causal squares batched."""
+        return self.causal == "split" and (not self.noise or self.noisy_partial == "native")
+
+    def noisy_words(self) -> str:
+        """The path of noisy attention, in words (`gali info`'s noisy_attention)."""
+        if self.error is not None:
+            return f"error: {self.why}"
+        if self.noisy == "native":
+            checked = " and checked against PyTorch" if self.checked else ""
+            return f"native CPU kernel (built with {' '.join(compiler())}{checked} on first use)"
+        if self.noisy == "triton":
+            import importlib.metadata
+
+            checked = ", checked against PyTorch on first use" if self.checked else ""
+            return f"fused Triton kernel (triton {importlib.metadata.version('triton')}{checked})"
+        return f"PyTorch ({self.why})"
+
+    def describe(self) -> str:
+        """Every route a forward takes under this plan, in words (`gali info`, `gali info --check`)."""
+        mode = "forward only" if self.forward_only else "with autograd or dropout"
+        words = [f"{self.device}, {self.dtype}, {mode}", f"causal chunks: {CAUSAL_WORDS[self.causal]}",
+                 f"parts: {PARTIAL_WORDS[self.partial]}"]
+        if self.split:
+            words.append("GALI's chunks split (keys before each chunk, then the chunks' own squares in one call)")
+        if self.noise:
+            words += [f"noisy chunks: {self.noisy_words()}", f"noisy parts: {NOISY_PARTIAL_WORDS[self.noisy_partial]}"]
+        else:
+            words.append("no noise")
+        return "; ".join(words)
+
+
+def decide(device: str, dtype: str, forward_only: bool, noise: bool, cpu_flash: bool = True,
+           interpreted: bool | None = None) -> AttentionPlan:
+    """The plan for attention on a device of this type, in this dtype, before the kernels' first-use checks.
+
+    Args:
+        forward_only: neither autograd nor dropout is at work.
+        cpu_flash: torch has its CPU flash kernel with log-sum-exp (assumed where torch is not imported).
+        interpreted: Triton runs interpreted on the CPU (TRITON_INTERPRET=1; read from the environment when None).
+    """
+    cpu = device == "cpu"
+    if device == "cuda":
+        causal = "lower-right"
+    else:  # the split: float32 only (in bfloat16 the mask is faster), forward only (autograd would drop the lse's)
+        causal = "split" if cpu and dtype == "float32" and forward_only and cpu_flash else "masked"
+    partial = "flash" if cpu and cpu_flash and forward_only else "explicit"
+    plan = AttentionPlan(device, dtype, forward_only, noise, causal, partial)
+    if not noise:
+        return plan
+    if interpreted is None:
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    noisy, why, checked, error = _noisy_route(kernel_choice(), device, forward_only, interpreted)
+    return dataclasses.replace(plan, noisy=noisy, noisy_partial="native" if noisy == "native" else "explicit",
+                               why=why, checked=checked, error=error)
+
+
+def _noisy_route(choice: str, device: str, forward_only: bool,
+                 interpreted: bool) -> tuple[str, str, bool, str | None]:
+    """(route, why, checked on first use, error) of noisy attention, as $GALI_KERNEL (`choice`) asks."""
+    if not forward_only:
+        return "torch", "autograd or dropout: the kernels are forward only", False, None
+    if choice == "torch":
+        return "torch", "GALI_KERNEL=torch", False, None
+    if choice == "native" and device != "cpu":
+        return "torch", "GALI_KERNEL=native runs on the CPU", False, (
+            f"GALI_KERNEL=native runs on the CPU; the model is on {device}")
+    if device == "cpu" and choice in ("auto", "native"):
+        return "native", "", choice == "auto", None
+    if choice == "triton" and device != "cuda" and not interpreted:
+        return "torch", "GALI_KERNEL=triton needs CUDA", False, (
+            f"GALI_KERNEL=triton needs a CUDA device, the model is on {device}")
+    if not _triton_installed():
+        if choice == "triton":
+            return "torch", "GALI_KERNEL=triton, but triton is not installed", False, (
+                "GALI_KERNEL=triton, but triton is not installed (pip install triton)")
+        return "torch", "triton is not installed", False, None
+    if device != "cuda" and choice == "auto":
+        return "torch", "the fused kernel needs CUDA", False, None
+    return "triton", "", choice == "auto", None
+
+
+def plan_for(query, key, value, dropout: float = 0.0, noise: bool = False) -> AttentionPlan:
+    """The plan for attention over tensors like these (query (B, H, q, D), key/value (B, Hkv, T, D)), with the fast
+    kernels' first-use checks done: a forward decides it once, from its first layer, and every layer follows it.
+
+    Raises ConfigError where noise needs a kernel GALI_KERNEL forces and cannot run here.
+    """
+    import torch
+
+    from .dense import cpu_flash_available
+
+    # The one test of "gradients or dropout": autograd records an op on these tensors, or dropout is drawn.
+    recorded = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value))
+    plan = decide(query.device.type, str(query.dtype).removeprefix("torch."), dropout == 0.0 and not recorded,
+                  noise, cpu_flash_available())
+    return checked(plan, query, key) if noise else plan
+
+
+def checked(plan: AttentionPlan, query, key) -> AttentionPlan:
+    """`plan` with its noisy kernel held to the PyTorch path on first use (GALI_KERNEL=auto; a failed check warns
+    once and takes the PyTorch path), or the ConfigError of a forced kernel that cannot run."""
+    from ..errors import ConfigError
+    from . import noisy_attention
+
+    if plan.error is not None:
+        raise ConfigError(plan.error)
+    if plan.noisy == "triton":
+        from .triton_attention import supports
+
+        if not supports(query, key):
+            if not plan.checked:
+                raise ConfigError(f"GALI_KERNEL=triton: the kernel needs a power-of-two head dim of 16..256 and "
+                                  f"float16/bfloat16/float32, got {query.shape[-1]} and {query.dtype}")
+            return dataclasses.replace(plan, noisy="torch", why="the fused kernel has no variant for these heads")
+        heads_per_kv = query.shape[1] // key.shape[1]
+        if plan.checked and not noisy_attention.kernel_verified(query.device, query.dtype, query.shape[-1],
+                                                                heads_per_kv):
+            return dataclasses.replace(plan, noisy="torch", why="the fused kernel failed its first-use check")
+    if plan.noisy == "native" and plan.checked and not noisy_attention.native_verified():
+        return dataclasses.replace(plan, noisy="torch", noisy_partial="explicit",
+                                   why="the native kernel failed its first-use check")
+    return plan
