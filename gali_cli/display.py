@@ -211,11 +211,16 @@ def print_ppl_table(rows: list[dict]) -> None:
 def print_cache_entries(entries: list, directory, limit: int) -> None:
     """`gali cache list`: the cached documents on stdout, the totals on stderr."""
     rows = [(short_path(entry.document), short_path(entry.model), entry.method, str(entry.tokens),
-             f"{entry.size / 2**20:.1f}", datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M"))
-            for entry in entries]
-    _print_whole(("document", "model", "method", "tokens", "MiB", "last used"), rows, {"tokens", "MiB"},
-                 lambda model, method, tokens, size, used: f"{model}, {method}, {tokens} tokens, {size} MiB, "
-                                                           f"last used {used}")
+             f"{entry.size / 2**20:.1f}", datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M"),
+             entry.differences(entries)) for entry in entries]
+    columns = ("document", "model", "method", "tokens", "MiB", "last used", "differs by")
+    if not any(row[-1] for row in rows):  # no two entries of one document, model and method
+        rows, columns = [row[:-1] for row in rows], columns[:-1]
+    _print_whole(columns, rows, {"tokens", "MiB"},
+                 lambda model, method, tokens, size, used, differs="": f"{model}, {method}, {tokens} tokens, {size} "
+                                                                       f"MiB, last used {used}"
+                                                                       + (f"; differs by {differs}" if differs
+                                                                          else ""))
     total = sum(entry.size for entry in entries)
     say(f"{len(entries)} cached document state{'s' if len(entries) != 1 else ''}, {total / 2**30:.2f} of "
         f"{limit / 2**30:.2f} GiB, in {short_path(str(directory))}", style="dim")

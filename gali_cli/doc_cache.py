@@ -78,6 +78,28 @@ class Entry:
     document: str
     model: str
     method: str
+    identity: dict  # what the state depends on (versions, weights, dtype, settings, cuts); {} in older entries
+
+    def differences(self, others: list["Entry"]) -> str:
+        """What sets this entry apart from the others of the same document, model and method (which look the same
+        in a list): the fields of their identities that differ, as "field value" ("" when none does)."""
+        alike = [other.identity for other in others if other is not self and
+                 (other.document, other.model, other.method) == (self.document, self.model, self.method)]
+        mine = _flat(self.identity)
+        fields = sorted({field for other in alike for field, value in {**mine, **_flat(other)}.items()
+                         if mine.get(field) != _flat(other).get(field)})
+        return ", ".join(f"{field} {mine.get(field, '?')}" for field in fields)
+
+
+def _flat(identity: dict, prefix: str = "") -> dict[str, str]:
+    """{"settings": {"chunk_size": 64}} -> {"chunk_size": "64"}: the leaves of an identity, by their own names."""
+    flat = {}
+    for name, value in identity.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{name}.")
+        else:
+            flat[name if name not in flat else f"{prefix}{name}"] = str(value)
+    return flat
 
 
 @dataclass(frozen=True)
@@ -185,7 +207,8 @@ class DocumentCache:
             except (OSError, SafetensorError, ValueError, TypeError, AttributeError):
                 metadata, tokens = {}, 0
             found.append(Entry(path, stat.st_size, stat.st_mtime, tokens, str(metadata.get("document", "?")),
-                               str(metadata.get("model", "?")), str(metadata.get("method", "?"))))
+                               str(metadata.get("model", "?")), str(metadata.get("method", "?")),
+                               _identity(metadata)))
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
     def clear(self) -> Cleared:
@@ -239,6 +262,14 @@ class DocumentCache:
                     partial.unlink()
             except OSError:
                 continue
+
+
+def _identity(metadata: dict[str, str]) -> dict:
+    try:
+        identity = json.loads(metadata.get("identity", "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return identity if isinstance(identity, dict) else {}
 
 
 def _metadata(path: Path) -> dict[str, str]:

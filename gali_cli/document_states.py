@@ -9,6 +9,7 @@ key holds exactly these. `gali ask` and `gali serve` cut a document's prompt at 
 the document ends and where the question starts), so a document read by one is a cache hit for the other.
 """
 
+import json
 import torch
 import transformers
 from transformers import DynamicCache
@@ -37,9 +38,12 @@ class DocumentStates:
     def key(self, ids: list[int], cuts: list[int], resolved: dict) -> str:
         """The document cache's name for the state of `ids`, prefilled with forwards that ended at `cuts` (and
         wherever the method allows) under the method's settings `resolved`."""
+        return entry_key({**state_identity(self.loaded, self.method, resolved), "cuts": self._ended(ids, cuts)}, ids)
+
+    def _ended(self, ids: list[int], cuts: list[int]) -> list[int]:
+        """The `cuts` that ended a forward where the method would not have: they change the state."""
         free = forward_ends(self.loaded.model, self.method, 0, len(ids))
-        ended = [] if free is None else sorted({cut for cut in cuts if 0 < cut < len(ids)} - set(free))
-        return entry_key({**state_identity(self.loaded, self.method, resolved), "cuts": ended}, ids)
+        return [] if free is None else sorted({cut for cut in cuts if 0 < cut < len(ids)} - set(free))
 
     def load(self, ids: list[int], cuts: list[int], ends: list[int], resolved: dict
              ) -> tuple[DynamicCache, int] | None:
@@ -60,5 +64,7 @@ class DocumentStates:
             return
         key = self.key(ids, cuts, resolved)
         if not self.store.path(key).exists():
+            identity = {**state_identity(self.loaded, self.method, resolved), "cuts": self._ended(ids, cuts)}
             self.store.save(key, ids, cache, {"document": label, "model": self.loaded.identity.get("model", "?"),
-                                              "method": self.method})
+                                              "method": self.method,
+                                              "identity": json.dumps(identity, sort_keys=True, default=str)})

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import MistralConfig, MistralForCausalLM
 from typer.testing import CliRunner
 
@@ -619,3 +620,15 @@ def test_info_check_runs_the_triton_kernel_interpreted_when_asked(gali, small_se
     assert result.exit_code == 0, result.stdout + result.stderr
     assert "the Triton kernel under TRITON_INTERPRET=1" in result.stderr
     assert sum(line.startswith("ok   noisy attention, Triton vs PyTorch") for line in result.stdout.splitlines()) == 4
+
+
+def test_cache_list_says_what_sets_alike_entries_apart(gali, doc, tmp_path):
+    """Two states of one document, model and method look the same in a list: the column says how they differ."""
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    for chunk in ("8", "16"):
+        assert gali("ask", str(doc), "When?", "--max-new-tokens", "2", "--chunk-size", chunk, env=env).exit_code == 0
+    listed = json.loads(gali("cache", "list", "--json", env=env, model=False).stdout)["entries"]
+    assert sorted(entry["differs_by"] for entry in listed) == ["chunk_size 16", "chunk_size 8"]
+    assert {entry["identity"]["transformers"] for entry in listed} == {transformers.__version__}
+    table = gali("cache", "list", env=env, model=False).stdout
+    assert "differs by" in table and "chunk_size 8" in table and "chunk_size 16" in table

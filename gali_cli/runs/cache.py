@@ -16,6 +16,7 @@ def list_cache(cache_dir: str | None, json_output: bool) -> None:
         print_json({"directory": str(cache.directory), "limit_bytes": cache.limit,
                     "entries": [{"document": entry.document, "model": entry.model, "method": entry.method,
                                  "tokens": entry.tokens, "bytes": entry.size, "last_used": entry.last_used,
+                                 "differs_by": entry.differences(entries), "identity": entry.identity,
                                  "path": str(entry.path)} for entry in entries],
                     "models_directory": str(models.directory),
                     "models": [{"gguf": copy.gguf, "dtype": copy.dtype, "transformers": copy.transformers,
