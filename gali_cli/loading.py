@@ -20,7 +20,7 @@ from .model_cache import DequantizedModels
 # here, where the benchmarks and tests that load a model look.
 from .model_config import (  # noqa: F401
     DEMO, GPU_DEFAULT_MODEL, SMOLLM2, SMOLLM2_INSTALL, ModelSource, default_model, demo_model_path, load_failure,
-    resolve_source, smollm2_gguf,
+    read_model_config, resolve_source, smollm2_gguf,
 )
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -53,8 +53,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_config(name: str):
-    """The model's config, checked to be a Llama gali can handle, before any weight is read."""
+    """The model's config, checked to be a Llama gali can handle, with sane sizes (model_config.check_config),
+    before any weight is read or anything is built from it."""
     source = resolve_source(name)
+    read_model_config(name)  # the raw file checked first: transformers builds objects from what it says
     try:
         config = _gguf_config(source.gguf) if source.gguf else AutoConfig.from_pretrained(source.location,
                                                                                           trust_remote_code=False)
