@@ -149,9 +149,9 @@ def _estimate_filter(name: str, args: tuple, kwargs: dict) -> None:
         _afford(len(indent) * _measure(value))
 
 
-def _bounded_filter(name: str, function):  # noqa: ANN001, ANN202
+def _bounded_filter(name: str, function):
     @functools.wraps(function)  # keeps jinja's pass_context / pass_eval_context marks
-    def bounded(*args, **kwargs):  # noqa: ANN202
+    def bounded(*args, **kwargs):
         _check_arguments(args, kwargs)
         _estimate_filter(name, args, kwargs)
         return _charge(function(*args, **kwargs))
@@ -163,22 +163,22 @@ class _BoundedCode(CodeGenerator):
     """Jinja's code generator with a step counted at every block body and every piece of output (or of a `~`
     concatenation) charged to the render's budget."""
 
-    def blockvisit(self, nodes, frame) -> None:  # noqa: ANN001 - jinja's own signature
+    def blockvisit(self, nodes, frame) -> None:
         self.writeline("environment.gali_step()")
         super().blockvisit(nodes, frame)
 
-    def _output_const_repr(self, group) -> str:  # noqa: ANN001
+    def _output_const_repr(self, group) -> str:
         return f"environment.gali_text({super()._output_const_repr(group)})"
 
-    def _output_child_pre(self, node, frame, finalize) -> None:  # noqa: ANN001
+    def _output_child_pre(self, node, frame, finalize) -> None:
         self.write("environment.gali_text(")
         super()._output_child_pre(node, frame, finalize)
 
-    def _output_child_post(self, node, frame, finalize) -> None:  # noqa: ANN001
+    def _output_child_post(self, node, frame, finalize) -> None:
         super()._output_child_post(node, frame, finalize)
         self.write(")")
 
-    def visit_Concat(self, node, frame) -> None:  # noqa: ANN001, N802
+    def visit_Concat(self, node, frame) -> None:
         self.write("environment.gali_text(")
         super().visit_Concat(node, frame)
         self.write(")")
@@ -200,32 +200,33 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             raise TemplateLimit(f"it runs longer than {MAX_SECONDS:g} s")
 
     @staticmethod
-    def gali_text(value):  # noqa: ANN001, ANN205
+    def gali_text(value):
         return _charge(value)
 
-    def call_binop(self, context, operator: str, left, right):  # noqa: ANN001, ANN201
+    def call_binop(self, context, operator: str, left, right):
         if operator == "*":
             for sequence, times in ((left, right), (right, left)):
                 if isinstance(sequence, (str, list, tuple)) and isinstance(times, int):
                     _afford(_measure(sequence) * max(times, 0))
         elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
             _afford(_measure(left) + _measure(right))
-        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-            if right * abs(left).bit_length() > MAX_INT_BITS:
-                raise TemplateLimit(f"it computes an integer of more than {MAX_INT_BITS} bits")
+        elif (operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+              and right * abs(left).bit_length() > MAX_INT_BITS):
+            raise TemplateLimit(f"it computes an integer of more than {MAX_INT_BITS} bits")
         elif operator == "%" and isinstance(left, str):
             _check_format(left)
-        if operator == "*" and isinstance(left, int) and isinstance(right, int):
-            if left.bit_length() + right.bit_length() > MAX_INT_BITS:
-                raise TemplateLimit(f"it computes an integer of more than {MAX_INT_BITS} bits")
+        if (operator == "*" and isinstance(left, int) and isinstance(right, int)
+                and left.bit_length() + right.bit_length() > MAX_INT_BITS):
+            raise TemplateLimit(f"it computes an integer of more than {MAX_INT_BITS} bits")
         return _charge(super().call_binop(context, operator, left, right))
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805, ANN001, ANN201 - jinja's own signature
+    def call(self, context, function, /, *args, **kwargs):
+        """Every call a template makes (methods and globals): widths, counts and sizes checked first."""
         _check_arguments(args, kwargs)
-        _estimate_method(__obj, args)
+        _estimate_method(function, args)
         if time.monotonic() > _budget().deadline:
             raise TemplateLimit(f"it runs longer than {MAX_SECONDS:g} s")
-        return _charge(super().call(__context, __obj, *args, **kwargs))
+        return _charge(super().call(context, function, *args, **kwargs))
 
 
 @functools.lru_cache(maxsize=1)
@@ -266,14 +267,14 @@ _TEMPLATE_ERRORS = (jinja2.TemplateError, ArithmeticError, LookupError, TypeErro
                     RecursionError, MemoryError)
 
 
-def _sources(tokenizer) -> list[str]:  # noqa: ANN001
+def _sources(tokenizer) -> list[str]:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         return [source for source in template.values() if isinstance(source, str)]
     return [template] if isinstance(template, str) and template else []
 
 
-def check_chat_template(name: str, tokenizer) -> None:  # noqa: ANN001
+def check_chat_template(name: str, tokenizer) -> None:
     """Compile the tokenizer's chat template(s) when the model loads: one that does not parse is refused then."""
     for source in _sources(tokenizer):
         try:
@@ -282,7 +283,7 @@ def check_chat_template(name: str, tokenizer) -> None:  # noqa: ANN001
             raise _failure(name, error) from None
 
 
-def render_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:  # noqa: ANN001
+def render_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """What tokenizer.apply_chat_template(messages, tokenize=False) renders, within the bounds above; any failure is
     a ModelLoadError naming the model (the tokenizer's name_or_path, which loading sets to the model's name)."""
     name = str(getattr(tokenizer, "name_or_path", "") or "?")

@@ -13,17 +13,28 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
+from .chat_template import check_chat_template
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError
 from .gguf import GgufFile, check_llama, read_header, require_gguf_package
 from .machine import choose_device, choose_dtype
-from .chat_template import check_chat_template
 from .model_cache import DequantizedModels
+
 # Where a model loads from is decided without torch (model_config.py, for gali info); the names stay importable from
 # here, where the benchmarks and tests that load a model look.
 from .model_config import (  # noqa: F401
-    DEMO, GPU_DEFAULT_MODEL, SMOLLM2, SMOLLM2_INSTALL, ModelSource, default_model, demo_model_path, load_failure,
-    read_model_config, resolve_source, smollm2_gguf,
+    DEMO,
+    GPU_DEFAULT_MODEL,
+    SMOLLM2,
+    SMOLLM2_INSTALL,
+    ModelSource,
+    default_model,
+    demo_model_path,
+    load_failure,
+    read_model_config,
+    resolve_source,
+    smollm2_gguf,
 )
+
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # torch.save / pickle checkpoints: never opened
@@ -140,7 +151,7 @@ def load_tokenizer(name: str, location: str):
         raise ModelLoadError(f"cannot load model {name!r}: its tokenizer.json is empty")
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
-    except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
+    except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
         raise ModelLoadError(f"cannot load model {name!r}: its tokenizer cannot be read "
                              f"({_first_line(error)})") from error
     if isinstance(tokenizer, bool) or not callable(tokenizer):  # transformers returns odd things for odd folders
@@ -170,7 +181,7 @@ def check_weights(name: str, source: str, config=None) -> None:
     for path in files:
         try:
             with safe_open(path, framework="pt") as file:  # reads and checks the header: tensors must cover the file
-                shapes.update((key, tuple(file.get_slice(key).get_shape())) for key in file.keys())
+                shapes.update((key, tuple(file.get_slice(key).get_shape())) for key in file.keys())  # noqa: SIM118 - not a dict
         except (SafetensorError, OSError) as error:
             raise ModelLoadError(f"cannot load model {name!r}: {path.name} is damaged or incomplete "
                                  f"({_first_line(error)}); copy or download it again") from error

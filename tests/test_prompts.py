@@ -1,8 +1,7 @@
 import time
 
-from transformers import AutoTokenizer
-
 import pytest
+from transformers import AutoTokenizer
 
 from gali_cli.chat_template import MAX_SECONDS, render_chat_template
 from gali_cli.errors import ModelLoadError
@@ -83,10 +82,9 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 
 def llama3_style_tokenizer():
     """Llama 3's pre-tokenizer, where ".\n\n" is one piece: the document's last token can reach past its end."""
+    from conftest import CHAT_TEMPLATE
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from conftest import CHAT_TEMPLATE
 
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
     tokenizer = Tokenizer(models.BPE())
@@ -188,10 +186,10 @@ def test_the_bounded_render_is_transformers_render(tiny_model_dir, template):
 HOSTILE_TEMPLATES = {
     "a string times 10^10": ("{{ 'x' * 10**10 }}", "builds more than 4,194,304 characters"),
     "a list times 10^10": ("{{ ['x'] * 10000000000 }}", "builds more than"),
-    "a doubling concatenation": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                                 "{% endfor %}", "builds more than"),
-    "a doubling block set": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set t %}{{ ns.s }}{{ ns.s }}"
-                             "{% endset %}{% set ns.s = t %}{% endfor %}", "builds more than"),
+    "a doubling concatenation": (("{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                                  "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"), "builds more than"),
+    "a doubling block set": (("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set t %}{{ ns.s }}"
+                              "{{ ns.s }}{% endset %}{% set ns.s = t %}{% endfor %}"), "builds more than"),
     "endless output": ("{% for i in range(100000) %}{% for j in range(1000) %}xxxxxxxx{% endfor %}{% endfor %}",
                        "builds more than"),
     "a huge width": ("{{ 'x' | center(10000000000) }}", "where a width or a count goes"),
