@@ -23,6 +23,10 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 8
+_MAX_NESTING = 3  # arrays of arrays of arrays; llama.cpp writes none nested at all
+_MAX_STRING = 2**24  # bytes of one metadata string kept (a chat template is tens of KiB)
+_MAX_ALIGNMENT = 2**16
+_ITEM_BYTES = {_STRING: 8, _ARRAY: 12}  # the least bytes an item of these types takes
 _HEAD_BYTES = 2**20  # the part of the file whose digest tells it from another of the same size and time
 
 
@@ -86,27 +90,42 @@ class _Reader:
     def string(self) -> str:
         length = self.scalar("Q")
         self._need(length)
+        if length > _MAX_STRING:
+            raise self.damaged(f"a metadata string of {length} bytes at byte {self.offset}")
         text = bytes(self.data[self.offset:self.offset + length]).decode("utf-8", errors="replace")
         self.offset += length
         return text
 
-    def value(self, kind: int):
-        """A metadata value; an array is skipped and stands as its length (the tokenizer's are large)."""
+    def value(self, kind: int, depth: int = 0, keep: bool = True):
+        """A metadata value; an array is skipped and stands as its length (the tokenizer's are large). Nesting and
+        counts are checked against the file before anything is read, so no header makes this recurse deeply,
+        loop past the file's end or allocate more than a string of _MAX_STRING bytes."""
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind])
         if kind == _STRING:
-            return self.string()
+            if keep:
+                return self.string()
+            length = self.scalar("Q")
+            self.offset += self._sized(length)
+            return None
         if kind == _ARRAY:
+            if depth >= _MAX_NESTING:
+                raise self.damaged(f"metadata arrays nested more than {_MAX_NESTING} deep at byte {self.offset}")
             item, count = self.scalar("I"), self.scalar("Q")
             if item in _SCALARS:
-                size = struct.calcsize(_SCALARS[item]) * count
-                self._need(size)
-                self.offset += size
-            else:
+                self.offset += self._sized(struct.calcsize(_SCALARS[item]) * count)
+            elif item in _ITEM_BYTES:
+                self._need(min(count, len(self.data)) * _ITEM_BYTES[item])  # each item takes at least this
                 for _ in range(count):
-                    self.value(item)
+                    self.value(item, depth + 1, keep=False)
+            else:
+                raise self.damaged(f"unknown metadata type {item} at byte {self.offset}")
             return count
         raise self.damaged(f"unknown metadata type {kind} at byte {self.offset}")
+
+    def _sized(self, size: int) -> int:
+        self._need(size)
+        return size
 
     def _need(self, size: int) -> None:
         if self.offset + size > len(self.data):
@@ -155,8 +174,9 @@ def read_header(path: Path) -> GgufHeader:
                     raise reader.damaged(f"tensor {name!r} of shape {shape} is not whole blocks of {block}")
                 tensors.append(TensorInfo(name, shape, kind, offset, elements // block * block_bytes))
             alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-            if not isinstance(alignment, int) or alignment <= 0:
+            if not isinstance(alignment, int) or not 0 < alignment <= _MAX_ALIGNMENT:
                 raise reader.damaged(f"alignment {alignment!r}")
+            _check_offsets(reader, tensors, alignment)
             data_start = -(-reader.offset // alignment) * alignment
             size = len(data)
     except ValueError as error:  # mmap of an empty file
@@ -170,10 +190,46 @@ def read_header(path: Path) -> GgufHeader:
     return GgufHeader(version, metadata, tuple(tensors), data_start)
 
 
+def _check_offsets(reader: _Reader, tensors: list[TensorInfo], alignment: int) -> None:
+    """Each tensor's data aligned as the header says, and no two overlapping: an offset shifted by a few bytes
+    would dequantize into plausible-looking nonsense."""
+    previous = None
+    for tensor in sorted(tensors, key=lambda tensor: tensor.offset):
+        if tensor.offset % alignment:
+            raise reader.damaged(f"tensor {tensor.name!r} starts at offset {tensor.offset}, not a multiple of its "
+                                 f"alignment {alignment}")
+        if previous is not None and tensor.offset < previous.offset + previous.nbytes:
+            raise reader.damaged(f"tensors {previous.name!r} and {tensor.name!r} overlap")
+        previous = tensor
+
+
 def check_llama(path: Path, header: GgufHeader) -> None:
-    """Refuse a GGUF of another architecture before it is dequantized."""
+    """Refuse a GGUF of another architecture, or whose tensors do not match its metadata (layers, embedding and
+    projection shapes), before it is dequantized."""
     if header.architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"{path} is a {header.architecture!r} GGUF; gali supports Llama models only")
+    metadata, shapes = header.metadata, {tensor.name: tensor.shape for tensor in header.tensors}
+
+    def damaged(detail: str) -> ModelLoadError:
+        return ModelLoadError(f"cannot load model {str(path)!r}: its metadata does not match its tensors "
+                              f"({detail}); a damaged or hostile GGUF file")
+
+    blocks = {int(name.split(".")[1]) for name in shapes if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    count = metadata.get("llama.block_count")
+    if not isinstance(count, int) or isinstance(count, bool) or count != len(blocks) or max(blocks, default=-1) != count - 1:
+        raise damaged(f"llama.block_count is {count!r} and the file holds {len(blocks)} blocks")
+    hidden, heads = metadata.get("llama.embedding_length"), metadata.get("llama.attention.head_count")
+    kv_heads = metadata.get("llama.attention.head_count_kv", heads)
+    vocab = metadata.get("llama.vocab_size", metadata.get("tokenizer.ggml.tokens"))
+    if not all(isinstance(value, int) and value > 0 for value in (hidden, heads, kv_heads)):
+        return  # the config check names the bad value (model_config.check_config)
+    head_dim = hidden // heads
+    expected = {"token_embd.weight": (hidden, vocab), "blk.0.attn_q.weight": (hidden, heads * head_dim),
+                "blk.0.attn_k.weight": (hidden, kv_heads * head_dim),
+                "blk.0.ffn_gate.weight": (hidden, metadata.get("llama.feed_forward_length"))}
+    for name, shape in expected.items():
+        if name in shapes and None not in shape and shapes[name] != shape:
+            raise damaged(f"{name} has shape {list(shapes[name])}, the metadata says {list(shape)}")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ full precision or bitsandbytes."""
 
 import copy
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,16 +13,28 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
+from .chat_template import check_chat_template
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError
 from .gguf import GgufFile, check_llama, read_header, require_gguf_package
 from .machine import choose_device, choose_dtype
 from .model_cache import DequantizedModels
+
 # Where a model loads from is decided without torch (model_config.py, for gali info); the names stay importable from
 # here, where the benchmarks and tests that load a model look.
 from .model_config import (  # noqa: F401
-    DEMO, GPU_DEFAULT_MODEL, SMOLLM2, SMOLLM2_INSTALL, ModelSource, default_model, demo_model_path, load_failure,
-    resolve_source, smollm2_gguf,
+    DEMO,
+    GPU_DEFAULT_MODEL,
+    SMOLLM2,
+    SMOLLM2_INSTALL,
+    ModelSource,
+    default_model,
+    demo_model_path,
+    load_failure,
+    read_model_config,
+    resolve_source,
+    smollm2_gguf,
 )
+
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # torch.save / pickle checkpoints: never opened
@@ -53,8 +66,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_config(name: str):
-    """The model's config, checked to be a Llama gali can handle, before any weight is read."""
+    """The model's config, checked to be a Llama gali can handle, with sane sizes (model_config.check_config),
+    before any weight is read or anything is built from it."""
     source = resolve_source(name)
+    read_model_config(name)  # the raw file checked first: transformers builds objects from what it says
     try:
         config = _gguf_config(source.gguf) if source.gguf else AutoConfig.from_pretrained(source.location,
                                                                                           trust_remote_code=False)
@@ -94,7 +109,8 @@ def load_model(
     location = source.location
     if source.gguf is not None:
         location = str(DequantizedModels(notice=notice).directory_for(source.gguf, torch_dtype))
-    check_weights(name, location)
+    check_weights(name, location, config)
+    tokenizer = load_tokenizer(name, location)  # before the weights: a broken tokenizer fails in a second
     quantization = None
     if quantize == "8bit":
         quantization = BitsAndBytesConfig(load_in_8bit=True)
@@ -114,7 +130,6 @@ def load_model(
             ignore_mismatched_sizes=True,  # reported below with the missing and unexpected weights, by name
             output_loading_info=True,
         )
-        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
     except torch.cuda.OutOfMemoryError as error:
         raise ModelLoadError(f"CUDA ran out of memory loading {name}: try --quantize 4bit") from error
     except (OSError, ValueError, ImportError, SafetensorError) as error:
@@ -128,9 +143,28 @@ def load_model(
     return LoadedModel(model, tokenizer, target, torch_dtype, identity)
 
 
-def check_weights(name: str, source: str) -> None:
+def load_tokenizer(name: str, location: str):
+    """The model's tokenizer, its chat template compiled; whatever the tokenizers library or jinja2 make of a
+    broken file (an empty tokenizer.json, a template that does not parse) is a ModelLoadError naming the model."""
+    folder = Path(location)
+    if (folder / "tokenizer.json").is_file() and (folder / "tokenizer.json").stat().st_size == 0:
+        raise ModelLoadError(f"cannot load model {name!r}: its tokenizer.json is empty")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
+    except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ModelLoadError(f"cannot load model {name!r}: its tokenizer cannot be read "
+                             f"({_first_line(error)})") from error
+    if isinstance(tokenizer, bool) or not callable(tokenizer):  # transformers returns odd things for odd folders
+        raise ModelLoadError(f"cannot load model {name!r}: it has no tokenizer transformers can read")
+    tokenizer.name_or_path = name  # what a chat template's failure is blamed on (a GGUF's would be its cache entry)
+    check_chat_template(name, tokenizer)
+    return tokenizer
+
+
+def check_weights(name: str, source: str, config=None) -> None:
     """Refuse a local model directory whose weights are pickle checkpoints only (unpickling can run code, so they
-    are never opened) or whose safetensors files are damaged or cut short, before transformers reads any of them."""
+    are never opened) or whose safetensors files are damaged or cut short, before transformers reads any of them;
+    with `config`, one whose tensors' shapes do not match it (check_shapes), before anything is allocated."""
     folder = Path(source)
     if not folder.is_dir():
         return  # a hub id: from_pretrained(use_safetensors=True) refuses pickles there
@@ -143,13 +177,44 @@ def check_weights(name: str, source: str) -> None:
             f"AutoModelForCausalLM as M; M.from_pretrained('{folder}', use_safetensors=False)"
             f".save_pretrained('{folder}')\""
         )
+    shapes = {}
     for path in files:
         try:
-            with safe_open(path, framework="pt"):  # reads and checks the header: tensors must cover the file
-                pass
+            with safe_open(path, framework="pt") as file:  # reads and checks the header: tensors must cover the file
+                shapes.update((key, tuple(file.get_slice(key).get_shape())) for key in file.keys())  # noqa: SIM118 - not a dict
         except (SafetensorError, OSError) as error:
             raise ModelLoadError(f"cannot load model {name!r}: {path.name} is damaged or incomplete "
                                  f"({_first_line(error)}); copy or download it again") from error
+    if config is not None and shapes:
+        check_shapes(name, config, shapes)
+
+
+def check_shapes(name: str, config, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The config against the tensors the checkpoint declares: no more parameters than the weights hold (give or
+    take an untied output layer), and the embedding and the first layer's projections in the shapes the config
+    gives them. transformers allocates what the config says before it compares, so a config of a thousand layers
+    over a two-layer checkpoint would be built first; smaller differences are named by check_loading_report."""
+    def refuse(detail: str) -> ModelLoadError:
+        return ModelLoadError(f"cannot load model {name!r}: its config.json does not match its weights ({detail})")
+
+    if getattr(config, "quantization_config", None):
+        return  # a pre-quantized checkpoint packs its weights in other shapes
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    described = config.vocab_size * hidden * 2 + hidden + config.num_hidden_layers * (
+        hidden * head_dim * 2 * (heads + kv_heads) + 3 * hidden * config.intermediate_size + 2 * hidden)
+    stored = sum(math.prod(shape) for shape in shapes.values())
+    if described > 2 * stored + 2**20:
+        raise refuse(f"it describes {described:,} parameters in {config.num_hidden_layers} layers and the weights "
+                     f"hold {stored:,}")
+    expected = {"embed_tokens.weight": (config.vocab_size, hidden),
+                "layers.0.self_attn.q_proj.weight": (heads * head_dim, hidden),
+                "layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                "layers.0.mlp.gate_proj.weight": (config.intermediate_size, hidden)}
+    for suffix, shape in expected.items():
+        found = [key for key in (f"model.{suffix}", suffix) if key in shapes]
+        if found and shapes[found[0]] != shape:
+            raise refuse(f"{found[0]} is {list(shapes[found[0]])}, the config makes it {list(shape)}")
 
 
 def check_loading_report(name: str, report: dict) -> None:

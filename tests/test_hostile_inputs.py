@@ -3,6 +3,7 @@ code and a one-line message, and none is ever an "unexpected" error."""
 
 import json
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -93,6 +94,92 @@ def test_a_hostile_input_is_one_line_and_its_exit_code(name, run, tiny_model_dir
     assert result.exit_code == code, result.stderr
     assert message in result.stderr and "unexpected" not in result.stderr and not result.stdout
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("gali: ")
+
+
+def hostile_model(tiny_model_dir: Path, folder: Path, config: dict | None = None, files: dict | None = None) -> Path:
+    """A copy of the tiny model with `config` merged into its config.json (None removes a key) and `files`
+    written over its own (e.g. chat_template.jinja)."""
+    shutil.copytree(tiny_model_dir, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    for key, value in (config or {}).items():
+        raw.pop(key, None) if value is None else raw.__setitem__(key, value)
+    (folder / "config.json").write_text(json.dumps(raw))  # json writes NaN and Infinity as Python reads them
+    for name, text in (files or {}).items():
+        (folder / name).write_text(text)
+    return folder
+
+
+LOOPS = "{% for i in range(10000) %}{% for j in range(1000) %}{% set x = i %}{% endfor %}{% endfor %}"
+HOSTILE_MODELS = {  # name: (config.json changes, files, what stderr says); each is exit 4 naming the model
+    "zero heads": ({"num_attention_heads": 0}, {}, "num_attention_heads is 0: a model's lies between 1 and 1,024"),
+    "a string for a size": ({"hidden_size": "64"}, {}, "hidden_size is '64': not a whole number"),
+    "an infinite window": ({"max_position_embeddings": float("inf")}, {}, "max_position_embeddings is inf"),
+    "a zero window": ({"max_position_embeddings": 0}, {}, "max_position_embeddings is 0"),
+    "a negative window": ({"max_position_embeddings": -4096}, {}, "max_position_embeddings is -4096"),
+    "NaN rope_theta": ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, {},
+                       "rope_parameters.rope_theta is nan: not a finite number"),
+    "negative rope_theta": ({"rope_parameters": None, "rope_theta": -10000.0}, {},
+                            "rope_theta is -10000.0: it must be positive"),
+    "negative yarn factor": ({"rope_parameters": {"rope_type": "yarn", "factor": -4.0, "rope_theta": 10000.0}}, {},
+                             "rope_parameters.factor is -4.0: it must be positive"),
+    "kv heads not dividing heads": ({"num_key_value_heads": 3}, {},
+                                    "num_key_value_heads is 3: it does not divide num_attention_heads (4)"),
+    "a thousand layers over two": ({"num_hidden_layers": 1000}, {},
+                                   "its config.json does not match its weights (it describes"),
+    "a vocabulary the embedding lacks": ({"vocab_size": 321}, {}, ("model.embed_tokens.weight is [320, 64], "
+                                                                   "the config makes it [321, 64]")),
+    "a config.json nested 100,000 deep": ({}, {"config.json": "[" * 100_000}, "maximum recursion depth exceeded"),
+    "a 2 MB config.json": ({}, {"config.json": '{"model_type": "llama"' + " " * 2**21 + "}"},
+                           "config.json is 2,097,175 bytes; a config takes a few kB"),
+    "an empty tokenizer.json": ({}, {"tokenizer.json": ""}, "its tokenizer.json is empty"),
+    "an invalid tokenizer.json": ({}, {"tokenizer.json": '{"model": 3}'}, "its tokenizer cannot be read"),
+    "a template syntax error": ({}, {"chat_template.jinja": "{% for %}"}, "the model's chat template does not parse"),
+    "an undefined name": ({}, {"chat_template.jinja": "{{ messages[0].nope.deeper }}"},
+                          "the model's chat template fails (UndefinedError"),
+    "a sandbox violation": ({}, {"chat_template.jinja": "{{ ''.__class__.__mro__ }}"},
+                            "the model's chat template breaks out of its sandbox"),
+    "a template that loops": ({}, {"chat_template.jinja": LOOPS}, ("the model's chat template is refused: it runs "
+                                                                    "more than 1,000,000 steps")),
+    "a template that raises": ({}, {"chat_template.jinja": "{{ raise_exception('no system role') }}"},
+                               "the model's chat template fails (TemplateError: no system role)"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_MODELS)
+def test_a_hostile_model_is_one_line_and_exit_4(name, run, tiny_model_dir, doc, tmp_path):
+    config, files, message = HOSTILE_MODELS[name]
+    folder = hostile_model(tiny_model_dir, tmp_path / "hostile", config, files)
+    result = run("summarize", str(doc), "--max-new-tokens", "2", "-m", str(folder))
+    assert result.exit_code == 4, result.stderr
+    assert message in result.stderr and str(folder) in result.stderr and not result.stdout, result.stderr
+    assert "unexpected" not in result.stderr and "--train-len" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("gali: "), result.stderr
+
+
+@pytest.mark.parametrize("config, files, message", [
+    ({"num_hidden_layers": 10**7}, {}, "num_hidden_layers is 10000000: a model's lies between 1 and 1,024"),
+    ({}, {"chat_template.jinja": "{{ 'x' * 10**10 }}"},
+     "the model's chat template is refused: it builds more than 4,194,304 characters"),
+    ({}, {"chat_template.jinja": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                                 "{% endfor %}"}, "the model's chat template is refused: it builds more than"),
+], ids=["10^7 layers", "a string times 10^10", "a string doubled 64 times"])
+def test_a_model_that_would_take_all_memory_is_refused_within_bounds(config, files, message, tiny_model_dir, doc,
+                                                                     tmp_path):
+    """Before the checks these grew until the kernel killed gali; here a 4 GiB address-space limit turns that into
+    a failure of the test, not of the machine."""
+    folder = hostile_model(tiny_model_dir, tmp_path / "hostile", config, files)
+    limit = 4 * 2**30
+    result = subprocess.run([sys.executable, "-m", "gali_cli", "summarize", str(doc), "--max-new-tokens", "2", "-m",
+                             str(folder)], capture_output=True, text=True, timeout=300, check=False,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert result.returncode == 4 and message in result.stderr and not result.stdout, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_gali_info_checks_the_config_too(run, tiny_model_dir, tmp_path):
+    folder = hostile_model(tiny_model_dir, tmp_path / "hostile", {"max_position_embeddings": 0})
+    result = run("info", "-m", str(folder))
+    assert result.exit_code == 4 and "max_position_embeddings is 0" in result.stderr, result.stderr
 
 
 @pytest.mark.slow

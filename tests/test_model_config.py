@@ -1,6 +1,7 @@
 """model_config.py reads a Llama's config.json without transformers: it must read it as transformers does."""
 
 import json
+import re
 
 import pytest
 from transformers import AutoConfig, LlamaConfig, MistralConfig
@@ -78,3 +79,28 @@ def test_a_gguf_of_another_architecture_is_refused(tiny_model_dir, tmp_path):
     path = write_gguf(tmp_path / "other.gguf", tiny_model_dir, architecture="qwen2")
     with pytest.raises(UnsupportedModelError):
         read_model_config(str(path))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"num_hidden_layers": 10**7}, "num_hidden_layers is 10000000: a model's lies between 1 and 1,024"),
+    ({"num_hidden_layers": True}, "num_hidden_layers is True: not a whole number"),
+    ({"hidden_size": 64.0}, "hidden_size is 64.0: not a whole number"),
+    ({"hidden_size": 100, "num_attention_heads": 3, "num_key_value_heads": 1},
+     "hidden_size is 100: it is not a multiple of num_attention_heads (3)"),
+    ({"head_dim": 7}, "head_dim is 7: rotary positions need an even head dimension"),
+    ({"num_hidden_layers": 1024, "hidden_size": 131072, "num_attention_heads": 1024},
+     "parameters, past any Llama's"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06: it must not be negative"),
+    ({"rope_scaling": "yarn"}, "rope_scaling is 'yarn': not a JSON object"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 0}},
+     "rope_scaling.original_max_position_embeddings is 0: not a window a model has"),
+    ({"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0, float("inf")], "short_factor": [1.0]}},
+     "rope_scaling.long_factor is inf: not a finite number"),
+    ({"max_position_embeddings": 2**40}, "max_position_embeddings is 1099511627776"),
+], ids=["10^7 layers", "a boolean", "a float", "heads not dividing hidden", "odd head_dim", "too many parameters",
+        "negative eps", "rope_scaling a string", "zero original window", "infinite longrope factor", "2^40 window"])
+def test_an_insane_config_is_refused_naming_the_field(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    with pytest.raises(ModelLoadError, match=re.escape(message)) as error:
+        read_model_config(str(tmp_path))
+    assert f"cannot load model {str(tmp_path)!r}: its config's" in str(error.value)

@@ -1,7 +1,10 @@
-from transformers import AutoTokenizer
+import time
 
 import pytest
+from transformers import AutoTokenizer
 
+from gali_cli.chat_template import MAX_SECONDS, render_chat_template
+from gali_cli.errors import ModelLoadError
 from gali_cli.prompts import (
     SUMMARIZE,
     ask_instruction,
@@ -79,10 +82,9 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 
 def llama3_style_tokenizer():
     """Llama 3's pre-tokenizer, where ".\n\n" is one piece: the document's last token can reach past its end."""
+    from conftest import CHAT_TEMPLATE
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from conftest import CHAT_TEMPLATE
 
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
     tokenizer = Tokenizer(models.BPE())
@@ -156,3 +158,66 @@ def test_served_prompt_without_a_chat_template_and_a_raw_prompt(tiny_model_dir):
     raw = raw_prompt(tokenizer, "The lease.<|eot_id|>\n\nWhen")
     assert raw.ids[0] == tokenizer.bos_token_id and tokenizer.convert_tokens_to_ids("<|eot_id|>") in raw.ids
     assert tokenizer.decode(raw.ids[raw.shared:]) == "When" and raw.cuts == [raw.shared, len(raw.ids)]
+
+
+RICH_TEMPLATE = (  # what real templates use: namespace, loop, filters, tojson, tests, macros, raise_exception
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% macro header(role) %}<|start_header_id|>{{ role }}"
+    "<|end_header_id|>\n\n{% endmacro %}"
+    "{% if messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] | trim %}"
+    "{% set messages = messages[1:] %}{% endif %}{{ header('system') }}{{ ns.system }}{{ {'k': [1, 2]} | tojson }}"
+    "<|eot_id|>{% for message in messages %}{% if message['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('roles') }}{% endif %}{{ header(message['role']) }}{{ message['content'] | trim }}"
+    "{% if not loop.last %}<|eot_id|>{% endif %}{% endfor %}{{ '=' * 3 }}{{ 'x' ~ messages | length }}"
+    "{{ '%s-%d' % ('a', 2) }}{{ '{}!'.format('b') }}{{ 'c'.center(5) | replace(' ', '.') }}"
+    "{% if add_generation_prompt %}{{ header('assistant') }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, RICH_TEMPLATE], ids=["tiny", "rich"])
+def test_the_bounded_render_is_transformers_render(tiny_model_dir, template):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = template or tokenizer.chat_template
+    messages = [{"role": "system", "content": " s "}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    assert render_chat_template(tokenizer, messages) == tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+
+
+HOSTILE_TEMPLATES = {
+    "a string times 10^10": ("{{ 'x' * 10**10 }}", "builds more than 4,194,304 characters"),
+    "a list times 10^10": ("{{ ['x'] * 10000000000 }}", "builds more than"),
+    "a doubling concatenation": (("{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                                  "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"), "builds more than"),
+    "a doubling block set": (("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set t %}{{ ns.s }}"
+                              "{{ ns.s }}{% endset %}{% set ns.s = t %}{% endfor %}"), "builds more than"),
+    "endless output": ("{% for i in range(100000) %}{% for j in range(1000) %}xxxxxxxx{% endfor %}{% endfor %}",
+                       "builds more than"),
+    "a huge width": ("{{ 'x' | center(10000000000) }}", "where a width or a count goes"),
+    "a huge method width": ("{{ 'x'.ljust(10**9) }}", "where a width or a count goes"),
+    "a huge format width": ("{{ '{:>10000000000}'.format('x') }}", "formats with a width of millions"),
+    "a huge %-width": ("{{ '%10000000000s' % 'x' }}", "formats with a width of millions"),
+    "a quadratic replace": ("{% set b = 'a' * 1000000 %}{{ b | replace('a', b) }}", "builds more than"),
+    "a quadratic join": ("{% set b = 'a' * 1000000 %}{{ b.join(['x'] * 100) }}", "builds more than"),
+    "a huge integer": ("{% set ns = namespace(n=3) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+                       "an integer of more than 4096 bits"),
+    "a huge power": ("{{ 2 ** 1000000 }}", "an integer of more than 4096 bits"),
+    "loops of loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                       "runs more than 1,000,000 steps"),
+    "endless recursion": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "fails (RecursionError"),
+    "a syntax error": ("{% for %}", "does not parse (line 1"),
+    "an undefined name": ("{{ nothing.deeper }}", "fails (UndefinedError: 'nothing' is undefined)"),
+    "a sandbox violation": ("{{ ''.__class__.__mro__ }}", "breaks out of its sandbox"),
+    "a mutation": ("{{ messages.append(1) }}", "breaks out of its sandbox"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_TEMPLATES)
+def test_a_hostile_chat_template_is_refused_within_bounds(tiny_model_dir, name):
+    template, message = HOSTILE_TEMPLATES[name]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template, tokenizer.name_or_path = template, "hostile-model"
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match="cannot use model 'hostile-model': the model's chat template") as error:
+        prompt_ids(tokenizer, "A document.", "Summarize it.")
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert time.monotonic() - started < MAX_SECONDS + 5
