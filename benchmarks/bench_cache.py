@@ -32,7 +32,7 @@ from gali_cli.config import MethodSettings  # noqa: E402
 from gali_cli.conversation import Conversation  # noqa: E402
 from gali_cli.doc_cache import DocumentCache, checksums  # noqa: E402
 from gali_cli.generate import TextPiece, make_sampler  # noqa: E402
-from gali_cli.loading import DEMO, load_model  # noqa: E402
+from gali_cli.model.loading import DEMO, load_model  # noqa: E402
 from gali_cli.prompts import ask_instruction  # noqa: E402
 
 

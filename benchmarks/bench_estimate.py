@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings  # noqa: E402
 from gali_cli.estimate import PrefillClock  # noqa: E402
 from gali_cli.generate import prefill  # noqa: E402
-from gali_cli.loading import DEMO, load_model  # noqa: E402
+from gali_cli.model.loading import DEMO, load_model  # noqa: E402
 from gali_cli.methods import apply_method, prefill_spans  # noqa: E402
 
 

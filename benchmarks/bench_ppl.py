@@ -1,6 +1,6 @@
 """Length extrapolation on the demo model: perplexity of every method, and GALI's ablations.
 
-The texts are the standard-library modules the demo model never saw (gali_cli/demo/heldout.txt) that are at least
+The texts are the standard-library modules the demo model never saw (gali_cli/model/demo/heldout.txt) that are at least
 16 windows long, generated codec tables (encodings/*) left out. Each length is evaluated on its own, as the first
 N tokens of every file, with every method's default settings for an input of N tokens (e.g. YaRN's factor N / 256);
 a figure is exp(mean over files of the mean NLL), the geometric mean of the files' perplexities.
@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings  # noqa: E402
-from gali_cli.loading import demo_model_path  # noqa: E402
+from gali_cli.model.loading import demo_model_path  # noqa: E402
 from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans  # noqa: E402
 from gali_cli.perplexity import perplexities  # noqa: E402
 

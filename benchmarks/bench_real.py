@@ -92,7 +92,7 @@ def _measure(spec: dict) -> dict:
     import torch
 
     from gali_cli.config import MethodSettings
-    from gali_cli.loading import load_model
+    from gali_cli.model.loading import load_model
 
     torch.set_num_threads(spec["threads"])
     torch.set_grad_enabled(False)

@@ -56,7 +56,7 @@ METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe")  # applied by name with thei
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     if args.model:
-        from gali_cli.loading import load_model
+        from gali_cli.model.loading import load_model
 
         model = load_model(args.model, device=args.device, dtype=args.dtype).model
         if args.layers:  # its first layers only: each layer costs the same, so the ratios hold, in less time

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings  # noqa: E402
 from gali_cli.generate import decode, make_sampler, prefill  # noqa: E402
-from gali_cli.loading import demo_model_path  # noqa: E402
+from gali_cli.model.loading import demo_model_path  # noqa: E402
 from gali_cli.methods import METHODS, apply_method, prefill_spans  # noqa: E402
 
 WINDOW = 256

@@ -121,7 +121,7 @@ def encode_chat(tokenizer, document: str, instruction: str, answer: str) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "gali_cli" / "demo"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "gali_cli" / "model" / "demo"))
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--chat-share", type=float, default=0.25, help="fraction of each batch that is chat")

@@ -19,7 +19,7 @@ from .document_states import DocumentStates
 from .generate import (
     Finished, Progress, Sampler, TextPiece, prefill, stop_token_ids, stream_generate, truncate_cache,
 )
-from .loading import LoadedModel
+from .model.loading import LoadedModel
 from .methods import METHODS, apply_method, prefill_spans
 from .prompts import Prompt, ask_instruction, conversation_ids
 

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from . import __version__
 from .doc_cache import DocumentCache, entry_key
-from .loading import LoadedModel
+from .model.loading import LoadedModel
 from .methods import METHODS, forward_ends
 
 

@@ -12,7 +12,7 @@ whose prefilled state can be reused (and the one `gali serve` cuts the same mess
 
 from typing import NamedTuple
 
-from .chat_template import render_chat_template
+from .model.chat_template import render_chat_template
 from .errors import ModelLoadError
 
 SUMMARIZE = "Summarize the document above."
@@ -101,7 +101,7 @@ def template_parts(tokenizer, roles: list[str]) -> list[str]:
     """The chat template's own text before each message and after the last one (len(roles) + 1 pieces).
 
     The template is rendered around placeholders, so that each message's text can be tokenized apart, within
-    bounds of time and memory (chat_template.py); raises ModelLoadError naming the model when the template fails,
+    bounds of time and memory (model/chat_template.py); raises ModelLoadError naming the model when the template fails,
     refuses the roles or leaves a message out.
     """
     slotted = [{"role": role, "content": _SLOT.format(index)} for index, role in enumerate(roles)]

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import gali_cli.cli as cli
 import gali_cli.conversation as conversation
-from gali_cli.batch import Rank, ResultsFile, corpus_perplexities, expand_documents, job_hash, run_batch
+from gali_cli.runs.batch_files import Rank, ResultsFile, corpus_perplexities, expand_documents, job_hash, run_batch
 from gali_cli.errors import ConfigError, InputError
 
 TEXT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n"

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
-from gali_cli.loading import demo_model_path
+from gali_cli.model.loading import demo_model_path
 
 HELD_OUT = [line for line in (demo_model_path() / "heldout.txt").read_text().splitlines() if line]
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from transformers import MistralConfig, MistralForCausalLM
 
 from gali_cli.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from gali_cli import model_config
+from gali_cli.model import config as model_config
 from gali_cli.cli import main
-from gali_cli.loading import (
+from gali_cli.model.loading import (
     SMOLLM2_INSTALL,
     default_model,
     demo_model_path,

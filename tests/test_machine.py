@@ -1,13 +1,13 @@
-"""machine.py: the machine's facts without importing torch where torch could not see a GPU anyway."""
+"""model/machine.py: the machine's facts without importing torch where torch could not see a GPU anyway."""
 
 import sys
 
 import pytest
 import torch
 
-import gali_cli.machine as machine
+import gali_cli.model.machine as machine
 from gali_cli.errors import ConfigError
-from gali_cli.machine import TorchBuild, choose_device, choose_dtype, environment_facts, gpu_possible, torch_build
+from gali_cli.model.machine import TorchBuild, choose_device, choose_dtype, environment_facts, gpu_possible, torch_build
 
 
 def test_torch_build_is_read_as_torch_says():

@@ -1,4 +1,4 @@
-"""model_config.py reads a Llama's config.json without transformers: it must read it as transformers does."""
+"""model/config.py reads a Llama's config.json without transformers: it must read it as transformers does."""
 
 import json
 import re
@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoConfig, LlamaConfig, MistralConfig
 
 from gali_cli.errors import ModelLoadError, UnsupportedModelError
-from gali_cli.model_config import demo_model_path, read_model_config
+from gali_cli.model.config import demo_model_path, read_model_config
 
 
 def transformers_facts(directory) -> dict:
@@ -62,7 +62,7 @@ def test_what_cannot_be_read(tmp_path):
 
 def test_a_gguf_header_reads_as_transformers_reads_the_file(tiny_gguf):
     """gali info reads a GGUF's header; loading takes the config transformers makes of the same file."""
-    from gali_cli.loading import load_config
+    from gali_cli.model.loading import load_config
 
     config = load_config(str(tiny_gguf))
     expected = {"architecture": (config.architectures or ["LlamaForCausalLM"])[0],

@@ -3,7 +3,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from gali_cli.chat_template import MAX_SECONDS, render_chat_template
+from gali_cli.model.chat_template import MAX_SECONDS, render_chat_template
 from gali_cli.errors import ModelLoadError
 from gali_cli.prompts import (
     SUMMARIZE,

@@ -24,7 +24,7 @@ from conftest import CORPUS
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
-from gali_cli.loading import load_model
+from gali_cli.model.loading import load_model
 from gali_cli.methods import apply_method, prefill_spans
 from gali_cli.prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
 from gali_cli.server.app import ServerSettings

@@ -38,14 +38,14 @@ class ModelChoice:
         about GPUs only where it could see one), decided when a run needs the name."""
         if self.named_model:
             return self.named_model
-        from ..model_config import default_model
+        from ..model.config import default_model
 
         return default_model(self.device)
 
     def check(self) -> None:
         """Settings that depend on the model (its window), checked from its config (read without torch:
-        model_config.py) before any file is read or anything heavy is imported."""
-        from ..model_config import read_model_config
+        model/config.py) before any file is read or anything heavy is imported."""
+        from ..model.config import read_model_config
 
         window = read_model_config(self.model).train_len
         if "gali" in self.methods:
@@ -55,7 +55,7 @@ class ModelChoice:
                               f"({window})")
         previewed = [method for method in self.methods if method in PREVIEWED_METHODS]
         if previewed:  # their checks need transformers' config (and torch): only when they are chosen
-            from ..loading import load_config
+            from ..model.loading import load_config
             from ..methods import preview_method
 
             config = load_config(self.model)

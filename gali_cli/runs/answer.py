@@ -7,7 +7,7 @@ from ..conversation import Conversation
 from ..display import print_json, say
 from ..documents import Document
 from ..generate import Finished, Sampler, TextPiece, make_sampler
-from ..loading import LoadedModel
+from ..model.loading import LoadedModel
 from ..prompts import ask_instruction
 from . import Answering, ModelChoice, Reading
 from .common import (

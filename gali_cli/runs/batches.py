@@ -1,5 +1,5 @@
 """summarize, ask and ppl over many documents (--out): the model loads once, each document appends its JSON lines,
-and under a launcher each process takes its share and rank 0 merges (gali_cli.batch keeps the books)."""
+and under a launcher each process takes its share and rank 0 merges (gali_cli.runs.batch_files keeps the books)."""
 
 import time
 from collections.abc import Callable, Iterator
@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import display
-from ..batch import (
+from .batch_files import (
     Collective,
     Outcome,
     Rank,
@@ -23,7 +23,7 @@ from ..display import print_json, say
 from ..documents import read_document
 from ..errors import ConfigError, InputError
 from ..generate import TextPiece, make_sampler
-from ..loading import resolve_device, resolve_dtype
+from ..model.loading import resolve_device, resolve_dtype
 from ..methods import kept_window
 from . import Answering, ModelChoice, Reading
 from .common import conversation, entry_point, finished_facts, load, store

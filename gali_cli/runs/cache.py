@@ -3,7 +3,7 @@
 from .. import display
 from ..display import print_json, say
 from ..errors import GaliError
-from ..model_cache import DequantizedModels, ModelEntry
+from ..model.dequantized import DequantizedModels, ModelEntry
 from .common import entry_point, store
 
 

@@ -15,7 +15,7 @@ import transformers
 
 from .. import display
 from ..engine.kernel_choice import kernel_choice
-from ..batch import Rank
+from .batch_files import Rank
 from ..conversation import Conversation
 from ..display import say, warn
 from ..doc_cache import DocumentCache, default_directory, default_limit
@@ -23,7 +23,7 @@ from ..documents import Document, read_document
 from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration
 from ..generate import Finished
-from ..loading import LoadedModel, load_model
+from ..model.loading import LoadedModel, load_model
 from ..methods import kept_window
 from . import ModelChoice, Reading
 

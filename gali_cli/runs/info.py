@@ -1,5 +1,5 @@
 """gali info: the model, the machine and the settings, without loading weights, and without importing torch or
-transformers where they are not needed to tell (machine.py, model_config.py): it answers at once. With --check, the
+transformers where they are not needed to tell (model/machine.py, model/config.py): it answers at once. With --check, the
 engine's self-check on the device (which needs torch)."""
 
 import itertools
@@ -11,8 +11,8 @@ from ..config import PREVIEWED_METHODS
 from ..display import print_json, say
 from ..engine.plan import decide
 from ..errors import GaliError
-from ..machine import environment_facts
-from ..model_config import read_model_config
+from ..model.machine import environment_facts
+from ..model.config import read_model_config
 from . import ModelChoice
 
 
@@ -38,7 +38,7 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> No
     if not check:
         display.print_facts(facts, json_output)
         return
-    from ..loading import resolve_device
+    from ..model.loading import resolve_device
 
     device = resolve_device(choice.device)
     if not json_output:
@@ -87,7 +87,7 @@ def _previews(choice: ModelChoice) -> dict:
     previewed = [method for method in choice.methods if method in PREVIEWED_METHODS]
     if not previewed:
         return {}
-    from ..loading import load_config
+    from ..model.loading import load_config
     from ..methods import preview_method
 
     config = load_config(choice.model)

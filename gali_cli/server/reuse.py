@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from ..doc_cache import DocumentCache
 from ..document_states import DocumentStates
 from ..generate import truncate_cache
-from ..loading import LoadedModel
+from ..model.loading import LoadedModel
 from ..methods import METHODS, forward_ends
 from ..prompts import ServedPrompt
 

@@ -21,7 +21,7 @@ from ..config import MethodSettings
 from ..doc_cache import DocumentCache
 from ..errors import GaliError, InputError
 from ..generate import Finished, Sampler, TextPiece, make_sampler, stop_token_ids, stream_generate
-from ..loading import LoadedModel
+from ..model.loading import LoadedModel
 from ..methods import apply_method, kept_window, prefill_spans
 from ..prompts import ServedPrompt
 from .reuse import States

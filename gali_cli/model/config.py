@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError, UnsupportedModelError
+from ..errors import ModelLoadError, UnsupportedModelError
 from .gguf import GgufFile, check_llama, is_gguf, read_header
 from .machine import cuda_available
 

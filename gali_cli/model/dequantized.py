@@ -36,7 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .errors import GaliWarning, ModelLoadError
+from ..errors import GaliWarning, ModelLoadError
 from .gguf import GgufFile
 
 FORMAT = "1"

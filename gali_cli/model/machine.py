@@ -13,9 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import compat
-from .engine.plan import decide
-from .errors import ConfigError
+from .. import compat
+from ..engine.plan import decide
+from ..errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
 # Device files a GPU driver creates on Linux: NVIDIA's, WSL's (CUDA through DirectX), AMD's (ROCm).

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from .documents import link_problem
-from .errors import ConfigError, GaliError, InputError
+from ..documents import link_problem
+from ..errors import ConfigError, GaliError, InputError
 
 # Files a directory contributes; anything else in it (images, binaries, code) is left alone.
 DOCUMENT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".org", ".html", ".htm", ".pdf")

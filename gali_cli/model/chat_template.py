@@ -27,7 +27,7 @@ from jinja2.nodes import EvalContext
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 MAX_TEMPLATE = 2**20  # characters of the template's own source
 MAX_CHARS = 2**22  # characters (or items) of everything one render makes, output included

@@ -14,14 +14,14 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
 from .chat_template import check_chat_template
-from .errors import ConfigError, ModelLoadError, UnsupportedModelError
+from ..errors import ConfigError, ModelLoadError, UnsupportedModelError
 from .gguf import GgufFile, check_llama, read_header, require_gguf_package
 from .machine import choose_device, choose_dtype
-from .model_cache import DequantizedModels
+from .dequantized import DequantizedModels
 
-# Where a model loads from is decided without torch (model_config.py, for gali info); the names stay importable from
+# Where a model loads from is decided without torch (config.py, for gali info); the names stay importable from
 # here, where the benchmarks and tests that load a model look.
-from .model_config import (  # noqa: F401
+from .config import (  # noqa: F401
     DEMO,
     GPU_DEFAULT_MODEL,
     SMOLLM2,
@@ -98,7 +98,7 @@ def load_model(
 ) -> LoadedModel:
     """Load a Llama for inference: bf16 on CUDA and fp32 on CPU by default, spread over all GPUs with
     device_map="auto" (or all on GPU `gpu`: one process per GPU under a launcher); bitsandbytes 8-bit, or 4-bit
-    NF4 computing in bf16. A GGUF is dequantized once to `dtype` and kept in the user cache (model_cache.py);
+    NF4 computing in bf16. A GGUF is dequantized once to `dtype` and kept in the user cache (dequantized.py);
     quantization applies after that. `notice` hears about slow first-time work."""
     if quantize not in QUANTIZATIONS:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError, UnsupportedModelError
+from ..errors import ModelLoadError, UnsupportedModelError
 
 MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
