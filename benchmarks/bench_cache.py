@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gali_cli.config import MethodSettings  # noqa: E402
-from gali_cli.conversation import Conversation  # noqa: E402
-from gali_cli.doc_cache import DocumentCache, checksums  # noqa: E402
-from gali_cli.generate import TextPiece, make_sampler  # noqa: E402
-from gali_cli.model.loading import DEMO, load_model  # noqa: E402
-from gali_cli.prompts import ask_instruction  # noqa: E402
+from gali_cli.config import MethodSettings
+from gali_cli.conversation import Conversation
+from gali_cli.doc_cache import DocumentCache, checksums
+from gali_cli.generate import TextPiece, make_sampler
+from gali_cli.model.loading import DEMO, load_model
+from gali_cli.prompts import ask_instruction
 
 
 def timed_answer(conversation: Conversation, question: str, max_new_tokens: int) -> tuple[float, float, int]:

@@ -21,11 +21,11 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gali_cli.config import MethodSettings  # noqa: E402
-from gali_cli.estimate import PrefillClock  # noqa: E402
-from gali_cli.generate import prefill  # noqa: E402
-from gali_cli.model.loading import DEMO, load_model  # noqa: E402
-from gali_cli.methods import apply_method, prefill_spans  # noqa: E402
+from gali_cli.config import MethodSettings
+from gali_cli.estimate import PrefillClock
+from gali_cli.generate import prefill
+from gali_cli.methods import apply_method, prefill_spans
+from gali_cli.model.loading import DEMO, load_model
 
 
 def text_of(tokens: int, tokenizer) -> list[int]:

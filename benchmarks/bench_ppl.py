@@ -25,10 +25,10 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gali_cli.config import MethodSettings  # noqa: E402
-from gali_cli.model.loading import demo_model_path  # noqa: E402
-from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans  # noqa: E402
-from gali_cli.perplexity import perplexities  # noqa: E402
+from gali_cli.config import MethodSettings
+from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans
+from gali_cli.model.loading import demo_model_path
+from gali_cli.perplexity import perplexities
 
 WINDOW = 256
 LENGTHS = [256, 512, 1024, 2048, 4096]

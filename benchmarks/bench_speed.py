@@ -360,12 +360,13 @@ def main() -> None:
                 print(f"| {variant}: {VARIANTS[variant]} | failed (see stderr) | | | | | | | | |")
                 continue
             m = median[variant]
-            ratio = (lambda key: f"{m[key] / base[key]:.2f}" if base and base[key] else "-")
+            ratio = {key: f"{m[key] / base[key]:.2f}" if base and base[key] else "-"
+                     for key in ("prefill_s", "peak_mib", "prefill_mib")}
             decoded = (f"{m['decode_ms']:.1f} | {base['decode_ms'] / m['decode_ms']:.2f}" if base and args.decode_tokens
                        else "- | -")
-            print(f"| {variant}: {VARIANTS[variant]} | {m['prefill_s']:.2f} | {ratio('prefill_s')} | "
-                  f"{tokens / m['prefill_s']:.0f} | {m['peak_mib']:.0f} | {ratio('peak_mib')} | "
-                  f"{m['prefill_mib']:.0f} | {ratio('prefill_mib')} | {decoded} |")
+            print(f"| {variant}: {VARIANTS[variant]} | {m['prefill_s']:.2f} | {ratio['prefill_s']} | "
+                  f"{tokens / m['prefill_s']:.0f} | {m['peak_mib']:.0f} | {ratio['peak_mib']} | "
+                  f"{m['prefill_mib']:.0f} | {ratio['prefill_mib']} | {decoded} |")
     if decode:
         print(f"\nDecode, ms per token (median of {args.decode_tokens}) after a prompt of factor x train_len "
               f"{train_lens[0]}\n")

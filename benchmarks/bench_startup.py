@@ -72,8 +72,10 @@ def main() -> None:
         for name, command in COMMANDS.items():
             results[name].append(timed(command))
     load_after = os.getloadavg()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
     print(f"{date.today()}, {platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), Python "
           f"{platform.python_version()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; "
           f"{args.rounds} rounds\n")

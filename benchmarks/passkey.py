@@ -21,10 +21,10 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gali_cli.config import MethodSettings  # noqa: E402
-from gali_cli.generate import decode, make_sampler, prefill  # noqa: E402
-from gali_cli.model.loading import demo_model_path  # noqa: E402
-from gali_cli.methods import METHODS, apply_method, prefill_spans  # noqa: E402
+from gali_cli.config import MethodSettings
+from gali_cli.generate import decode, make_sampler, prefill
+from gali_cli.methods import METHODS, apply_method, prefill_spans
+from gali_cli.model.loading import demo_model_path
 
 WINDOW = 256
 MODEL_DIR = Path(__file__).resolve().parent / "passkey_model"
@@ -132,7 +132,8 @@ def evaluate(args: argparse.Namespace) -> None:
             for depth in depths:
                 results[(method, length, depth)] = evaluate_one(model, texts, method, length, [depth],
                                                                 args.trials, seed=length * 10 + int(depth * 4))
-    print(f"# {date.today()} - {platform.machine()} - torch {torch.__version__} - {time.perf_counter() - started:.0f} s")
+    print(f"# {date.today()} - {platform.machine()} - torch {torch.__version__} - "
+          f"{time.perf_counter() - started:.0f} s")
     print(f"# python {' '.join(sys.argv)}\n")
     print("Retrieval accuracy by input length (mean over depths):\n")
     print("| method | " + " | ".join(map(str, lengths)) + " |\n" + "|---" * (len(lengths) + 1) + "|")

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gali_cli.prompts import SUMMARIZE, ask_instruction, chat_messages  # noqa: E402
+from gali_cli.prompts import SUMMARIZE, ask_instruction, chat_messages
 
 WINDOW = 256
 VOCAB = 4096
@@ -137,7 +137,7 @@ def main() -> None:
     tokenizer = train_tokenizer(texts)
     stream = []
     for text in texts:
-        stream.extend(tokenizer(text).input_ids + [tokenizer.convert_tokens_to_ids(EOS)])
+        stream.extend([*tokenizer(text).input_ids, tokenizer.convert_tokens_to_ids(EOS)])
     stream = torch.tensor(stream)
     chats = [encoded for text in texts for example in docstring_examples(text)
              if (encoded := encode_chat(tokenizer, *example)) is not None]

@@ -21,7 +21,21 @@ _PUBLIC = {
     "remove_method": ".methods",
     "with_cache": ".engine.seam",
 }
-__all__ = sorted(_PUBLIC)
+__all__ = [  # the keys of _PUBLIC, sorted; a literal so that linters and IDEs can read it
+    "ConfigError",
+    "GaliConfig",
+    "GaliError",
+    "InputError",
+    "MethodSettings",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "apply_gali",
+    "apply_method",
+    "gali_settings",
+    "remove_gali",
+    "remove_method",
+    "with_cache",
+]
 
 
 def __getattr__(name: str):

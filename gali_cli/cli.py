@@ -17,8 +17,8 @@ from typing import Annotated
 import typer
 
 from . import display
-from .display import fail, say
 from .config import MAX_INPUT_BYTES
+from .display import fail, say
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
 from .options import (
     CacheDir,
@@ -60,18 +60,18 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
             raise
         except KeyboardInterrupt:
             say("interrupted")
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
         except BrokenPipeError:  # the reader of stdout went away (e.g. | head): stop quietly, as Python's docs advise
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
         except GaliError as error:
             fail(str(error))
-            raise typer.Exit(next((code for kind, code in EXIT_CODES.items() if isinstance(error, kind)), 1))
+            raise typer.Exit(next((code for kind, code in EXIT_CODES.items() if isinstance(error, kind)), 1)) from None
         except Exception as error:
             if os.environ.get("GALI_DEBUG"):
                 raise
             fail(f"unexpected {type(error).__name__}: {error} (GALI_DEBUG=1 shows the traceback)")
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
 
     return run
 
@@ -315,8 +315,8 @@ def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> N
 @cache_app.command("clear", cls=Command)
 @_guarded
 def cache_clear(cache_dir: CacheDir = None, models: Annotated[bool, typer.Option(
-        "--models", metavar="", help="Delete the dequantized models instead (the next load of a GGUF dequantizes it again).")]
-        = False) -> None:
+        "--models", metavar="",
+        help="Delete the dequantized models instead (the next load of a GGUF dequantizes it again).")] = False) -> None:
     """Delete every cached document state.
 
     Example: gali cache clear

@@ -17,10 +17,17 @@ from .config import MethodSettings
 from .doc_cache import DocumentCache
 from .document_states import DocumentStates
 from .generate import (
-    Finished, Progress, Sampler, TextPiece, prefill, stop_token_ids, stream_generate, truncate_cache,
+    Finished,
+    Progress,
+    Sampler,
+    TextPiece,
+    prefill,
+    stop_token_ids,
+    stream_generate,
+    truncate_cache,
 )
-from .model.loading import LoadedModel
 from .methods import METHODS, apply_method, prefill_spans
+from .model.loading import LoadedModel
 from .prompts import Prompt, ask_instruction, conversation_ids
 
 

@@ -19,8 +19,8 @@ from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
-from rich.spinner import Spinner
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.spinner import Spinner
 from rich.table import Table
 
 from .errors import ConfigError
@@ -342,8 +342,8 @@ def plot_ppl(rows: list[dict], path: str, title: str, window: int) -> None:
         for x, y in points:
             if y > high:
                 axes.plot([x], [high], marker="^", markersize=9, markerfacecolor="white", color=line.get_color())
-                axes.annotate(f"{y:.3g}" if y < 1000 else f"{y:,.0f}", (x, high), textcoords="offset points", xytext=(0, 7), ha="center",
-                              fontsize=7, color=line.get_color())
+                axes.annotate(f"{y:.3g}" if y < 1000 else f"{y:,.0f}", (x, high), textcoords="offset points",
+                              xytext=(0, 7), ha="center", fontsize=7, color=line.get_color())
                 clipped = True
     axes.axvline(window, color="0.4", linestyle=":", linewidth=1.2)
     axes.annotate(f"training window ({_count(window)})", (window, 0), xycoords=("data", "axes fraction"),
@@ -354,7 +354,7 @@ def plot_ppl(rows: list[dict], path: str, title: str, window: int) -> None:
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_ylim(low, high * 1.3)
-    axes.set_xlim(min(lengths + [window]) / 1.2, max(lengths + [window]) * 1.2)
+    axes.set_xlim(min([*lengths, window]) / 1.2, max([*lengths, window]) * 1.2)
     axes.xaxis.set_major_locator(FixedLocator(lengths))
     axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _count(x)))
     axes.xaxis.set_minor_locator(NullLocator())

@@ -143,7 +143,7 @@ class DocumentCache:
             with safe_open(path, framework="pt") as file:  # one handle: a concurrent replace cannot mix two files
                 metadata = file.metadata() or {}
                 _check_metadata(metadata, key, prefix_ids)
-                tensors = {name: file.get_tensor(name) for name in file.keys()}
+                tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 - not iterable
             _check_tensors(tensors, len(prefix_ids), model, json.loads(metadata.get("crc32", "{}")))
         except FileNotFoundError:
             return None  # evicted by another gali meanwhile

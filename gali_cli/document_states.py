@@ -10,14 +10,15 @@ the document ends and where the question starts), so a document read by one is a
 """
 
 import json
+
 import torch
 import transformers
 from transformers import DynamicCache
 
 from . import __version__
 from .doc_cache import DocumentCache, entry_key
-from .model.loading import LoadedModel
 from .methods import METHODS, forward_ends
+from .model.loading import LoadedModel
 
 
 def state_identity(loaded: LoadedModel, method: str, resolved: dict) -> dict:

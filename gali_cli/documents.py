@@ -132,7 +132,8 @@ def _decode(data: bytes, name: str) -> tuple[str, list[str]]:
     if b"\x00" in head:  # ASCII-range text in UTF-16 without a byte order mark: zeros on one side of each pair
         for encoding, high, low in (("utf-16-le", head[1::2], head[0::2]), ("utf-16-be", head[0::2], head[1::2])):
             if high.count(0) > 0.9 * len(high) and low.count(0) < 0.1 * len(low):
-                return data.decode(encoding, errors="replace"), [f"{name} has no byte order mark; read it as {encoding}"]
+                warning = f"{name} has no byte order mark; read it as {encoding}"
+                return data.decode(encoding, errors="replace"), [warning]
     control = sum(byte < 32 and byte not in b"\t\n\r\f\v\x1b" for byte in head)
     if b"\x00" in head or control > len(head) // 10:
         raise InputError(f"{name} looks like a binary file, not text or PDF")
@@ -197,7 +198,7 @@ def _read_pdf(
     for number in range(1, total + 1):
         try:
             text = pages[number - 1].extract_text() or ""
-        except Exception:  # noqa: BLE001 - pypdf raises many kinds on a damaged page; skip it, say so below
+        except Exception:  # pypdf raises many kinds on a damaged page; skip it, say so below
             text = ""
             broken.append(number)
         if text.strip():

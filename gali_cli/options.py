@@ -18,6 +18,7 @@ from .config import MAX_INPUT_BYTES, METHOD_NAMES, MethodSettings, format_size, 
 from .errors import ConfigError
 from .runs import ModelChoice
 
+
 class Quantize(str, Enum):
     none = "none"
     int8 = "8bit"

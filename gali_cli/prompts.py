@@ -12,8 +12,8 @@ whose prefilled state can be reused (and the one `gali serve` cuts the same mess
 
 from typing import NamedTuple
 
-from .model.chat_template import render_chat_template
 from .errors import ModelLoadError
+from .model.chat_template import render_chat_template
 
 SUMMARIZE = "Summarize the document above."
 ASK = "Answer this question about the document above: {question}"

@@ -132,7 +132,7 @@ def _seam_check(model: LlamaForCausalLM, ids: torch.Tensor, case: SeamCase) -> C
             expected_tokens, expected = reference.greedy(ids[0].tolist(), case.decoded)
         else:
             seen, expected_tokens, expected = [logits.double()], [], [reference.prefill(ids[0].tolist())[-1]]
-    except Exception as error:  # noqa: BLE001 - whatever stops the seam (a SeamError above all) is this check's finding
+    except Exception as error:  # whatever stops the seam (a SeamError above all) is this check's finding
         return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:400]})", float("nan"),
                      TOLERANCE, {}, seam=True)
     name += (f" in {len(spans)} forward{'s' if len(spans) > 1 else ''}"

@@ -3,11 +3,12 @@
     python scripts/walk.py [--method gali] [--noise]
 
 Runs `gali ask` in this process on the bundled demo model (a document past its 256-token window, so the method's
-attention runs) under a profiler, and at every tensor attention op (SDPA, torch's CPU flash op or a logits matmul) called from gali's
-engine takes the call stack: each different stack is one walk, printed with its counts. A *room* is a module of gali_cli (frames of torch and transformers between them are
-left out: they are not ours to arrange); the stack *enters* a room each time it moves into a different one, and
-*returns* when it moves back into a room already on the stack below (A -> B -> A). Fewer rooms and fewer returns: a newcomer following
-the question reads fewer files and comes back to fewer. Also printed: every gali module the whole question touched.
+attention runs) under a profiler, and at every tensor attention op (SDPA, torch's CPU flash op or a logits matmul)
+called from gali's engine takes the call stack: each different stack is one walk, printed with its counts. A *room*
+is a module of gali_cli (frames of torch and transformers between them are left out: they are not ours to arrange);
+the stack *enters* a room each time it moves into a different one, and *returns* when it moves back into a room
+already on the stack below (A -> B -> A). Fewer rooms and fewer returns: a newcomer following the question reads
+fewer files and comes back to fewer. Also printed: every gali module the whole question touched.
 """
 
 import argparse

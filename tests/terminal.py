@@ -85,7 +85,7 @@ class Terminal:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out; the screens show:\n{screens}")
             exited = self.process is not None and self.process.poll() is not None
-            if (not self.read() or exited and not self.read(0.5)) and not condition(self):
+            if (not self.read() or (exited and not self.read(0.5))) and not condition(self):
                 raise AssertionError(f"gali exited or the terminal closed; the screens show:\n{screens}")
 
     def shows(self, text: str) -> bool:

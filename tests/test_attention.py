@@ -7,8 +7,8 @@ from gali_cli.engine.gali_attention import chunk_context, chunk_contexts, gali_a
 from gali_cli.engine.noise import Noise
 from gali_cli.engine.noisy_attention import add_noise
 from gali_cli.engine.positions import chunk_plan, interpolate
-from gali_cli.engine.rope import RopeTable, key_rotation
 from gali_cli.engine.reference import reference_gali_attention
+from gali_cli.engine.rope import RopeTable, key_rotation
 
 HEAD_DIM = 16
 
@@ -41,7 +41,8 @@ def test_mixed_key_equals_two_matmul_interpolation(heads, kv_heads, train_len, l
     table = rope_table(train_len + 1)
     chunk = chunk_context(table, kv_len, q_len, train_len, local_window)
     fast = gali_attention(query, key, value, [chunk], scale=HEAD_DIM**-0.5)
-    slow = reference_gali_attention(query, key, value, table, interpolate(kv_len, train_len, local_window), HEAD_DIM**-0.5)
+    interp = interpolate(kv_len, train_len, local_window)
+    slow = reference_gali_attention(query, key, value, table, interp, HEAD_DIM**-0.5)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
 
@@ -71,7 +72,7 @@ def test_chunks_reusing_keys_equal_chunks_alone(noise, train_len, chunk_size, lo
     contexts = chunk_contexts(table, pieces, train_len, local_window)
     assert any(chunk.reuse for chunk in contexts)  # the case under test
     together = gali_attention(query, key, value, contexts, HEAD_DIM**-0.5, noise=noise)
-    for (first, last), chunk in zip(pieces, contexts):
+    for (first, last), _chunk in zip(pieces, contexts):
         rows = slice(first - train_len, last - train_len)
         alone = chunk_context(table, last, last - first, train_len, local_window)
         expected = gali_attention(query[:, :, rows], key, value, [alone], HEAD_DIM**-0.5, noise=noise)

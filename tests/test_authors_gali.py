@@ -21,7 +21,8 @@ OUTPUTS = Path(__file__).parent / "data" / "authors_gali.safetensors"
 def authors_case(name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The case's weights (by parameter name) and the authors' outputs."""
     with safe_open(OUTPUTS, "pt") as outputs:
-        found = {key.removeprefix(f"{name}/"): outputs.get_tensor(key) for key in outputs.keys()
+        # safe_open has keys() but cannot be iterated itself, hence the noqa.
+        found = {key.removeprefix(f"{name}/"): outputs.get_tensor(key) for key in outputs.keys()  # noqa: SIM118
                  if key.startswith(f"{name}/")}
     weights = {key.removeprefix("weights/"): value for key, value in found.items() if key.startswith("weights/")}
     return weights, {key: value for key, value in found.items() if not key.startswith("weights/")}

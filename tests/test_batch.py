@@ -1,7 +1,9 @@
 """Batch mode: which documents, resuming, failures, corpus perplexity, and two processes under torchrun."""
 
+import functools
 import json
 import math
+import operator
 import os
 import shutil
 import signal
@@ -16,8 +18,8 @@ from typer.testing import CliRunner
 
 import gali_cli.cli as cli
 import gali_cli.conversation as conversation
-from gali_cli.runs.batch_files import Rank, ResultsFile, corpus_perplexities, expand_documents, job_hash, run_batch
 from gali_cli.errors import ConfigError, InputError
+from gali_cli.runs.batch_files import Rank, ResultsFile, corpus_perplexities, expand_documents, job_hash, run_batch
 
 TEXT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n"
 
@@ -68,7 +70,8 @@ def test_documents_that_are_not_there(folder, monkeypatch, specs, error, message
 def test_ranks_split_the_documents_deterministically(monkeypatch):
     documents = [Path(f"{index}.txt") for index in range(7)]
     shares = [Rank(rank, 3).shard(documents) for rank in range(3)]
-    assert sorted(sum(shares, [])) == sorted(documents) and [len(share) for share in shares] == [3, 2, 2]
+    assert sorted(functools.reduce(operator.iadd, shares, [])) == sorted(documents)
+    assert [len(share) for share in shares] == [3, 2, 2]
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from rich.console import Console
+from test_documents import make_pdf
 from transformers import MistralConfig, MistralForCausalLM
 from typer.testing import CliRunner
 
@@ -21,8 +23,6 @@ import gali_cli.runs.common as common
 from gali_cli.display import short_path
 from gali_cli.generate import TextPiece
 from gali_cli.methods import METHODS
-from rich.console import Console
-from test_documents import make_pdf
 
 DOCUMENT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n" * 12
 
@@ -206,7 +206,8 @@ def test_info(gali, tiny_model_dir):
     assert forced["noisy_attention"] == "PyTorch (GALI_KERNEL=torch)"
     if facts["device"] == "cpu":
         forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "triton", "TRITON_INTERPRET": "0"}).stdout)
-        assert forced["noisy_attention"] in ("error: GALI_KERNEL=triton needs CUDA", "PyTorch (triton is not installed)")
+        assert forced["noisy_attention"] in ("error: GALI_KERNEL=triton needs CUDA",
+                                             "PyTorch (triton is not installed)")
     previews = json.loads(gali("info", "--json", "--method", "all", "--leaky-factor", "4").stdout)
     assert previews["rerope"] == {"train_len": 32, "neighbor_window": 8, "logn": True}
     assert previews["leaky-rerope"]["reaches"] == 8 + 4 * (31 - 8) + 1  # how far k = 4 takes the window

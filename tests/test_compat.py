@@ -1,13 +1,14 @@
 """The seam with transformers: the cache found whichever way it is handed over, a release that hands it over in a way
 gali does not know refused (never computed on), and a release outside the tested range said once."""
 
-import tomllib
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import torch
+from conftest import VOCAB
 from transformers import DynamicCache
 
 import gali_cli.compat as compat
@@ -21,7 +22,6 @@ from gali_cli.generate import decode, prefill
 from gali_cli.methods import apply_method
 from gali_cli.perplexity import perplexities
 from gali_cli.seam_check import seam_checks
-from conftest import VOCAB
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,13 +6,13 @@ from gali_cli import ConfigError, GaliConfig
 @pytest.mark.parametrize(
     "settings, flag",
     [
-        (dict(train_len=16, local_window=16), "--local-window"),
-        (dict(chunk_size=0), "--chunk-size"),
-        (dict(train_len=1), "--train-len"),
-        (dict(local_window=-1), "--local-window"),
-        (dict(noise_scale=-1.0), "--noise-scale"),
-        (dict(seed=1.5), "--noise-seed"),
-        (dict(chunk_size=True), "--chunk-size"),
+        ({"train_len": 16, "local_window": 16}, "--local-window"),
+        ({"chunk_size": 0}, "--chunk-size"),
+        ({"train_len": 1}, "--train-len"),
+        ({"local_window": -1}, "--local-window"),
+        ({"noise_scale": -1.0}, "--noise-scale"),
+        ({"seed": 1.5}, "--noise-seed"),
+        ({"chunk_size": True}, "--chunk-size"),
     ],
 )
 def test_bad_settings_name_the_flag(settings, flag):

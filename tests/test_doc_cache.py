@@ -8,9 +8,8 @@ import torch
 from transformers import DynamicCache
 
 import gali_cli.doc_cache as doc_cache
-from gali_cli.config import MethodSettings
+from gali_cli.config import MethodSettings, parse_size
 from gali_cli.conversation import Conversation
-from gali_cli.config import parse_size
 from gali_cli.doc_cache import DocumentCache, entry_key
 from gali_cli.engine.seam import with_cache
 from gali_cli.errors import ConfigError
@@ -339,7 +338,7 @@ def test_a_stopped_answer_is_rolled_back_even_if_its_generator_is_never_closed(l
         answer(conversation, SUMMARIZE, 5)
         stopped = conversation.ask("Who repairs the roof?", make_sampler(), 8) if stop else None
         if stop:
-            for index, event in enumerate(stopped):
+            for index, _event in enumerate(stopped):
                 if index == 2:
                     break  # `stopped` stays referenced, suspended after its third event
             assert conversation.cache.get_seq_length() > len(conversation.cached_ids)

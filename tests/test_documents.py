@@ -53,13 +53,13 @@ def test_other_encodings_are_detected_with_a_warning(tmp_path):
 
 def test_undecodable_bytes_are_replaced_with_a_warning(tmp_path):
     path = tmp_path / "mixed.txt"
-    path.write_bytes("plain ascii text and ".encode() * 30 + b"\xff\xfe\xfa broken" + " more text".encode() * 30)
+    path.write_bytes(b"plain ascii text and " * 30 + b"\xff\xfe\xfa broken" + b" more text" * 30)
     document = read_document(str(path))
     assert "plain ascii text" in document.text and document.warnings
 
 
 def test_standard_input(tmp_path):
-    document = read_document("-", stdin=io.BytesIO("from stdin\n".encode()))
+    document = read_document("-", stdin=io.BytesIO(b"from stdin\n"))
     assert document.text == "from stdin\n" and document.name == "<stdin>"
     pdf = make_pdf(tmp_path / "in.pdf", ["A PDF arriving on stdin."])
     assert "arriving on stdin" in read_document("-", stdin=io.BytesIO(pdf.read_bytes())).text
@@ -112,7 +112,8 @@ def link(path: Path, target: Path) -> Path:
         (lambda d: write(d, "broken.pdf", b"%PDF-1.7\n%broken\n1 0 obj << /Type /Catalog"), "not a readable PDF"),
         (lambda d: make_pdf(d / "scan.pdf", [None, None]), "OCR"),
     ],
-    ids=["missing", "symlink-loop", "broken-symlink", "directory", "empty", "blank", "binary", "corrupt-pdf", "image-only-pdf"],
+    ids=["missing", "symlink-loop", "broken-symlink", "directory", "empty", "blank", "binary", "corrupt-pdf",
+         "image-only-pdf"],
 )
 def test_unreadable_inputs(tmp_path, setup, message):
     path = setup(tmp_path)
@@ -168,7 +169,7 @@ def test_inputs_past_the_size_limit_are_refused_while_reading(tmp_path):
         read_document("-", stdin=io.BytesIO(b"x" * 1025), max_bytes=1024)
     assert read_document("-", stdin=io.BytesIO(b"x" * 1024), max_bytes=1024).text == "x" * 1024
     big = write(tmp_path, "big.txt", b"words " * 1000)
-    with pytest.raises(InputError, match="big.txt is larger than the input limit of 5K"):
+    with pytest.raises(InputError, match=r"big.txt is larger than the input limit of 5K"):
         read_document(str(big), max_bytes=5 * 1024)
 
     class Endless(io.RawIOBase):  # /dev/zero or `yes |`: never ends, so only the limit stops it

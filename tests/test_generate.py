@@ -3,6 +3,7 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig, apply_gali
+from gali_cli.engine.positions import chunk_plan
 from gali_cli.generate import (
     Finished,
     TextPiece,
@@ -14,7 +15,6 @@ from gali_cli.generate import (
     stream_generate,
 )
 from gali_cli.methods import METHODS
-from gali_cli.engine.positions import chunk_plan
 
 
 @pytest.fixture
@@ -38,8 +38,8 @@ def test_greedy_and_seeded_sampling():
     assert {make_sampler(50.0, top_k=3, seed=s)(logits) for s in range(40)} == top3
 
 
-@pytest.mark.parametrize("settings, flag", [(dict(temperature=-1), "--temperature"), (dict(top_p=0), "--top-p"),
-                                            (dict(top_p=1.5), "--top-p"), (dict(top_k=-2), "--top-k")])
+@pytest.mark.parametrize("settings, flag", [({"temperature": -1}, "--temperature"), ({"top_p": 0}, "--top-p"),
+                                            ({"top_p": 1.5}, "--top-p"), ({"top_k": -2}, "--top-k")])
 def test_bad_sampling_settings(settings, flag):
     with pytest.raises(ConfigError, match=flag):
         make_sampler(**settings)

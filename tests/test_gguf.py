@@ -16,9 +16,9 @@ import torch
 from conftest import write_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gali_cli.model import dequantized as model_cache
 from gali_cli.cli import main
 from gali_cli.errors import GaliWarning, ModelLoadError, UnsupportedModelError
+from gali_cli.model import dequantized as model_cache
 from gali_cli.model.gguf import read_header
 from gali_cli.model.loading import load_config, load_model, resolve_source
 

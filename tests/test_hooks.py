@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import VOCAB
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, StaticCache
 
 import gali_cli.engine.hooks as hooks
@@ -7,11 +8,10 @@ import gali_cli.engine.plan as plan
 from gali_cli import ConfigError, GaliConfig, GaliError, UnsupportedModelError, apply_gali, gali_settings, remove_gali
 from gali_cli.engine.gali_attention import chunk_contexts
 from gali_cli.engine.positions import chunk_plan, interpolate
+from gali_cli.engine.reference_model import NaiveGali
 from gali_cli.engine.rope import absolute_table
 from gali_cli.engine.seam import with_cache
 from gali_cli.methods.gali import Gali
-from conftest import VOCAB
-from gali_cli.engine.reference_model import NaiveGali
 
 
 def prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:

@@ -9,7 +9,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-
 from test_server import gali_serve
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -28,7 +27,7 @@ def test_the_readme_llm_recipe_answers_through_gali_serve(tmp_path):
     (tmp_path / "report.txt").write_text("Action items: Alice writes the budget; Bob books the room.\n")
     environment = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm")}
     environment.pop("LLM_LOAD_PLUGINS", None)  # the recipe must set it itself
-    with gali_serve() as (url, process, lines):
+    with gali_serve() as (url, _process, _lines):
         port = urlsplit(url).port
         script = recipe().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=environment,

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import MistralConfig, MistralForCausalLM
 
+from gali_cli.cli import main
 from gali_cli.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from gali_cli.model import config as model_config
-from gali_cli.cli import main
 from gali_cli.model.loading import (
     SMOLLM2_INSTALL,
     default_model,
@@ -35,7 +35,7 @@ def test_model_sources(tmp_path):
         with pytest.raises(ModelLoadError, match="no such file or directory"):
             resolve_source(path)
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(ModelLoadError, match="a directory \\(with config.json\\) or a GGUF file"):
+    with pytest.raises(ModelLoadError, match=r"a directory \(with config.json\) or a GGUF file"):
         resolve_source(str(tmp_path / "weights.bin"))
 
 

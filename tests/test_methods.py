@@ -1,21 +1,22 @@
+import itertools
 import math
 
 import pytest
 import torch
+from conftest import VOCAB
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from gali_cli import ConfigError, GaliConfig
-from gali_cli.engine.seam import with_cache
-from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
-from gali_cli.generate import truncate_cache
 import gali_cli.methods.gali as gali_module
+from gali_cli import ConfigError, GaliConfig
+from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
 from gali_cli.engine.hooks import installed_method
 from gali_cli.engine.positions import chunk_plan
+from gali_cli.engine.reference_model import NaiveDPE, NaiveDualChunk, NaiveReRoPE, NaiveSelfExtend
+from gali_cli.engine.seam import with_cache
+from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans, preview_method, remove_method
 from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
-from conftest import VOCAB
-from gali_cli.engine.reference_model import NaiveDPE, NaiveDualChunk, NaiveReRoPE, NaiveSelfExtend
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
@@ -280,7 +281,7 @@ def test_one_prefill_plan_per_method(make_llama, method, ends):
     model = make_llama(train_len=16)
     apply_method(model, method, MethodSettings(chunk_size=5), 300)
     spans = prefill_spans(model, method, 0, 300, [50, 203], step=40)
-    assert spans[0][0] == 0 and spans[-1][1] == 300 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[0][0] == 0 and spans[-1][1] == 300 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     if ends is not None:
         assert spans == ends
         return
@@ -300,8 +301,8 @@ def test_gali_plans_a_prefill_once_and_its_forwards_take_their_chunks_from_the_p
 
 def test_the_command_line_knows_every_method_by_name():
     """config.METHOD_NAMES lets the command line refuse a name before torch loads; it must list what METHODS has."""
-    assert METHOD_NAMES == tuple(METHODS)
-    assert PREVIEWED_METHODS == tuple(name for name, method in METHODS.items() if method.preview)
+    assert tuple(METHODS) == METHOD_NAMES
+    assert tuple(name for name, method in METHODS.items() if method.preview) == PREVIEWED_METHODS
     assert parse_methods("all") == METHOD_NAMES and parse_methods(" yarn, gali,yarn ") == ("yarn", "gali")
     for bad in ("magic", "gali,magic", ",", ""):
         with pytest.raises(ConfigError, match="--method must be one of"):

@@ -48,7 +48,7 @@ def test_what_cannot_be_read(tmp_path):
     with pytest.raises(UnsupportedModelError, match="'mistral' model; gali supports Llama models only"):
         read_model_config(str(tmp_path / "mistral"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelLoadError, match="cannot load model .*: no config.json in it"):
+    with pytest.raises(ModelLoadError, match=r"cannot load model .*: no config.json in it"):
         read_model_config(str(tmp_path / "empty"))
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama", ')
@@ -56,7 +56,7 @@ def test_what_cannot_be_read(tmp_path):
         read_model_config(str(tmp_path / "broken"))
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": "many"}')
-    with pytest.raises(ModelLoadError, match="num_hidden_layers|many"):
+    with pytest.raises(ModelLoadError, match=r"num_hidden_layers|many"):
         read_model_config(str(tmp_path / "odd"))
 
 

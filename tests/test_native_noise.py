@@ -4,9 +4,9 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache
 from test_attention import qkv
 from test_hooks import prompt
+from transformers import DynamicCache
 
 import gali_cli.engine.native_noise as native_noise
 import gali_cli.engine.noisy_attention as noisy_attention

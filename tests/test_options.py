@@ -51,7 +51,8 @@ def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_p
               "print(codes, sorted({'torch', 'transformers'} & set(sys.modules)))")
     runs = {"--help": 0, "--version": 0, "summarize --help": 0, "summarize x --method magic": 2,
             "ppl x --lengths two": 2, "info --chunk-size 0 -m demo": 2, "info -m demo": 0, "info --json -m demo": 0,
-            f"info -m {tiny_model_dir} --method original,ntk,dynamic-ntk,yarn,self-extend,chunk-llama,gali": 0, f"info -m {tiny_gguf}": 0,
+            f"info -m {tiny_model_dir} --method original,ntk,dynamic-ntk,yarn,self-extend,chunk-llama,gali": 0,
+            f"info -m {tiny_gguf}": 0,
             "info": 0 if smollm2_gguf() else 4, f"summarize {tmp_path}/missing.txt -m demo": 3,
             f"ask {tmp_path} question -m demo": 3, f"chat {tmp_path}/missing.txt -m demo": 3,
             f"ppl {tmp_path}/x -m demo": 3,
@@ -93,7 +94,8 @@ def test_usage_lines_name_the_arguments():
 
 
 @pytest.mark.parametrize("command, method, message", [
-    ("summarize", "bogus", "must be one of original, ntk, dynamic-ntk, yarn, self-extend, chunk-llama, rerope, leaky-rerope, dpe, gali; got"),
+    ("summarize", "bogus",
+     "must be one of original, ntk, dynamic-ntk, yarn, self-extend, chunk-llama, rerope, leaky-rerope, dpe, gali; got"),
     ("ppl", "bogus", "a comma list of them, or all; got 'bogus'"),
     ("summarize", "gali,yarn", "--method takes one method here, got 'gali,yarn' (lists and 'all' are for gali ppl)"),
     ("ask", "all", "--method takes one method here"),

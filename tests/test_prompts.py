@@ -3,8 +3,8 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from gali_cli.model.chat_template import MAX_SECONDS, render_chat_template
 from gali_cli.errors import ModelLoadError
+from gali_cli.model.chat_template import MAX_SECONDS, render_chat_template
 from gali_cli.prompts import (
     SUMMARIZE,
     ask_instruction,

@@ -1,11 +1,11 @@
 """An answer caught in a loop ends there ("repetition"), said on stderr; lists, tables and prose never trip it."""
 
 import pytest
+from conftest import CORPUS
 from transformers import AutoTokenizer, LlamaForCausalLM
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
-from conftest import CORPUS
 from gali_cli import generate
 from gali_cli.generate import RepetitionGuard, stream_generate
 from gali_cli.server.schemas import Reply, Usage

@@ -19,13 +19,13 @@ from urllib.request import urlopen
 
 import openai
 import pytest
-
 from conftest import CORPUS
+
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
-from gali_cli.model.loading import load_model
 from gali_cli.methods import apply_method, prefill_spans
+from gali_cli.model.loading import load_model
 from gali_cli.prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
 from gali_cli.server.app import ServerSettings
 from gali_cli.server.reuse import States
@@ -481,7 +481,7 @@ def test_gali_serve_says_the_window_of_train_len():
 
 @pytest.mark.slow
 def test_gali_serve_takes_its_port_before_loading_and_ctrl_c_stops_it(tmp_path):
-    with gali_serve("--api-key", "sekret") as (url, process, lines):
+    with gali_serve("--api-key", "sekret") as (url, process, _lines):
         port = urlsplit(url).port
         taken = subprocess.run([sys.executable, "-m", "gali_cli", "serve", "-m", "demo", "--port", str(port)],
                                capture_output=True, text=True, timeout=120)

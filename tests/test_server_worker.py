@@ -5,18 +5,17 @@ import threading
 
 import pytest
 import torch
+from conftest import CORPUS
 from transformers import DynamicCache
 
 import gali_cli.server.worker as worker_module
 from gali_cli.config import MethodSettings
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
-from gali_cli.model.loading import load_model
 from gali_cli.methods import apply_method, prefill_spans
+from gali_cli.model.loading import load_model
 from gali_cli.prompts import ServedPrompt, question_starts, served_parts, served_prompt
 from gali_cli.server.reuse import Prefilled, States, reusable_tokens
 from gali_cli.server.worker import Done, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping, StopStrings
-
-from conftest import CORPUS
 
 
 @pytest.mark.parametrize("pieces, stops, sent, stopped", [
@@ -137,7 +136,7 @@ def test_a_failed_forward_leaves_every_layer_at_the_tokens_read(loaded):
     prompt = _prompt(loaded, "The lease ends in March.")
     states = States(loaded, "gali", None)
     resolved = apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
-    cache, reused = states.start(prompt, resolved)
+    cache, _reused = states.start(prompt, resolved)
     list(stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), 1, set(),
                          prefill_spans(loaded.model, "gali", 0, len(prompt.ids), prompt.cuts), cache=cache))
     first = cache.layers[0]
@@ -166,7 +165,7 @@ def test_the_worker_thread_answers_in_order_and_leaves_when_stopped(loaded):
     worker = ModelWorker(loaded, "gali", MethodSettings(), None, 4)
     finished = threading.Event()
     jobs = [_job(_prompt(loaded, f"Question {index}?"), 3) for index in range(3)]
-    for job, events in jobs:
+    for job, _events in jobs:
         worker.submit(job)
     def last_emit(event, events=jobs[-1][1]) -> None:
         events.append(event)

@@ -9,7 +9,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from terminal import Terminal, squeeze
 
 pytest.importorskip("pyte")

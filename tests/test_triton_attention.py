@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from test_attention import qkv
 
 import gali_cli.engine.plan as plan_module
 from gali_cli import GaliConfig, apply_gali
@@ -19,7 +20,6 @@ from gali_cli.engine.noise import Noise
 from gali_cli.engine.noisy_attention import kernel_verified, noisy_attention, tiled_noisy_attention
 from gali_cli.engine.plan import plan_for
 from gali_cli.errors import ConfigError, GaliWarning
-from test_attention import qkv
 
 
 def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:

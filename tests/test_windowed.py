@@ -1,12 +1,12 @@
 import pytest
 import torch
+from test_attention import HEAD_DIM, qkv, rope_table
 from transformers import DynamicCache
 
-from gali_cli.engine.kept_keys import KeptKeys
 from gali_cli.engine.dense import PARTIAL
+from gali_cli.engine.kept_keys import KeptKeys
 from gali_cli.engine.plan import plan_for
 from gali_cli.engine.windowed import windowed_attention
-from test_attention import HEAD_DIM, qkv, rope_table
 
 
 def rope64(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

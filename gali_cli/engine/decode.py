@@ -116,8 +116,8 @@ def decode_attention(
     if noise is None:
         parts = [partial(in_gali_frame, grouped_key, grouped_value, scale)]
     else:
-        parts = [NOISY_PARTIAL[plan.noisy_partial](in_gali_frame, grouped_key, grouped_value, scale, noise, keys - 1, step.group,
-                              step.grouped, keys)]
+        parts = [NOISY_PARTIAL[plan.noisy_partial](in_gali_frame, grouped_key, grouped_value, scale, noise, keys - 1,
+                                                   step.group, step.grouped, keys)]
     if step.absolute_query_cos is not None:
         in_absolute = rotate(query, step.absolute_query_cos, step.absolute_query_sin)
         parts.append(partial(in_absolute, rotated[:, :, step.grouped : keys], value[:, :, step.grouped : keys],

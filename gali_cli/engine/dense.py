@@ -102,7 +102,8 @@ def flash_partial(
 ) -> Partial:
     """Attention of queries (B, H, q, D) over keys/values (B, Hkv, n, D) with its log-sum-exp, by torch's CPU flash
     kernel: every key visible (the default), top-left causal (`causal`: row r sees keys 0..r, the causal square when
-    q == n), or as a bool `mask` (q, n) or (B, 1, q, n) says (True: visible). Every query must see at least one key (the kernel gives an empty row lse 0).
+    q == n), or as a bool `mask` (q, n) or (B, 1, q, n) says (True: visible). Every query must see at least one key
+    (the kernel gives an empty row lse 0).
 
     Forward only, no dropout: the plan sends those to `explicit_partial`.
     """
@@ -115,7 +116,7 @@ def flash_partial(
     additive = None
     if mask is not None:
         # Query heads sharing a key head are stacked as rows below: the mask repeats for each of them.
-        mask = mask.reshape((1, 1) + mask.shape[-2:]) if mask.dim() == 2 else mask
+        mask = mask.reshape((1, 1, *mask.shape[-2:])) if mask.dim() == 2 else mask
         additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
         additive = additive.repeat(1, 1, per_kv, 1)
     # Query heads sharing a key head, stacked as rows: no copies of the keys.

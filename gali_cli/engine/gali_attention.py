@@ -135,8 +135,8 @@ def gali_attention(
         if noise is None or not chunk.interpolated:
             outputs.append(causal_attention(chunk_query, chunk_key, chunk_value, scale, dropout, plan))
         else:
-            outputs.append(NOISY[plan.noisy](chunk_query, chunk_key, chunk_value, chunk.group, chunk.grouped, scale, noise,
-                                        dropout))
+            outputs.append(NOISY[plan.noisy](chunk_query, chunk_key, chunk_value, chunk.group, chunk.grouped, scale,
+                                             noise, dropout))
         row += chunk.queries
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
@@ -192,7 +192,8 @@ def own_squares(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, siz
         rows = slice(row, row + count * size)
 
         def batched(x: torch.Tensor) -> torch.Tensor:  # (B, heads, count * size, D) -> (B * count, heads, size, D)
-            return x[:, :, rows].unflatten(2, (count, size)).transpose(1, 2).flatten(0, 1)
+            # Called only below, in this same iteration, so the loop's current values are the ones meant.
+            return x[:, :, rows].unflatten(2, (count, size)).transpose(1, 2).flatten(0, 1)  # noqa: B023
 
         part = flash_partial(batched(query), batched(key), batched(value), scale, causal=True)
         outputs.append(part.output.unflatten(0, (query.shape[0], count)).transpose(1, 2).flatten(2, 3))

@@ -3,7 +3,8 @@
 The PyTorch path (noisy_attention.explicit_noisy_partial) makes noise.py's normals in about twenty elementwise
 passes over every logit, each a round trip through memory: on a CPU that costs several times the attention itself.
 Here the logits come from one matrix product, and one C function sweeps each row twice while it is in cache: the
-noise added and the maximum found, then the softmax numerators and their sum. The noise is noise.py's to float32 rounding (the same hashed bits; see the C file).
+noise added and the maximum found, then the softmax numerators and their sum. The noise is noise.py's to float32
+rounding (the same hashed bits; see the C file).
 
 The kernel is compiled on first use by the system's C compiler (`$CC`, else `cc`) into the user cache directory
 (~/.cache/gali/kernels on Linux), keyed by its source, compiler and CPU, and loaded with ctypes: a fraction of a

@@ -152,7 +152,7 @@ def native_verified() -> bool:
     try:
         error = max(_native_error(noisy_partial, heads, kv_heads, queries, keys)
                     for heads, kv_heads, queries, keys in ((4, 2, 6, 75), (3, 3, 1, 40), (9, 3, 33, 300)))
-    except Exception as failure:  # noqa: BLE001 - no compiler, a compiler error, a library that does not load
+    except Exception as failure:  # no compiler, a compiler error, a library that does not load
         message = " ".join(str(failure).split())[:200]
         warnings.warn(f"the native noise kernel cannot be built here ({type(failure).__name__}: {message}); GALI's "
                       f"noise takes the slower PyTorch path", GaliWarning, stacklevel=2)

@@ -29,7 +29,7 @@ def reference_gali_attention(
     The oracle for `gali_attention` in tests, and the straightforward formulation of the authors' code; it holds a
     chunk's full (B, H, q, T) logits twice, so keep chunks small.
     """
-    batch, heads, q_len, _ = query.shape
+    _, heads, q_len, _ = query.shape
     heads_per_kv = heads // key.shape[1]
     cos, sin = table.cos32, table.sin32
     query_ceil = rotate(query.float(), cos[interp.ceil[-q_len:]], sin[interp.ceil[-q_len:]])

@@ -63,7 +63,9 @@ def near_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         def blocks(x: torch.Tensor, first: int, length: int) -> torch.Tensor:
             """x's rows [first + c * window, first + c * window + length) for each tile c: (B, heads, count, length,
             D), a view."""
-            return x[:, :, first : first + (count - 1) * window + length].unfold(2, length, window).transpose(-1, -2)
+            # Called only below, in this same iteration, so `count` is the current group's.
+            end = first + (count - 1) * window + length  # noqa: B023
+            return x[:, :, first:end].unfold(2, length, window).transpose(-1, -2)
 
         earlier = (blocks(key, a - m, m), blocks(value, a - m, m)) if m else (None, None)
         part = _tiles(blocks(query, row, n), blocks(key, a, n), blocks(value, a, n), *earlier, table, window, scale,
@@ -82,7 +84,7 @@ def _tiles(query: torch.Tensor, own_key: torch.Tensor, own_value: torch.Tensor, 
     Positions are relative to each tile: its own tokens at 0..n-1 for the causal square; for the earlier keys, the
     queries at window..window+n-1 and the keys at window-m..window-1. Returns (B, H, count, n, ...).
     """
-    batch, heads, count, n, dim = query.shape
+    batch, _heads, count, n, _dim = query.shape
     m = earlier_key.shape[3] if earlier_key is not None else 0
     cos, sin = table.cos32, table.sin32
 

@@ -16,7 +16,7 @@
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
 model can run them all in turn. Each also says where a forward may be cut without changing the results, and
 `prefill_spans` turns that into the forwards every prefill runs (conversation, server, ppl, batch, benchmarks).
-"""
+"""  # noqa: E501 - the rows of a Markdown table cannot wrap
 
 import math
 from collections.abc import Callable, Iterable

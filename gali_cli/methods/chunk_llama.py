@@ -25,7 +25,8 @@ class DualChunkAttention(PositionalAttention):
     def __init__(self, chunk_size: int, local_window: int, max_position: int) -> None:
         """`max_position` is c - 1 in the paper's terms (train_len - 1)."""
         if not 0 < chunk_size <= max_position:
-            raise ConfigError(f"--dca-chunk-size must be between 1 and train_len - 1 ({max_position}), got {chunk_size}")
+            raise ConfigError(
+                f"--dca-chunk-size must be between 1 and train_len - 1 ({max_position}), got {chunk_size}")
         if not 0 <= local_window <= max_position + 1 - chunk_size:
             raise ConfigError(
                 f"--local-window must be between 0 and train_len - dca-chunk-size ({max_position + 1 - chunk_size}) "

@@ -216,7 +216,8 @@ def check_llama(path: Path, header: GgufHeader) -> None:
 
     blocks = {int(name.split(".")[1]) for name in shapes if name.startswith("blk.") and name.split(".")[1].isdigit()}
     count = metadata.get("llama.block_count")
-    if not isinstance(count, int) or isinstance(count, bool) or count != len(blocks) or max(blocks, default=-1) != count - 1:
+    if (not isinstance(count, int) or isinstance(count, bool) or count != len(blocks)
+            or max(blocks, default=-1) != count - 1):
         raise damaged(f"llama.block_count is {count!r} and the file holds {len(blocks)} blocks")
     hidden, heads = metadata.get("llama.embedding_length"), metadata.get("llama.attention.head_count")
     kv_heads = metadata.get("llama.attention.head_count_kv", heads)

@@ -13,11 +13,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
-from .chat_template import check_chat_template
 from ..errors import ConfigError, ModelLoadError, UnsupportedModelError
-from .gguf import GgufFile, check_llama, read_header, require_gguf_package
-from .machine import choose_device, choose_dtype
-from .dequantized import DequantizedModels
+from .chat_template import check_chat_template
 
 # Where a model loads from is decided without torch (config.py, for gali info); the names stay importable from
 # here, where the benchmarks and tests that load a model look.
@@ -34,6 +31,9 @@ from .config import (  # noqa: F401
     resolve_source,
     smollm2_gguf,
 )
+from .dequantized import DequantizedModels
+from .gguf import GgufFile, check_llama, read_header, require_gguf_package
+from .machine import choose_device, choose_dtype
 
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

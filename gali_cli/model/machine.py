@@ -149,7 +149,7 @@ def _bitsandbytes(imported_torch: bool) -> str:
     if imported_torch:
         try:
             import bitsandbytes  # noqa: F401
-        except Exception as error:  # noqa: BLE001 - any import failure means "not usable", and we say why
+        except Exception as error:  # any import failure means "not usable", and we say why
             return f"unavailable ({type(error).__name__}: {error})"
     return f"bitsandbytes {version}"
 

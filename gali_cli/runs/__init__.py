@@ -55,8 +55,8 @@ class ModelChoice:
                               f"({window})")
         previewed = [method for method in self.methods if method in PREVIEWED_METHODS]
         if previewed:  # their checks need transformers' config (and torch): only when they are chosen
-            from ..model.loading import load_config
             from ..methods import preview_method
+            from ..model.loading import load_config
 
             config = load_config(self.model)
             for method in previewed:

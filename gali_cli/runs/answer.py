@@ -11,7 +11,15 @@ from ..model.loading import LoadedModel
 from ..prompts import ask_instruction
 from . import Answering, ModelChoice, Reading
 from .common import (
-    announcing, conversation, entry_point, facts, finished_facts, load, read, say_input, store,
+    announcing,
+    conversation,
+    entry_point,
+    facts,
+    finished_facts,
+    load,
+    read,
+    say_input,
+    store,
 )
 
 

@@ -370,7 +370,7 @@ def run_batch(
             seconds = round(time.perf_counter() - started, 3)
         except KeyboardInterrupt:
             raise
-        except Exception as error:  # noqa: BLE001 - one document's failure must not stop the batch
+        except Exception as error:  # one document's failure must not stop the batch
             message = str(error) if isinstance(error, GaliError) else f"{type(error).__name__}: {error}"
             results.append([{**base, "status": "error", "error": message, **job}])
             outcome.failed += 1

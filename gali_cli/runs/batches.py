@@ -8,6 +8,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import display
+from ..display import print_json, say
+from ..documents import read_document
+from ..errors import ConfigError, InputError
+from ..generate import TextPiece, make_sampler
+from ..methods import kept_window
+from ..model.loading import resolve_device, resolve_dtype
+from . import Answering, ModelChoice, Reading
 from .batch_files import (
     Collective,
     Outcome,
@@ -19,13 +26,6 @@ from .batch_files import (
     expand_documents,
     run_batch,
 )
-from ..display import print_json, say
-from ..documents import read_document
-from ..errors import ConfigError, InputError
-from ..generate import TextPiece, make_sampler
-from ..model.loading import resolve_device, resolve_dtype
-from ..methods import kept_window
-from . import Answering, ModelChoice, Reading
 from .common import conversation, entry_point, finished_facts, load, store
 from .ppl import method_perplexities, ppl_ids, print_rows
 

@@ -14,18 +14,18 @@ import torch
 import transformers
 
 from .. import display
-from ..engine.kernel_choice import kernel_choice
-from .batch_files import Rank
 from ..conversation import Conversation
 from ..display import say, warn
 from ..doc_cache import DocumentCache, default_directory, default_limit
 from ..documents import Document, read_document
+from ..engine.kernel_choice import kernel_choice
 from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration
 from ..generate import Finished
-from ..model.loading import LoadedModel, load_model
 from ..methods import kept_window
+from ..model.loading import LoadedModel, load_model
 from . import ModelChoice, Reading
+from .batch_files import Rank
 
 Params, Result = ParamSpec("Params"), TypeVar("Result")
 
@@ -55,7 +55,7 @@ def _quiet_libraries() -> Iterator[None]:
     with warnings.catch_warnings():  # restores the filters and warnings.showwarning
         show_other = warnings.showwarning
 
-        def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
             if issubclass(category, GaliWarning):
                 warn(str(message))
             else:

@@ -1,6 +1,6 @@
 """gali info: the model, the machine and the settings, without loading weights, and without importing torch or
-transformers where they are not needed to tell (model/machine.py, model/config.py): it answers at once. With --check, the
-engine's self-check on the device (which needs torch)."""
+transformers where they are not needed to tell (model/machine.py, model/config.py): it answers at once. With
+--check, the engine's self-check on the device (which needs torch)."""
 
 import itertools
 import os
@@ -11,8 +11,8 @@ from ..config import PREVIEWED_METHODS
 from ..display import print_json, say
 from ..engine.plan import decide
 from ..errors import GaliError
-from ..model.machine import environment_facts
 from ..model.config import read_model_config
+from ..model.machine import environment_facts
 from . import ModelChoice
 
 
@@ -87,8 +87,8 @@ def _previews(choice: ModelChoice) -> dict:
     previewed = [method for method in choice.methods if method in PREVIEWED_METHODS]
     if not previewed:
         return {}
-    from ..model.loading import load_config
     from ..methods import preview_method
+    from ..model.loading import load_config
 
     config = load_config(choice.model)
     return {method: preview_method(config, method, choice.settings) for method in previewed}

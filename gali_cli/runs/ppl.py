@@ -10,8 +10,8 @@ from ..display import print_json, say
 from ..documents import Document
 from ..errors import InputError
 from ..generate import peak_memory_bytes, reset_peak_memory
-from ..model.loading import LoadedModel
 from ..methods import apply_method, forward_ends, kept_window, prefill_spans
+from ..model.loading import LoadedModel
 from ..perplexity import Perplexity, perplexities
 from ..prompts import text_ids
 from . import ModelChoice, Reading

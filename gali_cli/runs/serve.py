@@ -4,7 +4,8 @@ from datetime import datetime
 
 from ..display import say, warn
 from ..server.app import ServerSettings
-from ..server.run import address, bind, serve as run_server
+from ..server.run import address, bind
+from ..server.run import serve as run_server
 from ..server.worker import ModelWorker
 from . import ModelChoice, Serving
 from .common import entry_point, load, store

@@ -67,7 +67,7 @@ class _API:
         async def run(request: Request) -> Response:
             try:
                 return await handler(request)
-            except Exception as error:  # noqa: BLE001 - the server keeps serving; the client learns what happened
+            except Exception as error:  # the server keeps serving; the client learns what happened
                 if not isinstance(error, APIError):
                     error = APIError(500, f"{type(error).__name__}: {error}", "server_error")
                 request.state.note = error.message
@@ -101,8 +101,9 @@ class _API:
         roles = ["system" if message.role == "developer" else message.role for message in chat.messages]
         try:
             parts, bos = served_parts(self.worker.loaded.tokenizer, roles)
-        except Exception as error:  # noqa: BLE001 - a template raises what it likes (raise_exception, TypeError...)
-            raise APIError(400, f"the model's chat template refuses these messages: {error}", param="messages")
+        except Exception as error:  # a template raises what it likes (raise_exception, TypeError...)
+            raise APIError(400, f"the model's chat template refuses these messages: {error}",
+                           param="messages") from error
         texts = [message.text for message in chat.messages]
         tokenize = partial(served_prompt, parts=parts, texts=texts, text_cuts=[m.cuts() for m in chat.messages],
                            bos=bos)

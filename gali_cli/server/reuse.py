@@ -19,8 +19,8 @@ from transformers import DynamicCache
 from ..doc_cache import DocumentCache
 from ..document_states import DocumentStates
 from ..generate import truncate_cache
-from ..model.loading import LoadedModel
 from ..methods import METHODS, forward_ends
+from ..model.loading import LoadedModel
 from ..prompts import ServedPrompt
 
 STORE_MIN_TOKENS = 1024

@@ -61,7 +61,7 @@ class Server(uvicorn.Server):
                                         timeout_graceful_shutdown=GRACEFUL_SECONDS))
         self.worker, self.log = worker, log
 
-    def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001 - a signal handler's frame
+    def handle_exit(self, sig: int, frame) -> None:
         if not self.worker.stopping:
             self.log("stopping: ending the requests in flight")
         self.worker.stop()

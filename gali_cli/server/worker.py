@@ -21,8 +21,8 @@ from ..config import MethodSettings
 from ..doc_cache import DocumentCache
 from ..errors import GaliError, InputError
 from ..generate import Finished, Sampler, TextPiece, make_sampler, stop_token_ids, stream_generate
-from ..model.loading import LoadedModel
 from ..methods import apply_method, kept_window, prefill_spans
+from ..model.loading import LoadedModel
 from ..prompts import ServedPrompt
 from .reuse import States
 
@@ -202,7 +202,7 @@ class ModelWorker:
             self._current, started = job, time.perf_counter()
             try:
                 self._answer(job)
-            except Exception as error:  # noqa: BLE001 - one request's failure must not stop the server
+            except Exception as error:  # one request's failure must not stop the server
                 job.emit(Failed(400, str(error), "invalid_request_error") if isinstance(error, GaliError) else
                          Failed(500, f"{type(error).__name__}: {error}"))
             finally:
