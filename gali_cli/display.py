@@ -24,6 +24,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 
 from .errors import ConfigError
+from .printable import printable
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
 _drawing: list[Live] = []  # the live displays now drawing on stderr, newest last
@@ -210,9 +211,10 @@ def print_ppl_table(rows: list[dict]) -> None:
 
 def print_cache_entries(entries: list, directory, limit: int) -> None:
     """`gali cache list`: the cached documents on stdout, the totals on stderr."""
-    rows = [(short_path(entry.document), short_path(entry.model), entry.method, str(entry.tokens),
+    rows = [(printable(short_path(entry.document)), printable(short_path(entry.model)), printable(entry.method),
+             str(entry.tokens),
              f"{entry.size / 2**20:.1f}", datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M"),
-             entry.differences(entries)) for entry in entries]
+             printable(entry.differences(entries))) for entry in entries]
     columns = ("document", "model", "method", "tokens", "MiB", "last used", "differs by")
     if not any(row[-1] for row in rows):  # no two entries of one document, model and method
         rows, columns = [row[:-1] for row in rows], columns[:-1]
@@ -231,7 +233,7 @@ def print_model_entries(entries: list, directory) -> None:
     stderr, saying which this installation cannot use and how to delete those."""
     if not entries:
         return
-    rows = [(short_path(entry.gguf), entry.dtype, entry.transformers, f"{entry.size / 2**20:.1f}",
+    rows = [(printable(short_path(entry.gguf)), entry.dtype, printable(entry.transformers), f"{entry.size / 2**20:.1f}",
              datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M"),
              "yes" if entry.usable else f"no: {entry.reason_unusable}") for entry in entries]
     _print_whole(("dequantized from", "dtype", "transformers", "MiB", "last used", "usable here"), rows, {"MiB"},

@@ -490,3 +490,15 @@ def test_gali_serve_takes_its_port_before_loading_and_ctrl_c_stops_it(tmp_path):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 130
+
+
+def test_the_access_log_escapes_the_clients_path(served):
+    """`%0A` in a path must not forge a log line, nor `%1B[2J` clear the operator's terminal."""
+    before = len(served.log)
+    status, _, _ = raw(served, "GET", "/v1/models/evil%0AGET%20/forged%20200%1B%5B2J")
+    assert status in (401, 404)
+    deadline = time.monotonic() + 10  # the line is written once the response is complete: after the client has it
+    while not any("/v1/models/evil" in line for line in served.log[before:]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    line = next(line for line in served.log[before:] if "/v1/models/evil" in line)
+    assert "\n" not in line and "\x1b" not in line and "evil\\nGET /forged 200\\x1b[2J" in line

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..generate import TextPiece
+from ..printable import printable
 from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
 from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, parse, read_json
 from .worker import Done, Event, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping
@@ -306,5 +307,6 @@ class _AccessLog:
         finally:
             host, port = scope.get("client") or ("-", 0)
             note = scope.get("state", {}).get("note")
-            self.log(f'{host}:{port} "{scope["method"]} {scope["path"]}" {status or "-"} '
-                     f'{time.perf_counter() - started:.2f} s' + (f" - {note}" if note else ""))
+            line = (f'{host}:{port} "{scope["method"]} {scope["path"]}" {status or "-"} '
+                    f'{time.perf_counter() - started:.2f} s' + (f" - {note}" if note else ""))
+            self.log(printable(line))  # the path and the note carry the client's text

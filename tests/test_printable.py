@@ -1,0 +1,39 @@
+"""Strings from strangers are shown escaped: no forged log lines, no terminal control, no reversed text."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import gali_cli.cli as cli
+from gali_cli.doc_cache import DocumentCache
+from gali_cli.printable import printable
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("plain text, ünïcödé, 漢字, emoji 🙂", "plain text, ünïcödé, 漢字, emoji 🙂"),
+    ("/v1/x\nGET /forged 200", "/v1/x\\nGET /forged 200"),
+    ("\x1b[2Jcleared", "\\x1b[2Jcleared"),
+    ("tab\there\r", "tab\\there\\r"),
+    ("abc\u202eevil", "abc\\u202eevil"),  # right-to-left override
+    ("line\u2028sep", "line\\u2028sep"),
+    ("bad \udcff byte", "bad \\udcff byte"),  # a lone surrogate (surrogateescape of a non-UTF-8 name)
+    ("\x7f\x9b", "\\x7f\\x9b"),  # DEL and the 8-bit CSI
+    ("back\\slash", "back\\slash"),
+])
+def test_unsafe_characters_are_escaped_and_nothing_else(text, shown):
+    assert printable(text) == shown
+    assert printable(text).isprintable()
+
+
+def test_gali_cache_list_escapes_what_a_label_carries(tmp_path):
+    """A document state's label is request text when the server stored it: `gali cache list` shows it escaped."""
+    store = DocumentCache(tmp_path, 2**30, lambda message: None)
+    kv = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1, 1, 4, 2), values=torch.zeros(1, 1, 4, 2))])
+    store.save("0" * 64, [1, 2, 3, 4], kv, {"document": "report\x1b[2J\nforged.txt", "model": "tiny",
+                                             "method": "gali", "identity": json.dumps({})})
+    result = CliRunner().invoke(cli.app, ["cache", "list", "--cache-dir", str(tmp_path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    assert "\x1b" not in result.stdout and "report\\x1b[2J\\nforged.txt" in result.stdout
