@@ -39,12 +39,14 @@ class DocumentStates:
     def key(self, ids: list[int], cuts: list[int], resolved: dict) -> str:
         """The document cache's name for the state of `ids`, prefilled with forwards that ended at `cuts` (and
         wherever the method allows) under the method's settings `resolved`."""
-        return entry_key({**state_identity(self.loaded, self.method, resolved), "cuts": self._ended(ids, cuts)}, ids)
+        return entry_key(self._identity(ids, cuts, resolved), ids)
 
-    def _ended(self, ids: list[int], cuts: list[int]) -> list[int]:
-        """The `cuts` that ended a forward where the method would not have: they change the state."""
+    def _identity(self, ids: list[int], cuts: list[int], resolved: dict) -> dict:
+        """What the state of `ids` depends on: `state_identity`, and the `cuts` that ended a forward where the method
+        would not have (they change the state)."""
         free = forward_ends(self.loaded.model, self.method, 0, len(ids))
-        return [] if free is None else sorted({cut for cut in cuts if 0 < cut < len(ids)} - set(free))
+        ended = [] if free is None else sorted({cut for cut in cuts if 0 < cut < len(ids)} - set(free))
+        return {**state_identity(self.loaded, self.method, resolved), "cuts": ended}
 
     def load(self, ids: list[int], cuts: list[int], ends: list[int], resolved: dict
              ) -> tuple[DynamicCache, int] | None:
@@ -63,9 +65,9 @@ class DocumentStates:
         holds it already."""
         if self.store is None:
             return
-        key = self.key(ids, cuts, resolved)
+        identity = self._identity(ids, cuts, resolved)
+        key = entry_key(identity, ids)
         if not self.store.path(key).exists():
-            identity = {**state_identity(self.loaded, self.method, resolved), "cuts": self._ended(ids, cuts)}
             self.store.save(key, ids, cache, {"document": label, "model": self.loaded.identity.get("model", "?"),
                                               "method": self.method,
                                               "identity": json.dumps(identity, sort_keys=True, default=str)})
