@@ -38,6 +38,10 @@ class DType(str, Enum):
     float32 = "float32"
 
 
+_DTYPE_HELP = ("auto: bfloat16 where the GPU or CPU computes in it (AVX-512 BF16, AMX), else float16 on GPU, "
+               "float32 on CPU.")
+
+
 def _model_option(*declarations: str, help: str, **kwargs) -> typer.Option:
     return typer.Option(*declarations, rich_help_panel="Model and method", help=help, **kwargs)
 
@@ -71,9 +75,7 @@ def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
          Quantize.none),
         ("device", Annotated[Device, _model_option(metavar="auto|cuda|cpu", help="auto: CUDA when there is a GPU.")],
          Device.auto),
-        ("dtype", Annotated[DType, _model_option(metavar="auto|bfloat16|float16|float32", help="auto: bfloat16 on "
-                                                                                                "GPU, float32 on "
-                                                                                                "CPU.")],
+        ("dtype", Annotated[DType, _model_option(metavar="auto|bfloat16|float16|float32", help=_DTYPE_HELP)],
          DType.auto),
         ("method", Annotated[str, _method_option(many_methods)], "gali"),
     ]

@@ -7,6 +7,9 @@ from pathlib import Path
 # Triton kernels run on the CPU through Triton's interpreter. It must be chosen before torch imports triton (triton
 # decorates its own library when imported); TRITON_INTERPRET=0 tests the compiled kernels on a GPU instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# --dtype auto computes in float32 on every CPU the tests run on, native bfloat16 or not (test_machine tests both),
+# so that numeric comparisons mean the same on every machine; subprocesses inherit it.
+os.environ["GALI_CPU_BF16"] = "0"
 
 import pytest
 import torch

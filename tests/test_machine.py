@@ -7,7 +7,15 @@ import torch
 
 import gali_cli.model.machine as machine
 from gali_cli.errors import ConfigError
-from gali_cli.model.machine import TorchBuild, choose_device, choose_dtype, environment_facts, gpu_possible, torch_build
+from gali_cli.model.machine import (
+    TorchBuild,
+    choose_device,
+    choose_dtype,
+    cpu_bf16,
+    environment_facts,
+    gpu_possible,
+    torch_build,
+)
 
 
 def test_torch_build_is_read_as_torch_says():
@@ -35,7 +43,7 @@ def test_device_and_dtype_choices():
     assert choose_device("auto", False) == "cpu" and choose_device("auto", True) == "cuda"
     with pytest.raises(ConfigError, match="no CUDA GPU is available"):
         choose_device("cuda", False)
-    assert choose_dtype("auto", "cpu", True) == "float32"
+    assert choose_dtype("auto", "cpu", False) == "float32" and choose_dtype("auto", "cpu", True) == "bfloat16"
     assert choose_dtype("auto", "cuda", True) == "bfloat16" and choose_dtype("auto", "cuda", False) == "float16"
     assert choose_dtype("float16", "cpu", False) == "float16"
     with pytest.raises(ConfigError, match="--dtype"):
@@ -49,3 +57,39 @@ def test_environment_facts_agree_with_torch():
     assert facts["bitsandbytes"].startswith(("bitsandbytes ", "unavailable"))
     assert set(facts) == {"device", "dtype", "cuda", "bitsandbytes", "noisy_attention", "torch", "transformers",
                           "transformers_tested"}
+
+
+@pytest.mark.parametrize(("text", "native"), [
+    ("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n", True),  # x86, AVX-512 BF16
+    ("flags\t\t: fpu avx512f amx_bf16 amx_tile\n", True),  # Sapphire Rapids' AMX
+    ("flags\t\t: fpu sse2 avx2 avx512f avx512bw\n", False),  # AVX-512 without BF16: bfloat16 is emulated
+    ("Features\t: fp asimd bf16 i8mm\n", True),  # Arm (Graviton 3)
+    ("Features\t: fp asimd\n", False),
+    ("", False),
+])
+def test_cpu_bf16_reads_the_cpu_flags(tmp_path, monkeypatch, text, native):
+    monkeypatch.delenv("GALI_CPU_BF16")
+    (tmp_path / "cpuinfo").write_text(text)
+    assert cpu_bf16(str(tmp_path / "cpuinfo")) is native
+
+
+def test_cpu_bf16_override_and_unreadable(tmp_path, monkeypatch):
+    (tmp_path / "cpuinfo").write_text("flags\t\t: avx512_bf16\n")
+    monkeypatch.setenv("GALI_CPU_BF16", "0")
+    assert cpu_bf16(str(tmp_path / "cpuinfo")) is False
+    monkeypatch.setenv("GALI_CPU_BF16", "1")
+    assert cpu_bf16(str(tmp_path / "missing")) is True
+    monkeypatch.delenv("GALI_CPU_BF16")
+    assert cpu_bf16(str(tmp_path / "missing")) is False
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    from gali_cli.model.loading import resolve_dtype
+
+    monkeypatch.setenv("GALI_CPU_BF16", "1")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert environment_facts("cpu", "auto")["dtype"] == "bfloat16"
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    monkeypatch.setenv("GALI_CPU_BF16", "0")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert environment_facts("cpu", "auto")["dtype"] == "float32"

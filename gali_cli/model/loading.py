@@ -33,7 +33,7 @@ from .config import (  # noqa: F401
 )
 from .dequantized import DequantizedModels
 from .gguf import GgufFile, check_llama, read_header, require_gguf_package
-from .machine import choose_device, choose_dtype
+from .machine import choose_device, choose_dtype, cpu_bf16
 
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -61,8 +61,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on a GPU that has it (else float16), float32 on CPU."""
-    return DTYPES[choose_dtype(dtype, device.type, device.type == "cuda" and torch.cuda.is_bf16_supported())]
+    """auto: bfloat16 where the device computes in it natively, else float16 on a GPU and float32 on a CPU."""
+    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_bf16()
+    return DTYPES[choose_dtype(dtype, device.type, native)]
 
 
 def load_config(name: str):
@@ -96,10 +97,10 @@ def load_model(
     name: str, quantize: str = "none", device: str = "auto", dtype: str = "auto", gpu: int | None = None,
     notice: Callable[[str], None] | None = None,
 ) -> LoadedModel:
-    """Load a Llama for inference: bf16 on CUDA and fp32 on CPU by default, spread over all GPUs with
-    device_map="auto" (or all on GPU `gpu`: one process per GPU under a launcher); bitsandbytes 8-bit, or 4-bit
-    NF4 computing in bf16. A GGUF is dequantized once to `dtype` and kept in the user cache (dequantized.py);
-    quantization applies after that. `notice` hears about slow first-time work."""
+    """Load a Llama for inference: by default in bf16 where the device computes in it (else fp16 on CUDA, fp32 on
+    CPU), spread over all GPUs with device_map="auto" (or all on GPU `gpu`: one process per GPU under a launcher);
+    bitsandbytes 8-bit, or 4-bit NF4 computing in bf16. A GGUF is dequantized once to `dtype` and kept in the user
+    cache (dequantized.py); quantization applies after that. `notice` hears about slow first-time work."""
     if quantize not in QUANTIZATIONS:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")
     target = resolve_device(device)
