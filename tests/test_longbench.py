@@ -174,6 +174,14 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
         longbench.samples(tmp_path, "qasper", tiny_tokenizer(), 1000)
 
 
+def test_a_corrupt_parquet_file_is_an_input_error(tmp_path):
+    pytest.importorskip("pyarrow")
+    (tmp_path / "qasper").mkdir()
+    (tmp_path / "qasper" / "0000.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(InputError, match="cannot be read as parquet"):
+        longbench.samples(tmp_path, "qasper", tiny_tokenizer(), 1000)
+
+
 def test_longbench_e_names_use_their_datasets_prompts(tmp_path):
     (tmp_path / "qasper_e.jsonl").write_text((DATA / "data" / "qasper.jsonl").read_text())
     sample = longbench.samples(tmp_path, "qasper_e", tiny_tokenizer(), 100_000, limit=1)
