@@ -196,6 +196,8 @@ def test_longbench_e_names_use_their_datasets_prompts(tmp_path):
     ('{"context": "c", "answers": ["a"]}\n', "qasper", InputError, "needs text under context and input"),
     ('{"input": "q", "context": "c", "answers": ["the second"]}\n', "passage_retrieval_en", ConfigError,
      "names no paragraph: it cannot be scored"),
+    ('{"input": "q", "context": "c", "answers": ["City"]}\n', "trec", ConfigError, "without all_classes"),
+    ("\udcff", "qasper", InputError, "is not UTF-8 text"),
     ("", "dureader", ConfigError, "jieba's Chinese word segmentation"),
     ("", "vcsum", ConfigError, "jieba"),
     ("", "squad", ConfigError, "unknown LongBench dataset 'squad'"),
@@ -205,7 +207,7 @@ def test_missing_or_unscorable_data_is_a_clear_error(tmp_path, setup, name, erro
     if setup is not None:
         data.mkdir()
         if setup:
-            (data / f"{name}.jsonl").write_text(setup)
+            (data / f"{name}.jsonl").write_bytes(setup.encode("utf-8", "surrogateescape"))
     with pytest.raises(error, match=message):
         longbench.samples(data, name, tiny_tokenizer(), 1000)
 

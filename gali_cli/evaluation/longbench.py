@@ -79,7 +79,7 @@ PAPER_MARGIN = 50  # the GALI authors keep max_pe - max_gen - 50 prompt tokens: 
 _SEPARATOR = "\n\n"
 
 
-def dataset(name: str) -> Dataset:
+def dataset_spec(name: str) -> Dataset:
     """The dataset called `name` (a LongBench-E name ends in _e); ConfigError for one gali cannot run or score."""
     base = name.removesuffix("_e") if name.endswith("_e") and name.removesuffix("_e") in E_DATASETS else name
     if base not in DATASETS:
@@ -92,18 +92,18 @@ def dataset(name: str) -> Dataset:
     return spec
 
 
-def samples(data_dir: Path, dataset_name: str, tokenizer, max_length: int, truncation: str = "official",
+def samples(data_dir: Path, dataset: str, tokenizer, max_length: int, truncation: str = "official",
             limit: int | None = None) -> list[Sample]:
     """The samples of one LongBench dataset read from `data_dir`, prompts truncated in the middle for `max_length`.
 
     `tokenizer` is the model's (a transformers tokenizer): the official truncation counts and cuts its tokens.
     InputError for missing or malformed data, ConfigError for an unknown dataset, truncation or budget.
     """
-    spec = dataset(dataset_name)
+    spec = dataset_spec(dataset)
     longbench_metrics.require_libraries(spec.metric)
     budget = prompt_budget(spec, max_length, truncation)
-    records = read_records(Path(data_dir), dataset_name)[:limit]
-    return [_sample(dataset_name, spec, index, record, tokenizer, budget) for index, record in enumerate(records)]
+    records = read_records(Path(data_dir), dataset)[:limit]
+    return [_sample(dataset, spec, index, record, tokenizer, budget) for index, record in enumerate(records)]
 
 
 def prompt_budget(spec: Dataset, max_length: int, truncation: str) -> int:
@@ -143,10 +143,10 @@ def _sample(name: str, spec: Dataset, index: int, record: dict, tokenizer, budge
         context = text[:len(text) - len(after)]
     else:  # the question itself was cut (longer than half the budget): the whole prompt is the document
         context, question = text, ""
-    references = tuple(str(answer) for answer in record["answers"])
-    longbench_metrics.check_references(spec.metric, references)
-    score = partial(longbench_metrics.best_score, spec.metric, references=references,
-                    all_classes=tuple(record["all_classes"] or ()), first_line=spec.first_line)
+    references, all_classes = tuple(str(answer) for answer in record["answers"]), tuple(record["all_classes"] or ())
+    longbench_metrics.check_references(spec.metric, references, all_classes)
+    score = partial(longbench_metrics.best_score, spec.metric, references=references, all_classes=all_classes,
+                    first_line=spec.first_line)
     return Sample(task=f"longbench/{name}", id=str(record.get("_id") or index), context=context, question=question,
                   references=references, score=score, max_new_tokens=spec.max_new_tokens,
                   chat=spec.chat, stop=("\n",) if name.removesuffix("_e") == "samsum" else ())
@@ -172,14 +172,17 @@ def read_records(data_dir: Path, name: str) -> list[dict]:
 
 
 def _jsonl_rows(path: Path) -> list:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise InputError(f"{path} is not UTF-8 text: is this LongBench's data?") from None
     rows = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise InputError(f"{path}:{number} is not JSON ({error.msg}): is this LongBench's data?") from None
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise InputError(f"{path}:{number} is not JSON ({error.msg}): is this LongBench's data?") from None
     return rows
 
 

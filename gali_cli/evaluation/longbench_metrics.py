@@ -140,8 +140,11 @@ def require_libraries(metric: str) -> None:
                           "'gali-cli[eval]'") from None
 
 
-def check_references(metric: str, references: Sequence[str]) -> None:
-    """ConfigError, before a run, for references the metric cannot score (a retrieval answer naming no paragraph)."""
+def check_references(metric: str, references: Sequence[str], all_classes: Sequence[str] = ()) -> None:
+    """ConfigError, before a run, for references the metric cannot score: a retrieval answer naming no paragraph, a
+    classification record without its classes."""
+    if metric == "classification" and not all_classes:
+        raise ConfigError("a LongBench classification record without all_classes cannot be scored")
     pattern = {"retrieval": RETRIEVAL_EN, "retrieval_zh": RETRIEVAL_ZH}.get(metric)
     for reference in references if pattern else ():
         paragraph_number(reference, pattern)
