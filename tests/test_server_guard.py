@@ -74,3 +74,12 @@ def test_a_bad_allow_origin_is_a_usage_error_before_anything_loads(origin, capsy
     assert cli.main(["serve", "-m", "/nonexistent", "--allow-origin", origin]) == 2
     error = capsys.readouterr().err
     assert "--allow-origin" in error and "web origin" in error and len(error.splitlines()) == 1
+
+
+def test_any_origin_without_an_api_key_is_warned_about(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(serve_run, "run_server", lambda worker, settings, listener, log: None)
+    arguments = ["serve", "-m", str(tiny_model_dir), "--port", "0", "--allow-origin", "*"]
+    warned = CliRunner().invoke(cli.app, arguments, env={"COLUMNS": "200"})
+    assert warned.exit_code == 0 and "any web page you visit can use the model" in warned.stderr
+    keyed = CliRunner().invoke(cli.app, [*arguments, "--api-key", "k"], env={"COLUMNS": "200"})
+    assert keyed.exit_code == 0 and "warning" not in keyed.stderr

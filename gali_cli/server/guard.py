@@ -2,7 +2,7 @@
 
 A page in the user's browser can send requests to 127.0.0.1, and after a DNS rebinding (its own name re-pointed at
 127.0.0.1) read the answers too. Local model servers closed this after such reports (ollama checks Host and
-Origin, OLLAMA_ORIGINS widening them); gali does the same, in one ASGI middleware before any route:
+Origin, OLLAMA_ORIGINS widening the origins); gali does the same, in one ASGI middleware before any route:
 
 - **Host**: the Host header must name this server as its own programs do: localhost, 127.0.0.1 or [::1] with the
   port it listens on. A rebinding page sends its own name, so it is refused. Bound to another address (0.0.0.0, a
