@@ -162,10 +162,9 @@ class JsonErrors(H11Protocol):
         error = APIError(400, "the request is not valid HTTP/1.1 (a malformed request line or header, such as "
                               "Content-Length)", code="invalid_http")
         body = JSONResponse(error.body()).body
-        for event in (h11.Response(status_code=400, headers=[(b"content-type", b"application/json"),
-                                                              (b"content-length", str(len(body)).encode()),
-                                                              (b"connection", b"close")]),
-                      h11.Data(data=body), h11.EndOfMessage()):
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, reason=b"Bad Request", headers=headers), h11.Data(data=body),
+                      h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
-
