@@ -568,3 +568,17 @@ def test_bodies_no_parser_can_take_are_a_400(served, body):
     status, _, error = raw(served, "POST", "/v1/chat/completions", body)
     assert status == 400 and error["error"]["type"] == "invalid_request_error", error
     assert ask(client_for(served), "Still there?").choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, shown", [
+    ({"model": "evil\n\x1b[2J", "messages": MESSAGES}, "the model 'evil\\n\\x1b[2J' does not exist"),  # 404
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "evil\u202e\x1b[2J"}]}]},
+     "got 'evil\\u202e\\x1b[2J'"),  # 400
+])
+def test_request_text_an_error_quotes_is_logged_escaped(served, body, shown):
+    """Model names and values from a request reach the access log through the error's message: escaped there."""
+    before = len(served.log)
+    assert raw(served, "POST", "/v1/chat/completions", body)[0] in (400, 404)
+    assert wait_until(lambda: len(served.log) > before)
+    line = served.log[-1]
+    assert shown in line and "\x1b" not in line and "\n" not in line
