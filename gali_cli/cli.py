@@ -10,6 +10,7 @@ only once its options are parsed.
 import dataclasses
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Annotated
@@ -251,6 +252,13 @@ def chat(
     run_chat(file, choice, Reading(password, max_input_size), answering)
 
 
+def _web_origin(value: str) -> str:
+    """--allow-origin's value as browsers send an Origin header (scheme://host[:port]), or *; else a usage error."""
+    if value != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+", value):
+        raise typer.BadParameter(f"{value!r} is not a web origin such as http://localhost:3000 (or *)")
+    return value
+
+
 @app.command(cls=Command)
 @_guarded
 @with_model_options
@@ -272,6 +280,15 @@ def serve(
                                                                      "them, 429 with Retry-After.")] = 16,
     max_request_mib: Annotated[int, typer.Option(min=1, metavar="N", help="Largest request body, in MiB (413 "
                                                                           "past it).")] = 32,
+    allow_host: Annotated[list[str] | None, typer.Option(metavar="NAME", show_default=False, help=(
+        "Also answer requests whose Host header names NAME, any port (a proxy's or a DNS name; '*': any). By "
+        "default only localhost, 127.0.0.1 and [::1] at the server's port, and on a non-loopback --host also its "
+        "IP addresses and host name: a web page's DNS rebinding is refused. Repeatable."))] = None,
+    allow_origin: Annotated[list[str] | None, typer.Option(parser=_web_origin, metavar="ORIGIN", show_default=False,
+                                                           help="Let web pages of ORIGIN (e.g. "
+                                                                "http://localhost:3000; '*': any) use the server "
+                                                                "(CORS); requests from other origins are refused. "
+                                                                "Repeatable.")] = None,
     cache_dir: CacheDir = None, no_cache: NoCache = False, choice: ModelChoice = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API that reads prompts longer than its window.
@@ -291,7 +308,8 @@ def serve(
     from .runs.serve import serve as run_server
 
     run_server(choice, Serving(host, port, api_key, model_name, max_new_tokens, temperature, top_p, queue_size,
-                               max_request_mib, cache_dir, no_cache))
+                               max_request_mib, cache_dir, no_cache, tuple(allow_host or ()),
+                               tuple(allow_origin or ())))
 
 
 cache_app = typer.Typer(name="cache", cls=Group, no_args_is_help=True,

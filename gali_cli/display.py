@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.spinner import Spinner
 from rich.table import Table
+from rich.text import Text
 
 from .errors import ConfigError
 from .printable import printable
@@ -36,18 +37,20 @@ _CONTROLS = {code: (0x2400 + code if code < 32 else 0x2421 if code == 127 else 0
 
 
 def say(message: str, style: str | None = None) -> None:
-    err.print(message, style=style, markup=False)
+    """A line on stderr. Messages quote file names, model paths and request text, so each is shown printable():
+    a name cannot drive the terminal or forge a line."""
+    err.print(printable(message), style=style, markup=False)
 
 
 def warn(message: str) -> None:
     err.print("[yellow]warning:[/] ", end="")
-    err.print(message, markup=False)
+    err.print(printable(message), markup=False)
 
 
 def fail(message: str) -> None:
     stop_drawing()  # the error line must not be redrawn over
     err.print("[red]gali:[/] ", end="")
-    err.print(message, markup=False)
+    err.print(printable(message), markup=False)
 
 
 @contextmanager
@@ -99,8 +102,8 @@ def read_line(prompt: str) -> str:
 @contextmanager
 def status(message: str) -> Iterator[None]:
     """A spinner with `message` on stderr while the block runs (on a terminal)."""
-    with Live(Spinner("dots", message), console=err, transient=True, refresh_per_second=12.5) as spinner, \
-            _live(spinner):
+    spinning = Spinner("dots", Text(printable(message)))  # Text: a model path's "[...]" is not Rich markup
+    with Live(spinning, console=err, transient=True, refresh_per_second=12.5) as spinner, _live(spinner):
         yield
 
 

@@ -1,13 +1,17 @@
 """Strings from strangers are shown escaped: no forged log lines, no terminal control, no reversed text."""
 
+import io
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
+from gali_cli import display
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.printable import printable
 
@@ -37,3 +41,29 @@ def test_gali_cache_list_escapes_what_a_label_carries(tmp_path):
     result = CliRunner().invoke(cli.app, ["cache", "list", "--cache-dir", str(tmp_path)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.stderr
     assert "\x1b" not in result.stdout and "report\\x1b[2J\\nforged.txt" in result.stdout
+
+
+def test_gali_serve_escapes_a_model_path_in_its_one_line_error(capsys):
+    """An error names what it could not use: a path, and so what a file's name carries, is shown escaped."""
+    assert cli.main(["serve", "-m", "/nonexistent/evil\x1b[2J\nforged", "--port", "0"]) != 0
+    error = capsys.readouterr().err
+    assert "\x1b" not in error and len(error.splitlines()) == 1 and "evil\\x1b[2J\\nforged" in error
+
+
+def test_a_documents_name_is_shown_escaped_on_stderr(tiny_model_dir, tmp_path):
+    """A file's name reaches the terminal in the reading line ("NAME: N tokens"): a name is not an escape sequence."""
+    document = tmp_path / "report\x1b]0;pwned\x07\u202e.txt"
+    document.write_text("The roof leaks. " * 20)
+    result = CliRunner().invoke(cli.app, ["ask", str(document), "What leaks?", "-m", str(tiny_model_dir),
+                                          "--max-new-tokens", "2"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    assert "report\\x1b]0;pwned\\x07\\u202e.txt" in result.stderr
+    assert not any(character in result.stderr for character in "\x1b\x07\u202e")
+
+
+def test_the_loading_spinner_shows_a_model_path_escaped_and_not_as_markup(monkeypatch):
+    shown = io.StringIO()
+    monkeypatch.setattr(display, "err", Console(file=shown, force_terminal=True, width=200))
+    with display.status("Loading /models/[bold]evil\x1b[2J"):
+        time.sleep(0.3)
+    assert "/models/[bold]evil\\x1b[2J" in shown.getvalue() and "\x1b[2J" not in shown.getvalue()

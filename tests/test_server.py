@@ -28,6 +28,7 @@ from gali_cli.methods import apply_method, prefill_spans
 from gali_cli.model.loading import load_model
 from gali_cli.prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
 from gali_cli.server.app import ServerSettings
+from gali_cli.server.guard import Reach
 from gali_cli.server.reuse import States
 from gali_cli.server.run import Server, address, bind
 from gali_cli.server.schemas import Message
@@ -72,11 +73,12 @@ def client_for(server, api_key: str = "none") -> openai.OpenAI:
 
 
 def raw(server, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
-    """(status, headers, JSON or bytes) of one plain HTTP request."""
+    """(status, headers, JSON or bytes) of one plain HTTP request; a body is sent as JSON unless `headers` say."""
     parts = urlsplit(server.url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
     payload = json.dumps(body).encode() if isinstance(body, dict) else body
-    connection.request(method, path, body=payload, headers=headers or {})
+    json_type = {"Content-Type": "application/json"} if body is not None else {}
+    connection.request(method, path, body=payload, headers={**json_type, **(headers or {})})
     response = connection.getresponse()
     data = response.read()
     connection.close()
@@ -268,8 +270,9 @@ def test_oversized_bodies_wrong_routes_and_the_server_keeps_serving(served):
     big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 2**20}]}).encode()
     status, _, error = raw(served, "POST", "/v1/chat/completions", big)
     assert status == 413 and error["error"]["code"] == "request_too_large"
-    status, _, _ = raw(served, "POST", "/v1/chat/completions", b"{}", {"Content-Length": "nine"})
-    assert status == 400
+    status, headers, error = raw(served, "POST", "/v1/chat/completions", b"{}", {"Content-Length": "nine"})
+    assert status == 400 and headers["content-type"] == "application/json"  # uvicorn's own 400, as OpenAI's JSON
+    assert error["error"]["code"] == "invalid_http"
     status, _, error = raw(served, "GET", "/v1/chat/completions")
     assert status == 405 and "error" in error
     status, _, error = raw(served, "POST", "/v1/embeddings", {"model": "tiny", "input": "x"})
@@ -303,7 +306,8 @@ def test_a_client_that_goes_away_stops_its_generation(served, loaded):
     parts = urlsplit(served.url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port)
     connection.request("POST", "/v1/chat/completions", json.dumps(
-        {"model": "tiny", "messages": [{"role": "user", "content": "The roof"}], "max_tokens": FOREVER}))
+        {"model": "tiny", "messages": [{"role": "user", "content": "The roof"}], "max_tokens": FOREVER}),
+        {"Content-Type": "application/json"})
     assert wait_until(lambda: served.worker.busy)
     connection.close()
     assert wait_until(lambda: not served.worker.busy), "the model kept generating for nobody"
@@ -502,3 +506,79 @@ def test_the_access_log_escapes_the_clients_path(served):
         time.sleep(0.01)
     line = next(line for line in served.log[before:] if "/v1/models/evil" in line)
     assert "\n" not in line and "\x1b" not in line and "evil\\nGET /forged 200\\x1b[2J" in line
+
+
+CHAT = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1}
+
+
+@pytest.mark.parametrize("headers, status, code", [
+    ({"Host": "evil.example", "Content-Type": "text/plain"}, 403, "host_not_allowed"),  # what the trial sent
+    ({"Host": "evil.example:{port}"}, 403, "host_not_allowed"),  # a DNS-rebinding page: its own name
+    ({"Host": "localhost:1"}, 403, "host_not_allowed"),  # another port's name
+    ({"Content-Type": "text/plain"}, 415, "unsupported_media_type"),  # a page's "simple" cross-origin POST
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),  # curl -d's default
+    ({"Origin": "https://evil.example"}, 403, "origin_not_allowed"),
+    ({"Origin": "null"}, 403, "origin_not_allowed"),  # a sandboxed frame or a file:// page
+])
+def test_a_web_page_cannot_drive_the_server(served, headers, status, code):
+    """Only the user's own programs: a foreign Host (DNS rebinding), a page's origin or a body that is not JSON are
+    refused before the model sees anything, in OpenAI's error shape."""
+    port = str(urlsplit(served.url).port)
+    headers = {name: value.replace("{port}", port) for name, value in headers.items()}
+    before = served.worker.waiting + served.worker.busy
+    got, _, error = raw(served, "POST", "/v1/chat/completions", json.dumps(CHAT).encode(), headers)
+    assert (got, error["error"]["code"]) == (status, code), error
+    assert served.worker.waiting + served.worker.busy == before
+    assert raw(served, "OPTIONS", "/v1/chat/completions", None, {
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})[0] == 403  # no CORS by default
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "LOCALHOST:{port}", "[::1]:{port}"])
+def test_the_local_names_of_the_server_are_served(served, host):
+    port = str(urlsplit(served.url).port)
+    status, _, body = raw(served, "POST", "/v1/chat/completions", CHAT, {"Host": host.replace("{port}", port)})
+    assert status == 200, body
+
+
+def test_allowed_hosts_and_origins_widen_the_reach(loaded):
+    """--allow-host and --allow-origin: a proxy's name is served, and a page of an allowed origin gets its
+    preflight answered and may read the response."""
+    reach = Reach(extra_hosts=frozenset({"gali.example"}), origins=frozenset({"http://localhost:3000"}))
+    with serving(loaded, reach=reach) as server:
+        assert raw(server, "POST", "/v1/chat/completions", CHAT, {"Host": "gali.example"})[0] == 200
+        assert raw(server, "POST", "/v1/chat/completions", CHAT, {"Host": "other.example"})[0] == 403
+        status, headers, _ = raw(server, "OPTIONS", "/v1/chat/completions", None, {
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert status == 204 and headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "POST" in headers["access-control-allow-methods"]
+        assert headers["access-control-allow-headers"] == "authorization, content-type"
+        status, headers, _ = raw(server, "POST", "/v1/chat/completions", CHAT, {"Origin": "http://localhost:3000"})
+        assert status == 200 and headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert raw(server, "POST", "/v1/chat/completions", CHAT, {"Origin": "http://localhost:4000"})[0] == 403
+        assert "access-control-allow-origin" not in raw(server, "GET", "/health")[1]  # no Origin: no CORS
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate: not Unicode
+    b'{"model": "\\udfff", "messages": [{"role": "user", "content": "Hi"}]}',
+    b'{"model": "tiny", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # deeper than any parser goes
+])
+def test_bodies_no_parser_can_take_are_a_400(served, body):
+    status, _, error = raw(served, "POST", "/v1/chat/completions", body)
+    assert status == 400 and error["error"]["type"] == "invalid_request_error", error
+    assert ask(client_for(served), "Still there?").choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, shown", [
+    ({"model": "evil\n\x1b[2J", "messages": MESSAGES}, "the model 'evil\\n\\x1b[2J' does not exist"),  # 404
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "evil\u202e\x1b[2J"}]}]},
+     "got 'evil\\u202e\\x1b[2J'"),  # 400
+])
+def test_request_text_an_error_quotes_is_logged_escaped(served, body, shown):
+    """Model names and values from a request reach the access log through the error's message: escaped there."""
+    before = len(served.log)
+    assert raw(served, "POST", "/v1/chat/completions", body)[0] in (400, 404)
+    assert wait_until(lambda: len(served.log) > before)
+    line = served.log[-1]
+    assert shown in line and "\x1b" not in line and "\n" not in line

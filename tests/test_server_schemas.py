@@ -56,11 +56,17 @@ def test_harmless_defaults_and_unknown_fields_are_accepted():
     assert chat.max_new_tokens == 9  # max_completion_tokens wins, as OpenAI's newer name
 
 
-@pytest.mark.parametrize("body", [b"", b"{", b"null", b'"text"', b"\xff\xfe{}", b'{"a": Infinity}'])
-def test_a_body_must_be_a_json_object(body):
+@pytest.mark.parametrize("body", [b"", b"{", b"null", b'"text"', b"\xff\xfe{}", b'{"a": Infinity}',
+                                  b'{"a": "\\ud800"}', b'{"a": ["\\udc00 after a low half"]}',
+                                  b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_a_body_must_be_a_json_object_in_valid_unicode_and_parseable_depth(body):
     with pytest.raises(APIError) as error:
         read_json(body)
     assert error.value.status == 400
+
+
+def test_a_surrogate_pair_written_as_escapes_is_one_character():
+    assert read_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # as json.dumps writes an emoji
 
 
 def test_replies_in_openai_shapes():

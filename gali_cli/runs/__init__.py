@@ -110,3 +110,5 @@ class Serving:
     max_request_mib: int
     cache_dir: str | None
     no_cache: bool
+    allow_hosts: tuple[str, ...] = ()  # Host names served besides the local ones (guard.Reach)
+    allow_origins: tuple[str, ...] = ()  # web origins let in (CORS)

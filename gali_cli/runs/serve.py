@@ -4,6 +4,7 @@ from datetime import datetime
 
 from ..display import say, warn
 from ..server.app import ServerSettings
+from ..server.guard import ANY, Reach
 from ..server.run import address, bind
 from ..server.run import serve as run_server
 from ..server.worker import ModelWorker
@@ -25,9 +26,12 @@ def serve(choice: ModelChoice, serving: Serving) -> None:
         worker = ModelWorker(loaded, method, choice.settings, cache, serving.queue_size)
         settings = ServerSettings(serving.model_name or choice.model, serving.api_key,
                                   serving.max_request_mib * 2**20, serving.max_new_tokens, serving.temperature,
-                                  serving.top_p)
+                                  serving.top_p, Reach.for_bind(listener.getsockname()[0], serving.allow_hosts,
+                                                                serving.allow_origins))
         if not serving.api_key and serving.host not in LOCAL_HOSTS:
             warn(f"listening on {serving.host} without --api-key: anyone who can reach it can use the model")
+        if not serving.api_key and ANY in serving.allow_origins:
+            warn("--allow-origin '*' without --api-key: any web page you visit can use the model")
         window = (f"{worker.window}-token window" if worker.window == loaded.train_len else
                   f"{worker.window}-token window of --train-len, the model's {loaded.train_len}")
         say(f"gali serve: {settings.name} ({method}, {window}) at {address(listener)}/v1 (Ctrl-C stops)")

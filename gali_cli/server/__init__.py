@@ -3,10 +3,11 @@
 - `schemas`: what clients send (pydantic, strict) and get back (OpenAI's JSON shapes), and OpenAI-style errors.
 - `worker`: the one thread that owns the model; requests queue for it and stream their text back.
 - `reuse`: which prefilled state a request can start from (the last request's, or the document cache's).
+- `guard`: who may reach it: Host names, web origins (CORS), JSON bodies; uvicorn's own 400 as JSON.
 - `app`: the ASGI application (Starlette): routes, API key, body limit, server-sent events, access log.
 - `run`: binding the port, uvicorn, and stopping cleanly on SIGTERM or Ctrl-C.
 
-`schemas`, `app` and `run` need the `serve` extra (pydantic, starlette, uvicorn); `require_extra` says how to
+`schemas`, `guard`, `app` and `run` need the `serve` extra (pydantic, starlette, uvicorn); `require_extra` says how to
 install it.
 """
 

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..generate import TextPiece
 from ..printable import printable
 from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
+from .guard import Guard, Reach
 from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, parse, read_json
 from .worker import Done, Event, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping
 
@@ -41,6 +42,7 @@ class ServerSettings:
     max_new_tokens: int = 1024  # when a request does not say (max_tokens)
     temperature: float = 0.0  # when a request does not say
     top_p: float = 1.0
+    reach: Reach = field(default_factory=Reach)  # who may use it: the Host names and web origins served (guard.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -55,7 +57,7 @@ def create_app(worker: ModelWorker, settings: ServerSettings, log: Callable[[str
         Route("/v1/completions", api.endpoint(api.completions), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
-    return _AccessLog(app, log)
+    return _AccessLog(Guard(app, settings.reach), log)
 
 
 class _API:

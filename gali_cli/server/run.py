@@ -11,6 +11,7 @@ import uvicorn
 
 from ..errors import ConfigError, GaliError
 from .app import ServerSettings, create_app
+from .guard import JsonErrors
 from .worker import ModelWorker
 
 GRACEFUL_SECONDS = 30  # at most this long for clients to take their last bytes once the server stops
@@ -57,7 +58,7 @@ class Server(uvicorn.Server):
 
     def __init__(self, worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> None:
         super().__init__(uvicorn.Config(create_app(worker, settings, log), log_config=None, log_level="warning",
-                                        access_log=False, lifespan="off", ws="none",
+                                        http=JsonErrors, access_log=False, lifespan="off", ws="none",
                                         timeout_graceful_shutdown=GRACEFUL_SECONDS))
         self.worker, self.log = worker, log
 

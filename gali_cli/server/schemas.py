@@ -38,11 +38,18 @@ def _no_constant(name: str) -> None:
 
 
 def read_json(body: bytes) -> dict:
-    """The request body as a JSON object; anything else is a 400."""
+    """The request body as a JSON object; anything else is a 400: JSON nested deeper than Python's parser goes, or
+    text with a lone surrogate ("\\ud800" is valid JSON but no Unicode: no tokenizer or reply could take it)."""
     try:
         data = json.loads(body, parse_constant=_no_constant)
+        json.dumps(data, ensure_ascii=False).encode()  # every string written out as UTF-8, as the model reads it
+    except UnicodeEncodeError as error:
+        raise APIError(400, f"the body is not valid Unicode: a lone surrogate "
+                            f"{error.object[error.start:error.end]!r} in a string") from None
     except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
         raise APIError(400, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise APIError(400, "the body nests arrays and objects deeper than the server reads") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, not {type(data).__name__}")
     return data
