@@ -10,6 +10,7 @@ line after the document, up to `question_start`, they are the prefix every quest
 whose prefilled state can be reused (and the one `gali serve` cuts the same message at, served_prompt).
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .errors import ModelLoadError
@@ -106,14 +107,16 @@ def template_parts(tokenizer, roles: list[str]) -> list[str]:
     """
     slotted = [{"role": role, "content": _SLOT.format(index)} for index, role in enumerate(roles)]
     rendered = render_chat_template(tokenizer, slotted, add_generation_prompt=True)
-    parts = []
-    for index, role in enumerate(roles):
-        part, slot, rendered = rendered.partition(_SLOT.format(index))
-        if not slot:
+    parts, start = [], 0
+    for index, role in enumerate(roles):  # each slot found after the last: linear in the rendered text
+        slot = _SLOT.format(index)
+        found = rendered.find(slot, start)
+        if found < 0:
             raise ModelLoadError(f"cannot use model {str(tokenizer.name_or_path)!r}: the model's chat template "
                                  f"leaves out message {index} (role {role!r})")
-        parts.append(part)
-    return [*parts, rendered]
+        parts.append(rendered[start:found])
+        start = found + len(slot)
+    return [*parts, rendered[start:]]
 
 
 class ServedPrompt(NamedTuple):
@@ -145,14 +148,19 @@ def served_parts(tokenizer, roles: list[str]) -> tuple[list[str], bool]:
     return ["", *["\n\n"] * (len(roles) - 1), "\n"], True
 
 
-def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list[list[int]], bos: bool = False
-                  ) -> ServedPrompt:
+def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list[list[int]], bos: bool = False,
+                  check: Callable[[], None] = lambda: None) -> ServedPrompt:
     """Messages `texts` set between the template pieces `parts` (template_parts; without a chat template, blank
     lines), cut after each message and at the character offsets `text_cuts` in it. With `bos`, the first piece gets
-    the tokenizer's special tokens. A message that spells a special token keeps it as characters."""
+    the tokenizer's special tokens. A message that spells a special token keeps it as characters.
+
+    Each message is tokenized once, and once more for each of its cuts (a few: see Message.cuts), so the time
+    is linear in the prompt; `check` runs before each message and raises to stop (a request cancelled meanwhile).
+    """
     specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
     ids, cuts = [], []
     for index, (part, text, offsets) in enumerate(zip(parts, texts, text_cuts)):
+        check()
         special = bos and index == 0
         if any(name in text for name in specials):
             head = tokenizer(part, add_special_tokens=special).input_ids if part or special else []

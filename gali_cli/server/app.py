@@ -1,8 +1,9 @@
 """The ASGI application: OpenAI's routes over one ModelWorker.
 
-Handlers validate a request completely (API key, body size, JSON, fields, model, the chat template) before it
-queues, so a bad request is a 4xx at once; then they only wait for the worker's events and write them out, as one
-JSON document or as server-sent events. The event loop never runs model work.
+Handlers validate a request completely (API key, body size, JSON, fields, model, its size in messages and parts,
+the chat template) before it queues, so a bad request is a 4xx at once; then they only wait for the worker's events
+and write them out, as one JSON document or as server-sent events. The event loop never runs model work, nor any
+work that grows with a request: parsing and the chat template run on a thread (starlette's thread pool).
 """
 
 import asyncio
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..generate import TextPiece
 from ..printable import printable
 from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
+from .connections import ConnectionLimits
 from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, parse, read_json
 from .worker import Done, Event, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping
 
@@ -38,9 +41,12 @@ class ServerSettings:
     name: str  # the model's name for clients ("model" in requests)
     api_key: str | None = None
     max_body_bytes: int = 32 * 2**20
+    max_messages: int = 2048  # per chat request (OpenAI's own limit)
+    max_parts: int = 2048  # text parts per chat request, in all its messages (a string content is one)
     max_new_tokens: int = 1024  # when a request does not say (max_tokens)
     temperature: float = 0.0  # when a request does not say
     top_p: float = 1.0
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -96,9 +102,16 @@ class _API:
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        chat = parse(ChatRequest, read_json(await self._body(request)))
+        chat, tokenize, label = await run_in_threadpool(self._chat, await self._body(request))
+        return await self._answer(request, chat, Reply(True, self.settings.name), tokenize, label)
+
+    def _chat(self, body: bytes) -> tuple[ChatRequest, Callable[..., ServedPrompt], str]:
+        """The chat request in `body`, how to tokenize its prompt, and its label (on a thread: it grows with the
+        request, bounded by the limits)."""
+        chat = parse(ChatRequest, read_json(body))
         self._check_model(chat.model)
         chat.check_supported()
+        chat.check_size(self.settings.max_messages, self.settings.max_parts)
         roles = ["system" if message.role == "developer" else message.role for message in chat.messages]
         try:
             parts, bos = served_parts(self.worker.loaded.tokenizer, roles)
@@ -109,25 +122,28 @@ class _API:
         tokenize = partial(served_prompt, parts=parts, texts=texts, text_cuts=[m.cuts() for m in chat.messages],
                            bos=bos)
         label = next((text for text, role in zip(texts, roles) if role != "system"), texts[0])
-        return await self._answer(request, chat, Reply(True, self.settings.name), tokenize, label)
+        return chat, tokenize, label
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        completion = parse(CompletionRequest, read_json(await self._body(request)))
+        completion, tokenize, label = await run_in_threadpool(self._completion, await self._body(request))
+        return await self._answer(request, completion, Reply(False, self.settings.name), tokenize, label)
+
+    def _completion(self, body: bytes) -> tuple[CompletionRequest, Callable[..., ServedPrompt], str]:
+        """The completion request in `body`, how to tokenize its prompt, and its label (on a thread, as _chat)."""
+        completion = parse(CompletionRequest, read_json(body))
         self._check_model(completion.model)
         completion.check_supported()
         prompt = completion.prompt
         if isinstance(prompt, str):
-            tokenize, label = partial(raw_prompt, text=prompt), prompt
-        else:
-            vocabulary = self.worker.loaded.model.config.vocab_size
-            if not all(0 <= token < vocabulary for token in prompt):
-                raise APIError(400, f"prompt: token ids must be in [0, {vocabulary})", param="prompt")
-            tokenize, label = (lambda tokenizer: ServedPrompt(list(prompt), [len(prompt)], 0)), f"{prompt[:8]}..."
-        return await self._answer(request, completion, Reply(False, self.settings.name), tokenize, label)
+            return completion, (lambda tokenizer, check: raw_prompt(tokenizer, prompt)), prompt
+        vocabulary = self.worker.loaded.model.config.vocab_size
+        if not all(0 <= token < vocabulary for token in prompt):
+            raise APIError(400, f"prompt: token ids must be in [0, {vocabulary})", param="prompt")
+        return completion, (lambda tokenizer, check: ServedPrompt(list(prompt), [len(prompt)], 0)), f"{prompt[:8]}..."
 
     async def _answer(self, request: Request, generation: ChatRequest | CompletionRequest, reply: Reply,
-                      tokenize: Callable[[object], ServedPrompt], label: str) -> Response:
+                      tokenize: Callable[..., ServedPrompt], label: str) -> Response:
         """Queue the job, then answer as one document or as a stream of events."""
         job = Job(tokenize, self._sampling(generation), f"gali serve: {' '.join(label[:200].split())[:60]}",
                   asyncio.get_running_loop())
