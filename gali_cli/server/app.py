@@ -27,11 +27,11 @@ from ..generate import TextPiece
 from ..printable import printable
 from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
 from .connections import ConnectionLimits
-from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, parse, read_json
+from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, check_size, parse, read_json
 from .worker import Done, Event, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping
 
 KEEP_ALIVE_SECONDS = 15.0  # a comment line on a silent stream (a long queue or prefill), so that proxies wait
-POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
+LISTEN_SECONDS = 0.05  # how soon a waiting non-streamed request sees that its client went away
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,11 @@ class _API:
     def _chat(self, body: bytes) -> tuple[ChatRequest, Callable[..., ServedPrompt], str]:
         """The chat request in `body`, how to tokenize its prompt, and its label (on a thread: it grows with the
         request, bounded by the limits)."""
-        chat = parse(ChatRequest, read_json(body))
+        data = read_json(body)
+        check_size(data, self.settings.max_messages, self.settings.max_parts)
+        chat = parse(ChatRequest, data)
         self._check_model(chat.model)
         chat.check_supported()
-        chat.check_size(self.settings.max_messages, self.settings.max_parts)
         roles = ["system" if message.role == "developer" else message.role for message in chat.messages]
         try:
             parts, bos = served_parts(self.worker.loaded.tokenizer, roles)
@@ -166,7 +167,7 @@ class _API:
         """The answer as one JSON document, once it is complete."""
         pieces = []
         try:
-            async for event in _events(job, request, poll=True):
+            async for event in _events(job, request, listen=True):
                 if isinstance(event, TextPiece):
                     pieces.append(event.text)
                 elif isinstance(event, Done):
@@ -185,7 +186,7 @@ class _API:
         try:
             if reply.chat:
                 yield _data(reply.chunk("", first=True))
-            async for event in _events(job, request, poll=False):
+            async for event in _events(job, request, listen=False):
                 if event is None:
                     yield b": keep-alive\n\n"
                 elif isinstance(event, TextPiece):
@@ -244,33 +245,38 @@ class _API:
         return {"id": self.settings.name, "object": "model", "created": self.settings.created, "owned_by": "gali"}
 
 
-async def _events(job: Job, request: Request, poll: bool) -> AsyncIterator[Event | None]:
-    """The job's events until its last; None after each silent KEEP_ALIVE_SECONDS. With `poll`, a client that went
-    away ends the iteration early (a stream's disconnect is noticed by Starlette itself)."""
+async def _events(job: Job, request: Request, listen: bool) -> AsyncIterator[Event | None]:
+    """The job's events until its last; None after each silent KEEP_ALIVE_SECONDS. With `listen`, a client that went
+    away ends the iteration within LISTEN_SECONDS, so that its job leaves the queue (a stream's disconnect is noticed
+    by Starlette itself)."""
     loop = asyncio.get_running_loop()
-    heard = polled = loop.time()
-    getter = None
+    heard, getter = loop.time(), None
+    gone = asyncio.ensure_future(_gone(request)) if listen else None
     try:
         while True:
             getter = getter or asyncio.ensure_future(job.events.get())  # kept across timeouts: no event is lost
-            done, _ = await asyncio.wait({getter}, timeout=POLL_SECONDS)
-            now = loop.time()
-            if poll and now - polled >= POLL_SECONDS:
-                polled = now
-                if await request.is_disconnected():
-                    return
+            done, _ = await asyncio.wait({getter}, timeout=LISTEN_SECONDS)
+            if gone is not None and gone.done():
+                return
             if not done:
-                if now - heard >= KEEP_ALIVE_SECONDS:
-                    heard = now
+                if loop.time() - heard >= KEEP_ALIVE_SECONDS:
+                    heard = loop.time()
                     yield None
                 continue
-            event, getter, heard = getter.result(), None, now
+            event, getter, heard = getter.result(), None, loop.time()
             yield event
             if isinstance(event, (Done, Failed)):
                 return
     finally:
-        if getter is not None:
-            getter.cancel()
+        for task in (getter, gone):
+            if task is not None:
+                task.cancel()
+
+
+async def _gone(request: Request) -> None:
+    """Return when the client has gone away (its body was read: what it sends next is its disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(done: Done) -> Usage:

@@ -48,6 +48,22 @@ def read_json(body: bytes) -> dict:
     return data
 
 
+def check_size(data: dict, max_messages: int, max_parts: int) -> None:
+    """A 400 when a chat request's JSON has more messages, or text parts in all its messages, than the server takes:
+    counted before validation, whose time (spent holding the GIL) grows with them."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return  # validation says what is wrong
+    if len(messages) > max_messages:
+        raise APIError(400, f"messages: this server takes at most {max_messages} messages per request, not "
+                            f"{len(messages)}", param="messages", code="too_many_messages")
+    parts = sum(len(content) if isinstance(content := message.get("content"), list) else 1
+                for message in messages if isinstance(message, dict))
+    if parts > max_parts:
+        raise APIError(400, f"messages: this server takes at most {max_parts} text parts per request (in all "
+                            f"its messages), not {parts}", param="messages", code="too_many_parts")
+
+
 def parse(model: type[_Request], data: dict) -> _Request:
     """`data` validated as `model`; the first problem becomes a 400 naming the field (e.g. messages.0.role)."""
     try:
@@ -144,7 +160,7 @@ class Message(_Strict):
 
 class ChatRequest(_Generation):
     """A chat completion request; its size in messages and text parts is checked against the server's limits
-    (check_size) before any work that grows with them."""
+    (check_size) before it is validated."""
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COMPLETION_TOKENS)
@@ -163,16 +179,6 @@ class ChatRequest(_Generation):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-    def check_size(self, max_messages: int, max_parts: int) -> None:
-        """A 400 when the request has more messages, or text parts in all its messages, than the server takes."""
-        if len(self.messages) > max_messages:
-            raise APIError(400, f"messages: this server takes at most {max_messages} messages per request, not "
-                                f"{len(self.messages)}", param="messages", code="too_many_messages")
-        parts = sum(len(message.content) for message in self.messages)
-        if parts > max_parts:
-            raise APIError(400, f"messages: this server takes at most {max_parts} text parts per request (in all "
-                                f"its messages), not {parts}", param="messages", code="too_many_parts")
 
 
 class CompletionRequest(_Generation):
