@@ -19,6 +19,8 @@ from .model.chat_template import render_chat_template
 SUMMARIZE = "Summarize the document above."
 ASK = "Answer this question about the document above: {question}"
 _SLOT = "\x00gali-slot-{}\x00"  # stands for a message's text while the chat template is rendered
+MIN_CUT_GAP = 64  # tokens, at least, between two places a served prompt's prefill ends a forward (_spaced)...
+FREE_CUTS = 16  # ...after its first FREE_CUTS, which may be closer (a system prompt, a short document, a question)
 
 
 class Prompt(NamedTuple):
@@ -175,8 +177,21 @@ def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list
         ids += piece
     last_message_end = len(ids)
     ids += tokenizer(parts[-1], add_special_tokens=False).input_ids
-    cuts = sorted({cut for cut in [*cuts, len(ids)] if cut > 0})
+    cuts = _spaced(sorted(set(cuts)), len(ids))
     return ServedPrompt(ids, cuts, max((cut for cut in cuts if cut < last_message_end), default=0))
+
+
+def _spaced(cuts: list[int], end: int) -> list[int]:
+    """`cuts` (sorted), the first FREE_CUTS of them, then the others kept MIN_CUT_GAP tokens apart at least, left to
+    right; then `end`. A forward attends to the whole cache, so one per cut of a prompt of thousands of short
+    messages would make its prefill quadratic in them; whether a cut is kept depends only on the cuts before it, so
+    prompts that share a prefix keep the same cuts in it, and share its prefilled state."""
+    kept, last = [], 0
+    for cut in cuts:
+        if (len(kept) < FREE_CUTS or cut - last >= MIN_CUT_GAP) and cut < end:
+            kept.append(cut)
+            last = cut
+    return [*kept, end]
 
 
 def raw_prompt(tokenizer, text: str) -> ServedPrompt:

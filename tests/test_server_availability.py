@@ -18,7 +18,7 @@ from test_server import DOCUMENT, ask, client_for, long_answer, raw, serving, wa
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.model.loading import load_model
-from gali_cli.prompts import served_parts, served_prompt
+from gali_cli.prompts import FREE_CUTS, MIN_CUT_GAP, served_parts, served_prompt
 from gali_cli.server.connections import ConnectionLimits
 from gali_cli.server.reuse import MAX_LOOKUPS, States
 from gali_cli.server.worker import Job, ModelWorker, Sampling
@@ -94,6 +94,22 @@ def test_a_served_prompt_tokenizes_each_message_a_bounded_number_of_times(loaded
     message = Message.model_validate({"role": "user", "content": parts(500)})
     served_prompt(Counting(), *served_parts(tokenizer, ["user"])[:1], [message.text], [message.cuts()])
     assert sum(seen) <= 6 * len(message.text)
+
+
+def test_cuts_closer_than_the_minimum_gap_are_merged_so_forwards_stay_few(loaded):
+    """2,048 one-character messages: one forward per message would cost a pass over the whole cache each (43 s on
+    the tiny model); past the first FREE_CUTS, the cuts kept are MIN_CUT_GAP tokens apart at least, and depend only
+    on what precedes them."""
+    roles, texts = ["user"] * 2048, ["x"] * 2048
+    template, bos = served_parts(loaded.tokenizer, roles)
+    prompt = served_prompt(loaded.tokenizer, template, texts, [[]] * 2048, bos)
+    gaps = [later - earlier for earlier, later in zip(prompt.cuts[FREE_CUTS - 1:-2], prompt.cuts[FREE_CUTS:-1])]
+    assert prompt.cuts[-1] == len(prompt.ids) and min(gaps) >= MIN_CUT_GAP
+    assert len(prompt.cuts) <= FREE_CUTS + len(prompt.ids) // MIN_CUT_GAP + 1
+    longer = served_prompt(loaded.tokenizer, served_parts(loaded.tokenizer, [*roles, "user"])[0],
+                           [*texts, "When?"], [[]] * 2049, bos)
+    shared = prompt.shared
+    assert [cut for cut in longer.cuts if cut <= shared] == [cut for cut in prompt.cuts if cut <= shared]
 
 
 def test_a_huge_request_does_not_stall_the_event_loop(loaded):
@@ -192,6 +208,7 @@ def test_a_connection_that_sends_its_body_slowly_is_closed(loaded):
         trickling = connect(server)
         trickling.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
         assert closed_by_server(trickling, 4, b" "), "a connection trickling its body stayed open"
+        assert wait_until(lambda: server.log and "499" in server.log[-1] and "before its body" in server.log[-1], 2)
         # a well-behaved client that waits for its answer longer than the timeouts keeps its connection
         answer = ask(client_for(server), f"{DOCUMENT}\n\nWho pays?", 40)
         assert answer.usage.completion_tokens == 40

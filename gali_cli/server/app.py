@@ -18,7 +18,7 @@ from functools import partial
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -221,10 +221,13 @@ class _API:
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise too_large if declared.isdigit() else APIError(400, "Content-Length is not a number")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:  # or closed for sending it too slowly (connections.py): nobody reads the answer
+            raise APIError(499, "the client went away before its body was complete", code="client_closed") from None
         return bytes(body)
 
     def _authorize(self, request: Request) -> None:
