@@ -19,7 +19,9 @@ import json
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn import Config
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.server import ServerState
 
 _WATCH = "gali.connection"  # the key of a request's Watched connection in its scope's state
 
@@ -36,8 +38,9 @@ class ConnectionLimits:
 class Watched(asyncio.Protocol):
     """One connection: uvicorn's HTTP protocol inside, under a deadline while a request is being received."""
 
-    def __init__(self, limits: ConnectionLimits, open_connections: set, config, server_state, app_state: dict,
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, limits: ConnectionLimits, open_connections: set, config: Config, server_state: ServerState,
+                 app_state: dict, _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Made by uvicorn for each connection (run.py binds `limits` and the server's set of open connections)."""
         self.limits, self.open = limits, open_connections
         self.inner = AutoHTTPProtocol(config=config, server_state=server_state,
                                       app_state={**app_state, _WATCH: self}, _loop=_loop)

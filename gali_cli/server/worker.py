@@ -184,8 +184,9 @@ class ModelWorker:
             self._changed.notify()
 
     def stop(self) -> None:
-        """Take no more jobs, end the one running at its next forward and fail the waiting ones (503). Safe to call
-        from a signal handler: it only sets flags and queues events."""
+        """Take no more jobs, end the one running at its next step and fail the waiting ones (503). Safe to call
+        from a signal handler: it sets flags, queues events, and holds the queue's lock (reentrant, and never held
+        long by the thread) for a moment."""
         self._stopping.set()
         if self._current is not None:
             self._current.cancel()
