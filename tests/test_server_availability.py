@@ -19,6 +19,7 @@ from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.model.loading import load_model
 from gali_cli.prompts import FREE_CUTS, MIN_CUT_GAP, served_parts, served_prompt
+from gali_cli.server.app import ServerSettings
 from gali_cli.server.connections import ConnectionLimits
 from gali_cli.server.reuse import MAX_LOOKUPS, States
 from gali_cli.server.worker import Job, ModelWorker, Sampling
@@ -76,6 +77,13 @@ def test_too_many_messages_or_parts_get_an_openai_400(loaded):
         assert status == 400 and error["error"]["code"] == "too_many_parts" and "6 text parts" in error["error"][
             "message"]
         assert raw(server, "POST", "/v1/chat/completions", chat([{"role": "user", "content": parts(6)}]))[0] == 200
+
+
+def test_the_limits_default_whatever_gali_serve_passes_before_them():
+    """runs/serve.py gives ServerSettings its first six fields by position: the limits come after, at their defaults."""
+    settings = ServerSettings("m", None, 2**20, 7, 0.5, 0.9)
+    assert (settings.max_new_tokens, settings.max_messages, settings.max_parts) == (7, 2048, 2048)
+    assert settings.connections == ConnectionLimits(10.0, 60.0, 256)
 
 
 def test_a_served_prompt_tokenizes_each_message_a_bounded_number_of_times(loaded):

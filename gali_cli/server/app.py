@@ -41,11 +41,11 @@ class ServerSettings:
     name: str  # the model's name for clients ("model" in requests)
     api_key: str | None = None
     max_body_bytes: int = 32 * 2**20
-    max_messages: int = 2048  # per chat request (OpenAI's own limit)
-    max_parts: int = 2048  # text parts per chat request, in all its messages (a string content is one)
     max_new_tokens: int = 1024  # when a request does not say (max_tokens)
     temperature: float = 0.0  # when a request does not say
     top_p: float = 1.0
+    max_messages: int = 2048  # per chat request (OpenAI's own limit)
+    max_parts: int = 2048  # text parts per chat request, in all its messages (a string content is one)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
