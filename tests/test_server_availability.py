@@ -4,11 +4,13 @@ connection that sends slowly or not at all is closed. The slow tier's soak test 
 well-behaved one."""
 
 import json
+import signal
 import socket
 import statistics
 import threading
 import time
 from functools import partial
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import openai
@@ -298,3 +300,25 @@ def test_a_well_behaved_client_keeps_its_latency_while_hostile_clients_hammer_th
         assert latency() < 3 * normal + 1.0
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts(5000)}])
+
+
+@pytest.mark.slow
+def test_sigterm_stops_gali_serve_promptly_while_it_prepares_and_reads_a_huge_prompt():
+    """2,048 messages of 160 KB in all, read by the demo model: SIGTERM ends the process within seconds, and the
+    client gets its error."""
+    from test_server import gali_serve
+    messages = [{"role": "user", "content": f"Line {index}: " + "word " * 16} for index in range(2048)]
+    with gali_serve() as (url, process, lines):
+        server = SimpleNamespace(url=url)
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(raw(server, "POST", "/v1/chat/completions", {
+            "model": "demo", "messages": messages, "max_tokens": 2})))
+        thread.start()
+        assert wait_until(lambda: raw(server, "GET", "/health")[2]["busy"], 60)
+        time.sleep(1.0)
+        signalled = time.perf_counter()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(15) == -signal.SIGTERM
+        assert time.perf_counter() - signalled < 10, "".join(lines)
+        thread.join(10)
+        assert outcome and outcome[0][0] == 503
