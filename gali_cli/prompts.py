@@ -10,6 +10,7 @@ line after the document, up to `question_start`, they are the prefix every quest
 whose prefilled state can be reused (and the one `gali serve` cuts the same message at, served_prompt).
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .errors import ModelLoadError
@@ -18,6 +19,8 @@ from .model.chat_template import render_chat_template
 SUMMARIZE = "Summarize the document above."
 ASK = "Answer this question about the document above: {question}"
 _SLOT = "\x00gali-slot-{}\x00"  # stands for a message's text while the chat template is rendered
+MIN_CUT_GAP = 64  # tokens, at least, between two places a served prompt's prefill ends a forward (_spaced)...
+FREE_CUTS = 16  # ...after its first FREE_CUTS, which may be closer (a system prompt, a short document, a question)
 
 
 class Prompt(NamedTuple):
@@ -106,14 +109,16 @@ def template_parts(tokenizer, roles: list[str]) -> list[str]:
     """
     slotted = [{"role": role, "content": _SLOT.format(index)} for index, role in enumerate(roles)]
     rendered = render_chat_template(tokenizer, slotted, add_generation_prompt=True)
-    parts = []
-    for index, role in enumerate(roles):
-        part, slot, rendered = rendered.partition(_SLOT.format(index))
-        if not slot:
+    parts, start = [], 0
+    for index, role in enumerate(roles):  # each slot found after the last: linear in the rendered text
+        slot = _SLOT.format(index)
+        found = rendered.find(slot, start)
+        if found < 0:
             raise ModelLoadError(f"cannot use model {str(tokenizer.name_or_path)!r}: the model's chat template "
                                  f"leaves out message {index} (role {role!r})")
-        parts.append(part)
-    return [*parts, rendered]
+        parts.append(rendered[start:found])
+        start = found + len(slot)
+    return [*parts, rendered[start:]]
 
 
 class ServedPrompt(NamedTuple):
@@ -145,14 +150,19 @@ def served_parts(tokenizer, roles: list[str]) -> tuple[list[str], bool]:
     return ["", *["\n\n"] * (len(roles) - 1), "\n"], True
 
 
-def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list[list[int]], bos: bool = False
-                  ) -> ServedPrompt:
+def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list[list[int]], bos: bool = False,
+                  check: Callable[[], None] = lambda: None) -> ServedPrompt:
     """Messages `texts` set between the template pieces `parts` (template_parts; without a chat template, blank
     lines), cut after each message and at the character offsets `text_cuts` in it. With `bos`, the first piece gets
-    the tokenizer's special tokens. A message that spells a special token keeps it as characters."""
+    the tokenizer's special tokens. A message that spells a special token keeps it as characters.
+
+    Each message is tokenized once, and once more for each of its cuts (a few: see Message.cuts), so the time
+    is linear in the prompt; `check` runs before each message and raises to stop (a request cancelled meanwhile).
+    """
     specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
     ids, cuts = [], []
     for index, (part, text, offsets) in enumerate(zip(parts, texts, text_cuts)):
+        check()
         special = bos and index == 0
         if any(name in text for name in specials):
             head = tokenizer(part, add_special_tokens=special).input_ids if part or special else []
@@ -167,8 +177,21 @@ def served_prompt(tokenizer, parts: list[str], texts: list[str], text_cuts: list
         ids += piece
     last_message_end = len(ids)
     ids += tokenizer(parts[-1], add_special_tokens=False).input_ids
-    cuts = sorted({cut for cut in [*cuts, len(ids)] if cut > 0})
+    cuts = _spaced(sorted(set(cuts)), len(ids))
     return ServedPrompt(ids, cuts, max((cut for cut in cuts if cut < last_message_end), default=0))
+
+
+def _spaced(cuts: list[int], end: int) -> list[int]:
+    """`cuts` (sorted), the first FREE_CUTS of them, then the others kept MIN_CUT_GAP tokens apart at least, left to
+    right; then `end`. A forward attends to the whole cache, so one per cut of a prompt of thousands of short
+    messages would make its prefill quadratic in them; whether a cut is kept depends only on the cuts before it, so
+    prompts that share a prefix keep the same cuts in it, and share its prefilled state."""
+    kept, last = [], 0
+    for cut in cuts:
+        if (len(kept) < FREE_CUTS or cut - last >= MIN_CUT_GAP) and cut < end:
+            kept.append(cut)
+            last = cut
+    return [*kept, end]
 
 
 def raw_prompt(tokenizer, text: str) -> ServedPrompt:

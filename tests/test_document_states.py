@@ -51,7 +51,7 @@ def serve(loaded, question: str, cache_dir) -> tuple[str, Done]:
     store = DocumentCache(cache_dir, 2**30, lambda warning: None) if cache_dir else None
     worker = ModelWorker(loaded, "gali", MethodSettings(), store, 4)
     events: list = []
-    job = Job(lambda tokenizer: prompt, Sampling(6, 0.0, 1.0, 0), "gali serve: lease", loop=None)
+    job = Job(lambda tokenizer, check: prompt, Sampling(6, 0.0, 1.0, 0), "gali serve: lease", loop=None)
     job.emit = events.append  # no event loop here: the test reads the events directly
     worker._answer(job)
     assert isinstance(events[-1], Done), events[-1]

@@ -71,7 +71,7 @@ def _prompt(loaded, text: str) -> ServedPrompt:
 
 def _job(prompt: ServedPrompt, max_new_tokens: int = 6) -> tuple[Job, list]:
     events: list = []
-    job = Job(lambda tokenizer: prompt, Sampling(max_new_tokens, 0.0, 1.0, 0), "test", loop=None)
+    job = Job(lambda tokenizer, check: prompt, Sampling(max_new_tokens, 0.0, 1.0, 0), "test", loop=None)
     job.emit = events.append  # no event loop here: the test reads the events directly
     return job, events
 
@@ -136,7 +136,7 @@ def test_a_failed_forward_leaves_every_layer_at_the_tokens_read(loaded):
     prompt = _prompt(loaded, "The lease ends in March.")
     states = States(loaded, "gali", None)
     resolved = apply_method(loaded.model, "gali", MethodSettings(), len(prompt.ids))
-    cache, _reused = states.start(prompt, resolved)
+    cache, _reused = states.start(prompt, resolved, lambda: None)
     list(stream_generate(loaded.model, loaded.tokenizer, prompt.ids, make_sampler(), 1, set(),
                          prefill_spans(loaded.model, "gali", 0, len(prompt.ids), prompt.cuts), cache=cache))
     first = cache.layers[0]

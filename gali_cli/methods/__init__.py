@@ -19,6 +19,7 @@ model can run them all in turn. Each also says where a forward may be cut withou
 """  # noqa: E501 - the rows of a Markdown table cannot wrap
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -205,9 +206,10 @@ def prefill_spans(model: PreTrainedModel, name: str, start: int, stop: int, cuts
     else:
         ends = method.boundaries(model, start, stop, cuts) if method.boundaries else None
     step = step or max(256, 8 * (gali.config.chunk_size if gali else model.config.max_position_embeddings // 8))
-    spans = []
-    for first, last in zip([start, *cuts], [*cuts, stop]):
-        spans += forward_spans(first, last, step, None if ends is None else [e for e in ends if first < e <= last])
+    spans, ends = [], None if ends is None else sorted(ends)
+    for first, last in zip([start, *cuts], [*cuts, stop]):  # the ends within each stretch by bisection: many cuts
+        spans += forward_spans(first, last, step,  # (a prompt of many messages) stay linear
+                               None if ends is None else ends[bisect_right(ends, first):bisect_right(ends, last)])
     return spans
 
 

@@ -1,8 +1,9 @@
 """The ASGI application: OpenAI's routes over one ModelWorker.
 
-Handlers validate a request completely (API key, body size, JSON, fields, model, the chat template) before it
-queues, so a bad request is a 4xx at once; then they only wait for the worker's events and write them out, as one
-JSON document or as server-sent events. The event loop never runs model work.
+Handlers validate a request completely (API key, body size, JSON, fields, model, its size in messages and parts,
+the chat template) before it queues, so a bad request is a 4xx at once; then they only wait for the worker's events
+and write them out, as one JSON document or as server-sent events. The event loop never runs model work, nor any
+work that grows with a request: parsing and the chat template run on a thread (starlette's thread pool).
 """
 
 import asyncio
@@ -15,8 +16,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -24,12 +26,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..generate import TextPiece
 from ..printable import printable
 from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
+from .connections import ConnectionLimits
 from .guard import Guard, Reach
-from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, parse, read_json
+from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, check_size, parse, read_json
 from .worker import Done, Event, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping
 
 KEEP_ALIVE_SECONDS = 15.0  # a comment line on a silent stream (a long queue or prefill), so that proxies wait
-POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
+LISTEN_SECONDS = 0.05  # how soon a waiting non-streamed request sees that its client went away
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class ServerSettings:
     temperature: float = 0.0  # when a request does not say
     top_p: float = 1.0
     reach: Reach = field(default_factory=Reach)  # who may use it: the Host names and web origins served (guard.py)
+    max_messages: int = 2048  # per chat request (OpenAI's own limit)
+    max_parts: int = 2048  # text parts per chat request, in all its messages (a string content is one)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -98,7 +104,15 @@ class _API:
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        chat = parse(ChatRequest, read_json(await self._body(request)))
+        chat, tokenize, label = await run_in_threadpool(self._chat, await self._body(request))
+        return await self._answer(request, chat, Reply(True, self.settings.name), tokenize, label)
+
+    def _chat(self, body: bytes) -> tuple[ChatRequest, Callable[..., ServedPrompt], str]:
+        """The chat request in `body`, how to tokenize its prompt, and its label (on a thread: it grows with the
+        request, bounded by the limits)."""
+        data = read_json(body)
+        check_size(data, self.settings.max_messages, self.settings.max_parts)
+        chat = parse(ChatRequest, data)
         self._check_model(chat.model)
         chat.check_supported()
         roles = ["system" if message.role == "developer" else message.role for message in chat.messages]
@@ -111,25 +125,28 @@ class _API:
         tokenize = partial(served_prompt, parts=parts, texts=texts, text_cuts=[m.cuts() for m in chat.messages],
                            bos=bos)
         label = next((text for text, role in zip(texts, roles) if role != "system"), texts[0])
-        return await self._answer(request, chat, Reply(True, self.settings.name), tokenize, label)
+        return chat, tokenize, label
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        completion = parse(CompletionRequest, read_json(await self._body(request)))
+        completion, tokenize, label = await run_in_threadpool(self._completion, await self._body(request))
+        return await self._answer(request, completion, Reply(False, self.settings.name), tokenize, label)
+
+    def _completion(self, body: bytes) -> tuple[CompletionRequest, Callable[..., ServedPrompt], str]:
+        """The completion request in `body`, how to tokenize its prompt, and its label (on a thread, as _chat)."""
+        completion = parse(CompletionRequest, read_json(body))
         self._check_model(completion.model)
         completion.check_supported()
         prompt = completion.prompt
         if isinstance(prompt, str):
-            tokenize, label = partial(raw_prompt, text=prompt), prompt
-        else:
-            vocabulary = self.worker.loaded.model.config.vocab_size
-            if not all(0 <= token < vocabulary for token in prompt):
-                raise APIError(400, f"prompt: token ids must be in [0, {vocabulary})", param="prompt")
-            tokenize, label = (lambda tokenizer: ServedPrompt(list(prompt), [len(prompt)], 0)), f"{prompt[:8]}..."
-        return await self._answer(request, completion, Reply(False, self.settings.name), tokenize, label)
+            return completion, (lambda tokenizer, check: raw_prompt(tokenizer, prompt)), prompt
+        vocabulary = self.worker.loaded.model.config.vocab_size
+        if not all(0 <= token < vocabulary for token in prompt):
+            raise APIError(400, f"prompt: token ids must be in [0, {vocabulary})", param="prompt")
+        return completion, (lambda tokenizer, check: ServedPrompt(list(prompt), [len(prompt)], 0)), f"{prompt[:8]}..."
 
     async def _answer(self, request: Request, generation: ChatRequest | CompletionRequest, reply: Reply,
-                      tokenize: Callable[[object], ServedPrompt], label: str) -> Response:
+                      tokenize: Callable[..., ServedPrompt], label: str) -> Response:
         """Queue the job, then answer as one document or as a stream of events."""
         job = Job(tokenize, self._sampling(generation), f"gali serve: {' '.join(label[:200].split())[:60]}",
                   asyncio.get_running_loop())
@@ -152,7 +169,7 @@ class _API:
         """The answer as one JSON document, once it is complete."""
         pieces = []
         try:
-            async for event in _events(job, request, poll=True):
+            async for event in _events(job, request, listen=True):
                 if isinstance(event, TextPiece):
                     pieces.append(event.text)
                 elif isinstance(event, Done):
@@ -171,7 +188,7 @@ class _API:
         try:
             if reply.chat:
                 yield _data(reply.chunk("", first=True))
-            async for event in _events(job, request, poll=False):
+            async for event in _events(job, request, listen=False):
                 if event is None:
                     yield b": keep-alive\n\n"
                 elif isinstance(event, TextPiece):
@@ -206,10 +223,13 @@ class _API:
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise too_large if declared.isdigit() else APIError(400, "Content-Length is not a number")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:  # or closed for sending it too slowly (connections.py): nobody reads the answer
+            raise APIError(499, "the client went away before its body was complete", code="client_closed") from None
         return bytes(body)
 
     def _authorize(self, request: Request) -> None:
@@ -230,33 +250,38 @@ class _API:
         return {"id": self.settings.name, "object": "model", "created": self.settings.created, "owned_by": "gali"}
 
 
-async def _events(job: Job, request: Request, poll: bool) -> AsyncIterator[Event | None]:
-    """The job's events until its last; None after each silent KEEP_ALIVE_SECONDS. With `poll`, a client that went
-    away ends the iteration early (a stream's disconnect is noticed by Starlette itself)."""
+async def _events(job: Job, request: Request, listen: bool) -> AsyncIterator[Event | None]:
+    """The job's events until its last; None after each silent KEEP_ALIVE_SECONDS. With `listen`, a client that went
+    away ends the iteration within LISTEN_SECONDS, so that its job leaves the queue (a stream's disconnect is noticed
+    by Starlette itself)."""
     loop = asyncio.get_running_loop()
-    heard = polled = loop.time()
-    getter = None
+    heard, getter = loop.time(), None
+    gone = asyncio.ensure_future(_gone(request)) if listen else None
     try:
         while True:
             getter = getter or asyncio.ensure_future(job.events.get())  # kept across timeouts: no event is lost
-            done, _ = await asyncio.wait({getter}, timeout=POLL_SECONDS)
-            now = loop.time()
-            if poll and now - polled >= POLL_SECONDS:
-                polled = now
-                if await request.is_disconnected():
-                    return
+            done, _ = await asyncio.wait({getter}, timeout=LISTEN_SECONDS)
+            if gone is not None and gone.done():
+                return
             if not done:
-                if now - heard >= KEEP_ALIVE_SECONDS:
-                    heard = now
+                if loop.time() - heard >= KEEP_ALIVE_SECONDS:
+                    heard = loop.time()
                     yield None
                 continue
-            event, getter, heard = getter.result(), None, now
+            event, getter, heard = getter.result(), None, loop.time()
             yield event
             if isinstance(event, (Done, Failed)):
                 return
     finally:
-        if getter is not None:
-            getter.cancel()
+        for task in (getter, gone):
+            if task is not None:
+                task.cancel()
+
+
+async def _gone(request: Request) -> None:
+    """Return when the client has gone away (its body was read: what it sends next is its disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(done: Done) -> Usage:

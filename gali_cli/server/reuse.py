@@ -9,9 +9,12 @@ starting from a reused state gets the same answer as one read from scratch, toke
 Two sources: the state the worker kept from the last request, in memory, and the document cache on disk, where a
 prompt's `shared` prefix (up to where its last question starts) is stored when it spared at least
 STORE_MIN_TOKENS tokens of reading. The document cache is read and written as `gali ask` and `gali chat` do
-(document_states.py): one key, so that a document one of them read is a cache hit for the other.
+(document_states.py): one key, so that a document one of them read is a cache hit for the other. Each lookup hashes
+the prefix it looks for, so at most MAX_LOOKUPS of them are tried, the longest first: a prompt of thousands of
+messages would otherwise hash itself once per message.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers import DynamicCache
@@ -24,6 +27,7 @@ from ..model.loading import LoadedModel
 from ..prompts import ServedPrompt
 
 STORE_MIN_TOKENS = 1024
+MAX_LOOKUPS = 8  # prefixes of one prompt looked for in the document cache: the last cuts, where stored states end
 
 
 @dataclass
@@ -71,18 +75,21 @@ class States:
     def store(self) -> DocumentCache | None:
         return self.documents.store
 
-    def start(self, prompt: ServedPrompt, resolved: dict) -> tuple[DynamicCache, int]:
+    def start(self, prompt: ServedPrompt, resolved: dict, check: Callable[[], None]) -> tuple[DynamicCache, int]:
         """A KV cache holding the keys and values of the longest reusable prefix of `prompt`, and how many tokens
-        that is. The kept state is handed over: it changes now."""
+        that is. The kept state is handed over: it changes now. `check` runs before each lookup in the document
+        cache, and raises to stop (a request cancelled meanwhile)."""
         model, method = self.loaded.model, METHODS[self.method]
         kept, self.kept = self.kept, None
         memory = 0
         if kept is not None and method.prefix_reusable and kept.resolved == resolved:
             memory = reusable_tokens(kept, prompt, self._grid(len(prompt.ids)))
         ends = [cut for cut in prompt.cuts if cut > memory and STORE_MIN_TOKENS <= cut < len(prompt.ids)]
-        stored = self.documents.load(prompt.ids, prompt.cuts, ends, resolved)
-        if stored is not None:
-            return stored
+        for end in reversed(ends[-MAX_LOOKUPS:]):
+            check()
+            stored = self.documents.load(prompt.ids, prompt.cuts, [end], resolved)
+            if stored is not None:
+                return stored
         if memory:
             truncate_cache(kept.cache, memory)
             return kept.cache, memory

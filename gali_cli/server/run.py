@@ -1,16 +1,19 @@
 """Running the server: the port is taken before the model loads (a busy port fails at once, not after a minute of
 loading), uvicorn serves the application on it, and SIGTERM or Ctrl-C stop it cleanly: no new connections, the
 requests in flight ended (a 503, or an error event on a stream), the worker's last forward and any document-cache
-write finished, then the process ends as the signal says (143 for SIGTERM, 130 for Ctrl-C)."""
+write finished, then the process ends as the signal says (143 for SIGTERM, 130 for Ctrl-C). Each connection is
+watched (connections.py): how many are open, and how long a client takes to send a request, are bounded."""
 
 import asyncio
 import socket
 from collections.abc import Callable
+from functools import partial
 
 import uvicorn
 
 from ..errors import ConfigError, GaliError
 from .app import ServerSettings, create_app
+from .connections import Watched, watch_requests
 from .guard import JsonErrors
 from .worker import ModelWorker
 
@@ -57,8 +60,9 @@ class Server(uvicorn.Server):
     instead of holding the shutdown, and at the end, waiting for the worker's last forward."""
 
     def __init__(self, worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> None:
-        super().__init__(uvicorn.Config(create_app(worker, settings, log), log_config=None, log_level="warning",
-                                        http=JsonErrors, access_log=False, lifespan="off", ws="none",
+        super().__init__(uvicorn.Config(watch_requests(create_app(worker, settings, log)), log_config=None,
+                                        log_level="warning", access_log=False, lifespan="off", ws="none",
+                                        http=partial(Watched, settings.connections, set(), JsonErrors),
                                         timeout_graceful_shutdown=GRACEFUL_SECONDS))
         self.worker, self.log = worker, log
 

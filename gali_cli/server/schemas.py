@@ -55,6 +55,22 @@ def read_json(body: bytes) -> dict:
     return data
 
 
+def check_size(data: dict, max_messages: int, max_parts: int) -> None:
+    """A 400 when a chat request's JSON has more messages, or text parts in all its messages, than the server takes:
+    counted before validation, whose time (spent holding the GIL) grows with them."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return  # validation says what is wrong
+    if len(messages) > max_messages:
+        raise APIError(400, f"messages: this server takes at most {max_messages} messages per request, not "
+                            f"{len(messages)}", param="messages", code="too_many_messages")
+    parts = sum(len(content) if isinstance(content := message.get("content"), list) else 1
+                for message in messages if isinstance(message, dict))
+    if parts > max_parts:
+        raise APIError(400, f"messages: this server takes at most {max_parts} text parts per request (in all "
+                            f"its messages), not {parts}", param="messages", code="too_many_parts")
+
+
 def parse(model: type[_Request], data: dict) -> _Request:
     """`data` validated as `model`; the first problem becomes a 400 naming the field (e.g. messages.0.role)."""
     try:
@@ -142,16 +158,17 @@ class Message(_Strict):
         return "\n".join(self.content)
 
     def cuts(self) -> list[int]:
-        """Character offsets where the prefill ends a forward: each part's start, and where a question may follow a
-        document (prompts.question_starts)."""
-        starts, offset = set(), 0
-        for part in self.content[:-1]:
-            offset += len(part) + 1
-            starts.add(offset)
-        return sorted(starts | set(question_starts(self.text)))
+        """Character offsets where the prefill ends a forward: the last part's start (a client's question after
+        its document), and where a question may follow a document (prompts.question_starts). A few at most: each
+        is tokenized again (prompts.served_prompt), so one per part would make a many-part message quadratic."""
+        last = len(self.text) - len(self.content[-1])
+        return sorted(({last} - {0}) | set(question_starts(self.text)))
 
 
 class ChatRequest(_Generation):
+    """A chat completion request; its size in messages and text parts is checked against the server's limits
+    (check_size) before it is validated."""
+
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COMPLETION_TOKENS)
     tools: Any = None

@@ -3,15 +3,16 @@
 The model is not thread-safe, and a forward would block the event loop, so requests become jobs in a bounded queue;
 the worker tokenizes each job's prompt, applies the method for its length, starts from the best prefilled state
 (reuse.py), and streams the answer back to the event loop through the job's asyncio queue. A job is cancelled
-between two forwards (a client that went away, or the server stopping); the state it leaves is cut back to the
-tokens read completely, for the next request.
+between two steps of any loop that grows with its request (messages tokenized, stored states looked up, forwards;
+a client that went away, or the server stopping); the state it leaves is cut back to the tokens read completely,
+for the next request. A job cancelled while it waits leaves the queue at once: it holds no place there.
 """
 
 import asyncio
 import math
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -62,12 +63,17 @@ class Failed:
 Event = TextPiece | Done | Failed
 
 
+class _Cancelled(Exception):
+    pass
+
+
 @dataclass(eq=False)
 class Job:
     """One request for the model: its prompt (tokenized on the worker's thread: the tokenizer is not thread-safe
-    either), how to sample, and where its events go."""
+    either; called as tokenize(tokenizer, check=job.check), it runs `check` between steps), how to sample, and
+    where its events go."""
 
-    tokenize: Callable[[object], ServedPrompt]
+    tokenize: Callable[..., ServedPrompt]
     sampling: Sampling
     label: str  # what the document cache lists for a stored prefix
     loop: asyncio.AbstractEventLoop
@@ -77,6 +83,11 @@ class Job:
     def cancel(self) -> None:
         """Stop generating at the next forward (harmless once the job is done)."""
         self.cancelled.set()
+
+    def check(self) -> None:
+        """Raise _Cancelled once the job is cancelled: called between two steps of the work it asks for."""
+        if self.cancelled.is_set():
+            raise _Cancelled()
 
     def emit(self, event: Event) -> None:
         try:
@@ -97,8 +108,6 @@ class Stopping(Exception):
     """The worker takes no more jobs: the server is shutting down."""
 
 
-class _Cancelled(Exception):
-    pass
 
 
 class StopStrings:
@@ -134,7 +143,8 @@ class ModelWorker:
         self.states = States(loaded, method, store)
         self.stop_ids = stop_token_ids(loaded.model, loaded.tokenizer)
         self.queue_size = queue_size
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self._jobs: deque[Job] = deque()
+        self._changed = threading.Condition(threading.RLock())  # reentrant: stop() may run in a signal handler
         self._stopping = threading.Event()
         self._current: Job | None = None
         self._seconds_per_job = 1.0  # a running mean, for Retry-After
@@ -146,7 +156,9 @@ class ModelWorker:
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        """Jobs waiting whose clients are still there."""
+        with self._changed:
+            return sum(not job.cancelled.is_set() for job in self._jobs)
 
     @property
     def busy(self) -> bool:
@@ -161,34 +173,47 @@ class ModelWorker:
 
     def submit(self, job: Job) -> None:
         """Queue `job`; raises QueueFull when the queue is full and Stopping when the server is shutting down."""
-        if self.stopping:
-            raise Stopping()
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            wait = self._seconds_per_job * (self.waiting + 1)
-            raise QueueFull(max(1, min(60, math.ceil(wait)))) from None
+        with self._changed:
+            if self.stopping:
+                raise Stopping()
+            self._leave_cancelled()
+            if len(self._jobs) >= self.queue_size:
+                wait = self._seconds_per_job * (len(self._jobs) + 1)
+                raise QueueFull(max(1, min(60, math.ceil(wait))))
+            self._jobs.append(job)
+            self._changed.notify()
 
     def stop(self) -> None:
-        """Take no more jobs, end the one running at its next forward and fail the waiting ones (503). Safe to call
-        from a signal handler: it only sets flags and queues events."""
+        """Take no more jobs, end the one running at its next step and fail the waiting ones (503). Safe to call
+        from a signal handler: it sets flags, queues events, and holds the queue's lock (reentrant, and never held
+        long by the thread) for a moment."""
         self._stopping.set()
         if self._current is not None:
             self._current.cancel()
-        self._fail_waiting()
-        try:
-            self._jobs.put_nowait(None)  # wakes the thread up to leave
-        except queue.Full:  # refilled meanwhile: the thread is not waiting, and fails those jobs itself
-            pass
+        with self._changed:
+            self._fail_waiting()
+            self._changed.notify()  # wakes the thread up to leave
 
     def _fail_waiting(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job.emit(Failed(503, "the server is shutting down"))
+        with self._changed:
+            while self._jobs:
+                self._jobs.popleft().emit(Failed(503, "the server is shutting down"))
+
+    def _leave_cancelled(self) -> None:
+        """Drop the waiting jobs whose clients went away (a few: the queue is bounded)."""
+        with self._changed:
+            for job in [job for job in self._jobs if job.cancelled.is_set()]:
+                self._jobs.remove(job)
+
+    def _next(self) -> Job | None:
+        """The next job whose client is still there; None once the server stops."""
+        with self._changed:
+            while not self.stopping:
+                self._leave_cancelled()
+                if self._jobs:
+                    return self._jobs.popleft()
+                self._changed.wait()
+            return None
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to finish its forward (and any document-cache write); True when it has."""
@@ -196,9 +221,7 @@ class ModelWorker:
         return not self._thread.is_alive()
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None and not self.stopping:
-            if job.cancelled.is_set():
-                continue  # its client went away while it waited
+        while (job := self._next()) is not None:
             self._current, started = job, time.perf_counter()
             try:
                 self._answer(job)
@@ -208,32 +231,31 @@ class ModelWorker:
             finally:
                 self._current = None
                 self._seconds_per_job = 0.8 * self._seconds_per_job + 0.2 * (time.perf_counter() - started)
-        if job is not None:  # taken as the server began to stop
-            job.emit(Failed(503, "the server is shutting down"))
-        self._fail_waiting()  # and those queued meanwhile
+        self._fail_waiting()  # those queued as the server stopped
 
     def _answer(self, job: Job) -> None:
         loaded, sampling, counts = self.loaded, job.sampling, _Counts(job)
-        prompt = job.tokenize(loaded.tokenizer)
-        if not prompt.ids:
-            raise InputError("the prompt has no tokens")
-        sampler = make_sampler(sampling.temperature, sampling.top_p, 0, sampling.seed)
-        resolved = apply_method(loaded.model, self.method, self.settings, len(prompt.ids))
-        cache, reused = self.states.start(prompt, resolved)
-        counts.reused = counts.read = reused
-        events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, counts.counted(sampler),
-                                 sampling.max_new_tokens, self.stop_ids,
-                                 prefill_spans(loaded.model, self.method, reused, len(prompt.ids), prompt.cuts),
-                                 counts.progress, cache)
         try:
-            reason = _relay(job, events, StopStrings(sampling.stop))
+            prompt = job.tokenize(loaded.tokenizer, check=job.check)
+            if not prompt.ids:
+                raise InputError("the prompt has no tokens")
+            sampler = make_sampler(sampling.temperature, sampling.top_p, 0, sampling.seed)
+            resolved = apply_method(loaded.model, self.method, self.settings, len(prompt.ids))
+            cache, reused = self.states.start(prompt, resolved, job.check)
+            counts.reused = counts.read = reused
+            events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, counts.counted(sampler),
+                                     sampling.max_new_tokens, self.stop_ids,
+                                     prefill_spans(loaded.model, self.method, reused, len(prompt.ids), prompt.cuts),
+                                     counts.progress, cache)
+            try:
+                reason = _relay(job, events, StopStrings(sampling.stop))
+            finally:
+                events.close()
+                self.states.keep(cache, prompt, counts.read, resolved)
         except _Cancelled:
             if self.stopping:
                 job.emit(Failed(503, "the server is shutting down"))
             return
-        finally:
-            events.close()
-            self.states.keep(cache, prompt, counts.read, resolved)
         prefilled = counts.prefilled or time.perf_counter()
         job.emit(Done(reason, len(prompt.ids), reused, counts.generated, prefilled - counts.started,
                       time.perf_counter() - prefilled))
@@ -251,8 +273,7 @@ class _Counts:
 
     def progress(self, done: int, total: int) -> None:
         self.read = self.reused + done  # the prefill started after the reused tokens
-        if self.job.cancelled.is_set():
-            raise _Cancelled()
+        self.job.check()
 
     def counted(self, sampler: Sampler) -> Sampler:
         """`sampler`, counting its tokens; the first one marks the end of the prefill."""
@@ -270,8 +291,7 @@ def _relay(job: Job, events: Iterator[TextPiece | Finished], stops: StopStrings)
     reason."""
     reason = "length"
     for event in events:
-        if job.cancelled.is_set():
-            raise _Cancelled()
+        job.check()
         if isinstance(event, TextPiece):
             text, stopped = stops.feed(event.text)
             if text:
