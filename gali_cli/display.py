@@ -7,7 +7,6 @@ second, by moving the cursor to their start and erasing them (`\r ESC[2K`), and 
 that erases the line the answer is being written on.
 """
 
-import json
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 
 from .errors import ConfigError
-from .printable import printable
+from .printable import json_text, printable
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
 _drawing: list[Live] = []  # the live displays now drawing on stderr, newest last
@@ -36,18 +35,19 @@ _CONTROLS = {code: (0x2400 + code if code < 32 else 0x2421 if code == 127 else 0
 
 
 def say(message: str, style: str | None = None) -> None:
-    err.print(message, style=style, markup=False)
+    """One line on stderr; what it quotes from elsewhere (a file name, an error's text) escaped by printable()."""
+    err.print(printable(message), style=style, markup=False)
 
 
 def warn(message: str) -> None:
     err.print("[yellow]warning:[/] ", end="")
-    err.print(message, markup=False)
+    err.print(printable(message), markup=False)
 
 
 def fail(message: str) -> None:
     stop_drawing()  # the error line must not be redrawn over
     err.print("[red]gali:[/] ", end="")
-    err.print(message, markup=False)
+    err.print(printable(message), markup=False)
 
 
 @contextmanager
@@ -105,7 +105,7 @@ def status(message: str) -> Iterator[None]:
 
 
 def print_json(document: dict) -> None:
-    _print(json.dumps(document, ensure_ascii=False) + "\n")
+    _print(json_text(document) + "\n")
 
 
 def print_number(value: float) -> None:

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from .config import parse_size
+from .printable import encodable
 
 FORMAT = "2"  # 2: with checksums
 SUFFIX = ".safetensors"
@@ -174,7 +175,8 @@ class DocumentCache:
                       f"limit of {self.limit / 2**30:.2f} GiB (GALI_CACHE_LIMIT)")
             return
         metadata = {"format": FORMAT, "key": key, "tokens": str(tokens), "ids_sha256": _ids_digest(prefix_ids),
-                    "crc32": json.dumps(checksums(tensors)), **description}
+                    "crc32": json.dumps(checksums(tensors)),
+                    **{name: encodable(value) for name, value in description.items()}}  # a name not UTF-8
         temporary = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

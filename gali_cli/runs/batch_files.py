@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..documents import link_problem
 from ..errors import ConfigError, GaliError, InputError
+from ..printable import json_text
 
 # Files a directory contributes; anything else in it (images, binaries, code) is left alone.
 DOCUMENT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".org", ".html", ".htm", ".pdf")
@@ -209,7 +210,7 @@ class ResultsFile:
     def append(self, records: list[dict]) -> None:
         """Add a document's lines, whole: one write call, then flushed to disk. A line a killed run left without
         its newline is closed first (and skipped when read), never cut away."""
-        data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode()
+        data = "".join(json_text(record) + "\n" for record in records).encode()
         try:
             descriptor = os.open(self.part, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
