@@ -1,13 +1,19 @@
 """Issue 25's data edges, end to end through the `gali` command: a full disk, a kill mid-write, huge sizes and
 names that are not UTF-8 never lose what the user had, never leak disk space, and are never "unexpected"."""
 
+import errno
 import json
 import os
 from pathlib import Path
 
 import pytest
+import test_hostile_inputs
 
-from test_hostile_inputs import DOCUMENT, doc, run  # noqa: F401 - fixtures
+from gali_cli.errors import GaliError
+from gali_cli.runs.batch_files import Rank, ResultsFile
+
+DOCUMENT = test_hostile_inputs.DOCUMENT
+run, doc = test_hostile_inputs.run, test_hostile_inputs.doc  # fixtures: a `gali` run in-process, a document
 
 ODD_NAME = os.fsdecode(b"report-\xff.txt")  # a byte that is not UTF-8: Python sees the surrogate \udcff
 
@@ -40,3 +46,100 @@ def test_a_name_that_is_not_utf8_in_a_batch(run, odd, doc, tiny_model_dir, tmp_p
     assert "\udcff" not in first.stderr + first.stdout and json.loads(first.stdout)["ok"] == 2
     again = run(*arguments)
     assert again.exit_code == 0 and "2 already done" in again.stderr, again.stderr
+
+
+def line(path: str) -> str:
+    return json.dumps({"path": path, "status": "ok", "sha256": "1", "job": "j"}) + "\n"
+
+
+def test_a_cut_last_line_is_dropped_before_the_next_never_left_in_the_middle(tmp_path):
+    path = tmp_path / "out.jsonl"
+    results = ResultsFile(path, Rank())
+    results.append([json.loads(line("a"))])
+    with open(path, "a") as file:
+        file.write('{"path": "b", "status": "ok", "sha')  # a kill or a full disk mid-line
+    results.prepare()  # still ours
+    results.append([json.loads(line("c"))])
+    assert path.read_text() == line("a") + line("c")
+    results.prepare()
+    assert [record["path"] for record in results.records()] == ["a", "c"]
+
+
+@pytest.mark.parametrize("cut", ['{"pa', '{"path": "b", "status": "ok", "sha', '\0\0\0\0'],
+                         ids=["cut early", "cut late", "zeros a crash left"])
+def test_a_file_an_earlier_gali_left_with_a_cut_line_in_the_middle_is_still_resumable(tmp_path, cut):
+    """What gali before issue 25 made of a cut line (it closed it with a newline), and a shorter cut at the end."""
+    path = tmp_path / "out.jsonl"
+    path.write_text(line("a") + cut + "\n" + line("c") + cut[:3])
+    results = ResultsFile(path, Rank())
+    results.prepare()
+    assert [record["path"] for record in results.records()] == ["a", "c"]
+
+
+@pytest.fixture
+def two(tmp_path) -> list[Path]:
+    paths = [tmp_path / "docs" / name for name in ("a.txt", "b.txt")]
+    paths[0].parent.mkdir()
+    for path in paths:
+        path.write_text(DOCUMENT)
+    return paths
+
+
+def test_a_full_disk_mid_line_leaves_whole_lines_and_the_run_resumes(run, two, tiny_model_dir, tmp_path,
+                                                                       monkeypatch):
+    out = tmp_path / "out.jsonl"
+    arguments = ["summarize", *map(str, two), "--max-new-tokens", "2", "--out", str(out), "-m", str(tiny_model_dir)]
+    real_write, lines = os.write, []
+
+    def full_disk(descriptor: int, data: bytes) -> int:
+        if not out.exists() or os.fstat(descriptor).st_ino != out.stat().st_ino:
+            return real_write(descriptor, data)
+        lines.append(bytes(data))
+        if len(lines) == 1:
+            return real_write(descriptor, data)
+        if len(lines) == 2:  # the disk fills: part of the line is written, then nothing more
+            return real_write(descriptor, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full_disk)
+    full = run(*arguments)
+    monkeypatch.setattr(os, "write", real_write)
+    assert full.exit_code == 1 and "No space left on device" in full.stderr, full.stderr
+    assert "unexpected" not in full.stderr and len(out.read_text().splitlines()) == 1
+    assert out.read_text().endswith("\n")  # whole lines only: the cut one is gone
+    resumed = run(*arguments)
+    assert resumed.exit_code == 0 and "1 done" in resumed.stderr and "1 already done" in resumed.stderr, resumed
+    again = run(*arguments)
+    assert again.exit_code == 0 and "2 already done" in again.stderr, again.stderr
+
+
+@pytest.mark.parametrize("call", ["open", "ftruncate", "pwrite"])
+def test_a_full_disk_while_taking_the_lock_is_a_usage_error(call, run, two, tiny_model_dir, tmp_path,
+                                                            monkeypatch):
+    out = tmp_path / "out.jsonl"
+    real = getattr(os, call)
+
+    def full_disk(*args, **kwargs):
+        if call != "open" or str(args[0]).endswith(".out.jsonl.lock"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, call, full_disk)
+    result = run("summarize", *map(str, two), "--max-new-tokens", "2", "--out", str(out), "-m", str(tiny_model_dir))
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr == f"gali: --out {out}: cannot take its lock (.out.jsonl.lock): No space left on device\n"
+
+
+def test_a_part_file_that_cannot_be_removed_after_merging_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "out.jsonl"
+    ResultsFile(path, Rank(1, 2)).append([json.loads(line("a"))])
+
+    def read_only(self, missing_ok=False):
+        raise PermissionError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(GaliError, match=r"cannot remove .*out\.jsonl\.rank1-of-2\.part after merging it: Read-only"):
+        ResultsFile(path, Rank()).merge()
+    monkeypatch.undo()
+    ResultsFile(path, Rank()).merge()  # later, once it can: the line is not doubled
+    assert path.read_text() == line("a") and not list(tmp_path.glob("*.part"))
