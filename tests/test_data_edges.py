@@ -2,6 +2,7 @@
 names that are not UTF-8 never lose what the user had, never leak disk space, and are never "unexpected"."""
 
 import errno
+import io
 import json
 import os
 from pathlib import Path
@@ -9,7 +10,10 @@ from pathlib import Path
 import pytest
 import test_hostile_inputs
 
-from gali_cli.errors import GaliError
+import gali_cli.documents as documents
+from gali_cli.config import parse_size
+from gali_cli.documents import read_document
+from gali_cli.errors import GaliError, InputError
 from gali_cli.runs.batch_files import Rank, ResultsFile
 
 DOCUMENT = test_hostile_inputs.DOCUMENT
@@ -143,3 +147,20 @@ def test_a_part_file_that_cannot_be_removed_after_merging_is_one_line(tmp_path, 
     monkeypatch.undo()
     ResultsFile(path, Rank()).merge()  # later, once it can: the line is not doubled
     assert path.read_text() == line("a") and not list(tmp_path.glob("*.part"))
+
+
+@pytest.mark.parametrize("size", ["40G", "99999999999999999999999T"], ids=["tens of GB", "past 64 bits"])
+def test_a_huge_max_input_size_is_no_practical_limit(size, run, doc, tiny_model_dir):
+    result = run("summarize", str(doc), "--max-new-tokens", "2", "--max-input-size", size, "-m", str(tiny_model_dir))
+    assert result.exit_code == 0 and result.stdout and "unexpected" not in result.stderr, result.stderr
+    piped = read_document("-", stdin=io.BytesIO(DOCUMENT.encode()), max_bytes=parse_size(size, "--max-input-size"))
+    assert piped.text == DOCUMENT
+
+
+def test_the_input_limit_still_holds_when_read_in_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(documents, "_PIECE", 2**20)
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"x" * (3 * 2**20 + 5))
+    with pytest.raises(InputError, match="larger than the input limit of 3M"):
+        read_document("-", stdin=io.BytesIO(path.read_bytes()), max_bytes=3 * 2**20)
+    assert read_document(str(path), max_bytes=3 * 2**20 + 5).text == "x" * (3 * 2**20 + 5)
