@@ -10,7 +10,7 @@ Entries are safetensors files (plain tensors, no pickled objects) named by a SHA
 on; they are written to a temporary file and renamed, so a crash or a full disk never leaves half an entry, and are
 checked on load (format version, key, token hash, shapes, dtype, and a CRC-32 of every tensor's bytes): a file that
 fails is ignored, deleted and rebuilt. Least recently used entries go first when the directory grows past its size
-limit.
+limit, which counts the temporary files running writers hold (file_locks.py) and deletes those of killed ones.
 
 Why CRC-32: the checksum guards against damage (a disk, a copy, a stray write), not against someone who can write the
 cache directory (they could rewrite any digest stored beside the data). CRC-32 catches every burst of up to 32 bits
@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,10 +36,13 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from .config import parse_size
+from .file_locks import hold, left_behind
 from .printable import encodable
 
 FORMAT = "2"  # 2: with checksums
 SUFFIX = ".safetensors"
+PARTIAL = ".partial-"  # a file being written, renamed into an entry when whole
+LEFTOVER = "(an unfinished write; the gali writing it was killed)"  # what such a file's writer left shows as
 DEFAULT_LIMIT = 20 * 2**30
 
 
@@ -177,12 +179,13 @@ class DocumentCache:
         metadata = {"format": FORMAT, "key": key, "tokens": str(tokens), "ids_sha256": _ids_digest(prefix_ids),
                     "crc32": json.dumps(checksums(tensors)),
                     **{name: encodable(value) for name, value in description.items()}}  # a name not UTF-8
-        temporary = None
+        temporary, lock = None, None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._evict(keep=self.limit - size)
-            handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".partial-", suffix=SUFFIX)
+            handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=PARTIAL, suffix=SUFFIX)
             os.close(handle)
+            lock = hold(Path(temporary))  # while it is held, no other gali takes the file for a killed one's
             save_file(tensors, temporary, metadata)
             with open(temporary, "rb") as written:
                 os.fsync(written.fileno())
@@ -191,20 +194,26 @@ class DocumentCache:
             _fsync_directory(self.directory)
         except (OSError, SafetensorError) as error:
             self.warn(f"could not write the document cache in {self.directory}: {error}")
-        finally:  # also on Ctrl-C: never leave half a file
+        finally:  # also on Ctrl-C: never leave half a file (after kill -9, the next gali deletes it)
             if temporary:
                 Path(temporary).unlink(missing_ok=True)
+            if lock is not None:
+                os.close(lock)
 
     def entries(self) -> list[Entry]:
-        """Every entry, most recently used first; a file that is not one of ours is listed with what can be said."""
+        """Every entry, most recently used first; a file that is not one of ours is listed with what can be said,
+        and a temporary file that a killed gali left behind as an unfinished write (LEFTOVER)."""
         found = []
-        for path in self._files():
+        for path in self._files(partial=True):
+            partial = path.name.startswith(PARTIAL)
+            if partial and not left_behind(path):
+                continue  # a running gali's, soon an entry
             try:
                 stat = path.stat()
             except OSError:
                 continue  # gone meanwhile
             try:
-                metadata = _metadata(path)
+                metadata = {"document": LEFTOVER} if partial else _metadata(path)
                 tokens = int(metadata.get("tokens", 0))
             except (OSError, SafetensorError, ValueError, TypeError, AttributeError):
                 metadata, tokens = {}, 0
@@ -214,26 +223,23 @@ class DocumentCache:
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
     def clear(self) -> Cleared:
-        """Delete every entry (and leftovers of interrupted writes); says what was removed and what could not be."""
+        """Delete every entry (and what killed writers left); says what was removed and what could not be. The
+        temporary files of a running gali are left to it."""
         removed, kept = [], []
         try:
-            paths = self._files(partial=True, strict=True)
+            self._files(strict=True)
         except FileNotFoundError:
-            paths = []
+            return Cleared((), ())
         except OSError as error:
             return Cleared((), ((self.directory, 0, error.strerror or str(error)),))
-        for path in paths:
+        for entry in self.entries():
             try:
-                size = path.stat().st_size
-            except OSError:
-                continue  # gone meanwhile
-            try:
-                path.unlink()
-                removed.append((path, size))
+                entry.path.unlink()
+                removed.append((entry.path, entry.size))
             except FileNotFoundError:
                 continue
             except OSError as error:
-                kept.append((path, size, error.strerror or str(error)))
+                kept.append((entry.path, entry.size, error.strerror or str(error)))
         return Cleared(tuple(removed), tuple(kept))
 
     def _files(self, partial: bool = False, strict: bool = False) -> list[Path]:
@@ -246,24 +252,31 @@ class DocumentCache:
             if strict:
                 raise
             return []
-        return [path for path in paths if partial or not path.name.startswith(".partial-")]
+        return [path for path in paths if partial or not path.name.startswith(PARTIAL)]
 
     def _evict(self, keep: int) -> None:
-        """Delete least recently used entries until the others take at most `keep` bytes."""
-        entries = self.entries()
-        total = sum(entry.size for entry in entries)
+        """Delete what killed writers left, then least recently used entries until the others, with what running
+        writers are writing, take at most `keep` bytes."""
+        entries = []
+        for entry in self.entries():
+            if entry.document == LEFTOVER:
+                entry.path.unlink(missing_ok=True)
+            else:
+                entries.append(entry)
+        writing = sum(_size(path) for path in self._files(partial=True) if path.name.startswith(PARTIAL))
+        total = writing + sum(entry.size for entry in entries)
         for entry in reversed(entries):
             if total <= keep:
                 break
             entry.path.unlink(missing_ok=True)
             total -= entry.size
-        stale = time.time() - 3600  # temporary files a killed writer left behind (not one still writing)
-        for partial in self._files(partial=True):
-            try:
-                if partial.name.startswith(".partial-") and partial.stat().st_mtime < stale:
-                    partial.unlink()
-            except OSError:
-                continue
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # gone meanwhile: renamed into an entry, or deleted
 
 
 def _identity(metadata: dict[str, str]) -> dict:

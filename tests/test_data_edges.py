@@ -2,16 +2,23 @@
 names that are not UTF-8 never lose what the user had, never leak disk space, and are never "unexpected"."""
 
 import errno
+import fcntl
 import io
 import json
 import os
+import subprocess
+import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
 import test_hostile_inputs
+import torch
 
 import gali_cli.documents as documents
 from gali_cli.config import parse_size
+from gali_cli.doc_cache import DocumentCache
 from gali_cli.documents import read_document
 from gali_cli.errors import GaliError, InputError
 from gali_cli.runs.batch_files import Rank, ResultsFile
@@ -164,3 +171,99 @@ def test_the_input_limit_still_holds_when_read_in_pieces(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="larger than the input limit of 3M"):
         read_document("-", stdin=io.BytesIO(path.read_bytes()), max_bytes=3 * 2**20)
     assert read_document(str(path), max_bytes=3 * 2**20 + 5).text == "x" * (3 * 2**20 + 5)
+
+
+KILLED_WRITER = """
+import os, signal, sys, types, torch
+import gali_cli.doc_cache as doc_cache
+
+def killed(tensors, filename, metadata):  # kill -9 once a MiB of the state is on disk
+    with open(filename, "r+b") as file:
+        file.write(bytes(2**20))
+        file.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+doc_cache.save_file = killed
+layer = types.SimpleNamespace(keys=torch.zeros(1, 1, 4, 2), values=torch.zeros(1, 1, 4, 2))
+doc_cache.DocumentCache(doc_cache.Path(sys.argv[1]), 2**30, print).save("k", [1, 2, 3, 4],
+                                                                         types.SimpleNamespace(layers=[layer]), {})
+"""
+
+
+def backdate(*paths: Path) -> None:
+    """As a minute later: a temporary is never judged in its first seconds (its writer may not hold its lock yet)."""
+    for path in paths:
+        os.utime(path, (time.time() - 60, time.time() - 60))
+
+
+@pytest.fixture
+def live_writer(tmp_path):
+    """A temporary that a running gali is writing: it holds the lock (here, on a descriptor of this process's own)."""
+    held = []
+
+    def writing(path: Path, size: int) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(size)) if path.suffix else path.mkdir()
+        held.append(os.open(path, os.O_RDONLY))
+        fcntl.flock(held[-1], fcntl.LOCK_EX)
+        backdate(path)
+        return path
+
+    yield writing
+    for descriptor in held:
+        os.close(descriptor)
+
+
+def test_a_killed_cache_writers_leftover_is_listed_and_cleared_a_live_ones_is_not(run, tmp_path, live_writer):
+    states = tmp_path / "states"
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(states)], timeout=300, capture_output=True)
+    assert killed.returncode == -9, killed.stderr
+    leftover, = (path for path in states.iterdir() if path.name.startswith(".partial-"))
+    assert leftover.stat().st_size >= 2**20
+    live = live_writer(states / ".partial-live.safetensors", 5000)
+    backdate(leftover)
+    listing = run("cache", "list", "--cache-dir", str(states), "--json")
+    assert listing.exit_code == 0, listing.stderr
+    listed, = json.loads(listing.stdout)["entries"]
+    assert listed["path"] == str(leftover) and listed["bytes"] == leftover.stat().st_size
+    assert "unfinished" in listed["document"]
+    cleared = run("cache", "clear", "--cache-dir", str(states))
+    assert cleared.exit_code == 0 and "Removed 1 cached document state (1.0 MiB)" in cleared.stderr, cleared.stderr
+    assert not leftover.exists() and live.exists()
+
+
+def test_the_size_limit_counts_a_live_writers_temporary_and_drops_a_killed_ones(tmp_path, live_writer):
+    layer = types.SimpleNamespace(keys=torch.zeros(1, 1, 64, 8), values=torch.zeros(1, 1, 64, 8))
+    state, ids = types.SimpleNamespace(layers=[layer]), list(range(64))
+    tensors = 2 * layer.keys.numel() * layer.keys.element_size()
+    probe = DocumentCache(tmp_path / "probe", 2**30, print)
+    probe.save("probe", ids, state, {})
+    entry = probe.path("probe").stat().st_size
+    store = DocumentCache(tmp_path / "states", int(1.5 * entry) + tensors, print)
+    store.save("old", ids, state, {})
+    leftover = tmp_path / "states" / ".partial-killed.safetensors"
+    leftover.write_bytes(bytes(10 * entry))
+    backdate(leftover)
+    live = live_writer(tmp_path / "states" / ".partial-live.safetensors", entry)
+    store.save("new", ids, state, {})  # the old entry and the live temporary would pass the limit: the old one goes
+    assert not leftover.exists() and live.exists()
+    assert [found.path for found in store.entries()] == [store.path("new")]
+
+
+@pytest.mark.parametrize("command", ["clear", "prune"])
+def test_a_killed_dequantizations_leftover_is_listed_and_removed_a_live_ones_is_not(command, run, tmp_path,
+                                                                                  live_writer, monkeypatch):
+    models = tmp_path / "models"
+    monkeypatch.setenv("GALI_MODEL_CACHE", str(models))
+    leftover = models / ".partial-killed"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(bytes(2**20))  # what a kill -9 mid-build leaves
+    backdate(leftover)
+    live = live_writer(models / ".partial-live", 0)
+    listing = run("cache", "list", "--json")
+    listed, = json.loads(listing.stdout)["models"]
+    assert listed["path"] == str(leftover) and listed["bytes"] == 2**20 and not listed["usable"]
+    assert "unfinished" in listed["unusable_because"]
+    removed = run("cache", command, *(["--models"] if command == "clear" else []))
+    assert removed.exit_code == 0 and "Removed 1 dequantized model (1.0 MiB)" in removed.stderr, removed.stderr
+    assert not leftover.exists() and live.exists()

@@ -15,7 +15,6 @@ from before it merges or appends anything until it is done, and a second run ref
 operating system's (flock; POSIX systems only), so a run that is killed leaves it free.
 """
 
-import errno
 import glob
 import hashlib
 import json
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from ..documents import link_problem
 from ..errors import ConfigError, GaliError, InputError
+from ..file_locks import is_held_elsewhere, lock_exclusive
 from ..printable import json_text
 
 # Files a directory contributes; anything else in it (images, binaries, code) is left alone.
@@ -154,14 +154,14 @@ class ResultsFile:
             except OSError as error:
                 raise self._lock_error(error) from None
             try:
-                _lock_file(descriptor)
+                lock_exclusive(descriptor)
             except OSError as error:
                 try:
                     holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip()
                 except OSError:
                     holder = ""
                 os.close(descriptor)
-                if error.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                if is_held_elsewhere(error):
                     return holder or "another gali run"
                 return None
             try:
@@ -259,16 +259,6 @@ class ResultsFile:
 
     def _parts(self) -> list[Path]:
         return sorted(self.path.parent.glob(f"{glob.escape(self.path.name)}.rank*-of-*.part"))
-
-
-def _lock_file(descriptor: int) -> None:
-    """An exclusive lock on the open file, or OSError (EAGAIN / EWOULDBLOCK) at once if another process holds one;
-    OSError(ENOTSUP) where there is no flock (Windows)."""
-    try:
-        import fcntl
-    except ImportError:
-        raise OSError(errno.ENOTSUP, "no flock here") from None
-    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def _write_all(descriptor: int, data: bytes) -> None:
