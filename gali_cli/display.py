@@ -10,7 +10,7 @@ that erases the line the answer is being written on.
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.spinner import Spinner
 from rich.table import Table
 
-from .errors import ConfigError
+from .errors import ConfigError, GaliError
 from .printable import json_text, printable
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
@@ -115,8 +115,15 @@ def print_number(value: float) -> None:
 
 def _print(text: str) -> None:
     stop_drawing()
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # the reader went away: the command line stops quietly
+    except OSError as error:  # redirected to a full disk, or to a file system gone read-only
+        with suppress(AttributeError, OSError, ValueError):  # what stays in the buffer goes nowhere at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise GaliError(f"cannot write to standard output: {error.strerror or error}") from None
 
 
 def _stdout_console() -> Console:

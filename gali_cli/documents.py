@@ -79,9 +79,13 @@ def check_source(source: str) -> None:
 
 
 def _check_path(path: Path, name: str) -> None:
-    if not path.exists():
+    try:
+        exists, directory = path.exists(), path.is_dir()
+    except OSError as error:  # e.g. a folder on the way that gali may not enter
+        raise InputError(f"{name}: {error.strerror or error}") from None
+    if not exists:
         raise InputError(f"{name}: {link_problem(path) or 'no such file'}")
-    if path.is_dir():
+    if directory:
         raise InputError(f"{name} is a directory, not a document")
 
 

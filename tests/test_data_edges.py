@@ -267,3 +267,41 @@ def test_a_killed_dequantizations_leftover_is_listed_and_removed_a_live_ones_is_
     removed = run("cache", command, *(["--models"] if command == "clear" else []))
     assert removed.exit_code == 0 and "Removed 1 dequantized model (1.0 MiB)" in removed.stderr, removed.stderr
     assert not leftover.exists() and live.exists()
+
+
+class FullDisk:
+    """Standard output redirected to a file on a full disk."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["streamed", "json"])
+def test_a_full_disk_under_standard_output_is_one_line(extra, run, doc, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    result = run("summarize", str(doc), "--max-new-tokens", "2", "-m", str(tiny_model_dir), *extra)
+    assert result.exit_code == 1, result.stderr
+    assert result.stderr.splitlines()[-1] == "gali: cannot write to standard output: No space left on device"
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one document", "a batch"])
+def test_a_document_gali_may_not_look_at_is_one_line(batch, run, two, tiny_model_dir, tmp_path, monkeypatch):
+    secret = two[0]
+    real_stat = Path.stat
+
+    def stat(self, *args, **kwargs):
+        if self == secret:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    extra = [str(two[1]), "--out", str(tmp_path / "out.jsonl")] if batch else []
+    result = run("summarize", str(secret), *extra, "--max-new-tokens", "2", "-m", str(tiny_model_dir))
+    assert result.exit_code == 3, result.stderr
+    assert result.stderr == f"gali: {secret}: Permission denied\n"

@@ -70,9 +70,13 @@ def _expand(spec: str, base: Path, manifests_seen: set[Path]) -> Iterator[Path]:
                     raise InputError(f"{spec[1:]}, line {number}: {error}") from None
         return
     path = base / Path(spec).expanduser()
-    if path.is_file():
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError as error:  # e.g. a folder on the way that gali may not enter
+        raise InputError(f"{spec}: {error.strerror or error}") from None
+    if is_file:
         yield path.resolve()
-    elif path.is_dir():
+    elif is_dir:
         files = [found for found in path.rglob("*") if found.is_file() and found.suffix.lower() in DOCUMENT_SUFFIXES
                  and not any(part.startswith(".") for part in found.relative_to(path).parts)]
         if not files:
