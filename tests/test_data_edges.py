@@ -290,9 +290,8 @@ def test_a_full_disk_under_standard_output_is_one_line(extra, run, doc, tiny_mod
     assert result.stderr.splitlines()[-1] == "gali: cannot write to standard output: No space left on device"
 
 
-@pytest.mark.parametrize("batch", [False, True], ids=["one document", "a batch"])
-def test_a_document_gali_may_not_look_at_is_one_line(batch, run, two, tiny_model_dir, tmp_path, monkeypatch):
-    secret = two[0]
+def forbid(monkeypatch, secret: Path) -> None:
+    """Looking at `secret` is EACCES, as for a path through a folder that gali may not enter."""
     real_stat = Path.stat
 
     def stat(self, *args, **kwargs):
@@ -301,7 +300,26 @@ def test_a_document_gali_may_not_look_at_is_one_line(batch, run, two, tiny_model
         return real_stat(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "stat", stat)
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one document", "a batch"])
+def test_a_document_gali_may_not_look_at_is_one_line(batch, run, two, tiny_model_dir, tmp_path, monkeypatch):
+    secret = two[0]
+    forbid(monkeypatch, secret)
     extra = [str(two[1]), "--out", str(tmp_path / "out.jsonl")] if batch else []
     result = run("summarize", str(secret), *extra, "--max-new-tokens", "2", "-m", str(tiny_model_dir))
     assert result.exit_code == 3, result.stderr
     assert result.stderr == f"gali: {secret}: Permission denied\n"
+
+
+@pytest.mark.parametrize("flag", ["--out", "--cache-dir"])
+def test_an_out_file_or_cache_gali_may_not_look_at_is_a_usage_error(flag, run, two, tiny_model_dir, tmp_path,
+                                                                    monkeypatch):
+    secret = tmp_path / "secret"
+    forbid(monkeypatch, secret)
+    extra = ["--out", str(secret)] if flag == "--out" else ["--cache-dir", str(secret)]
+    documents = map(str, two) if flag == "--out" else [str(two[0])]
+    result = run("summarize", *documents, *extra, "--max-new-tokens", "2", "-m", str(tiny_model_dir))
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith(f"gali: {flag} {secret}: ") and "Permission denied" in result.stderr
+    assert len(result.stderr.splitlines()) == 1

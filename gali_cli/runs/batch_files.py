@@ -293,14 +293,14 @@ def _check_ours(path: Path) -> None:
     """ConfigError unless `path` is absent, empty, or JSON lines of gali records. Lines may be cut short, and not
     only the last: earlier releases of gali closed a cut line with a newline before appending (and a crash can
     leave zeros where data had not reached the disk)."""
-    if not path.exists():
-        return
-    if not path.is_file():
-        raise ConfigError(f"--out {path}: not a file")
     try:
+        if not path.exists():
+            return
+        if not path.is_file():
+            raise ConfigError(f"--out {path}: not a file")
         lines = path.read_bytes().split(b"\n")
     except OSError as error:
-        raise ConfigError(f"--out {path}: cannot read it ({error.strerror})") from None
+        raise ConfigError(f"--out {path}: cannot read it ({error.strerror or error})") from None
     for number, line in enumerate(lines, 1):
         if not line.strip(b"\0 \t\r"):
             continue
