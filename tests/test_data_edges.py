@@ -76,6 +76,13 @@ def test_a_cut_last_line_is_dropped_before_the_next_never_left_in_the_middle(tmp
     assert [record["path"] for record in results.records()] == ["a", "c"]
 
 
+def test_a_last_line_cut_just_before_its_newline_is_kept(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text(line("a") + line("b").rstrip("\n"))  # the record is whole: only its newline is missing
+    ResultsFile(path, Rank()).append([json.loads(line("c"))])
+    assert path.read_text() == line("a") + line("b") + line("c")
+
+
 @pytest.mark.parametrize("cut", ['{"pa', '{"path": "b", "status": "ok", "sha', '\0\0\0\0'],
                          ids=["cut early", "cut late", "zeros a crash left"])
 def test_a_file_an_earlier_gali_left_with_a_cut_line_in_the_middle_is_still_resumable(tmp_path, cut):

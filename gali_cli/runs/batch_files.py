@@ -224,14 +224,17 @@ class ResultsFile:
 
     def append(self, records: list[dict]) -> None:
         """Add a document's lines, whole: written together, then flushed to disk. A line that a killed run or a full
-        disk left cut short is removed first (it holds no whole record), so that no cut line is ever followed by
-        another; and if this write fails, what it wrote is taken back: the file keeps whole lines only."""
+        disk left cut short is removed first (it holds no whole record; one that lost only its newline is closed),
+        so that no cut line is ever followed by another; and if this write fails, what it wrote is taken back: the
+        file keeps whole lines only."""
         data = "".join(json_text(record) + "\n" for record in records).encode()
         try:
             descriptor = os.open(self.part, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                whole = _whole_lines(descriptor)
-                if whole != os.fstat(descriptor).st_size:
+                whole, size = _whole_lines(descriptor), os.fstat(descriptor).st_size
+                if whole != size and _is_record(os.pread(descriptor, size - whole, whole)):
+                    data, whole = b"\n" + data, size  # a whole record that lost only its newline: kept
+                elif whole != size:
                     os.ftruncate(descriptor, whole)
                 try:
                     _write_all(descriptor, data)
@@ -284,6 +287,13 @@ def _whole_lines(descriptor: int) -> int:
             return start + newline + 1
         end = start
     return 0
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
 
 
 _OUR_START = b'{"path": '  # every line gali writes starts so
