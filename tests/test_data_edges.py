@@ -185,7 +185,7 @@ import os, signal, sys, types, torch
 import gali_cli.doc_cache as doc_cache
 
 def killed(tensors, filename, metadata):  # kill -9 once a MiB of the state is on disk
-    with open(filename, "r+b") as file:
+    with open(filename, "wb") as file:
         file.write(bytes(2**20))
         file.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -205,12 +205,13 @@ def backdate(*paths: Path) -> None:
 
 @pytest.fixture
 def live_writer(tmp_path):
-    """A temporary that a running gali is writing: it holds the lock (here, on a descriptor of this process's own)."""
+    """A temporary folder that a running gali is writing in: it holds the lock (here, on a descriptor of this
+    process's own)."""
     held = []
 
     def writing(path: Path, size: int) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(bytes(size)) if path.suffix else path.mkdir()
+        path.mkdir(parents=True)
+        (path / "data").write_bytes(bytes(size))
         held.append(os.open(path, os.O_RDONLY))
         fcntl.flock(held[-1], fcntl.LOCK_EX)
         backdate(path)
@@ -226,13 +227,12 @@ def test_a_killed_cache_writers_leftover_is_listed_and_cleared_a_live_ones_is_no
     killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(states)], timeout=300, capture_output=True)
     assert killed.returncode == -9, killed.stderr
     leftover, = (path for path in states.iterdir() if path.name.startswith(".partial-"))
-    assert leftover.stat().st_size >= 2**20
-    live = live_writer(states / ".partial-live.safetensors", 5000)
+    live = live_writer(states / ".partial-live", 5000)
     backdate(leftover)
     listing = run("cache", "list", "--cache-dir", str(states), "--json")
     assert listing.exit_code == 0, listing.stderr
     listed, = json.loads(listing.stdout)["entries"]
-    assert listed["path"] == str(leftover) and listed["bytes"] == leftover.stat().st_size
+    assert listed["path"] == str(leftover) and listed["bytes"] == 2**20
     assert "unfinished" in listed["document"]
     cleared = run("cache", "clear", "--cache-dir", str(states))
     assert cleared.exit_code == 0 and "Removed 1 cached document state (1.0 MiB)" in cleared.stderr, cleared.stderr
@@ -248,10 +248,10 @@ def test_the_size_limit_counts_a_live_writers_temporary_and_drops_a_killed_ones(
     entry = probe.path("probe").stat().st_size
     store = DocumentCache(tmp_path / "states", int(1.5 * entry) + tensors, print)
     store.save("old", ids, state, {})
-    leftover = tmp_path / "states" / ".partial-killed.safetensors"
+    leftover = tmp_path / "states" / ".partial-killed.safetensors"  # as earlier releases wrote them: a file
     leftover.write_bytes(bytes(10 * entry))
     backdate(leftover)
-    live = live_writer(tmp_path / "states" / ".partial-live.safetensors", entry)
+    live = live_writer(tmp_path / "states" / ".partial-live", entry)
     store.save("new", ids, state, {})  # the old entry and the live temporary would pass the limit: the old one goes
     assert not leftover.exists() and live.exists()
     assert [found.path for found in store.entries()] == [store.path("new")]
