@@ -45,7 +45,7 @@ from .printable import encodable
 FORMAT = "2"  # 2: with checksums
 SUFFIX = ".safetensors"
 PARTIAL = ".partial-"  # a folder an entry is written in, before it is renamed into place
-LEFTOVER = "(an unfinished write; the gali writing it was killed)"  # what such a file's writer left shows as
+LEFTOVER = "(an unfinished write; the gali writing it was killed)"  # how a killed writer's folder is listed
 DEFAULT_LIMIT = 20 * 2**30
 
 
