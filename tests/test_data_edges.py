@@ -16,11 +16,16 @@ import pytest
 import test_hostile_inputs
 import torch
 
+import gali_cli.doc_cache as doc_cache
 import gali_cli.documents as documents
+import gali_cli.model.dequantized as dequantized
 from gali_cli.config import parse_size
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.documents import read_document
 from gali_cli.errors import GaliError, InputError
+from gali_cli.file_locks import left_behind
+from gali_cli.model.dequantized import DequantizedModels
+from gali_cli.model.gguf import GgufFile
 from gali_cli.runs.batch_files import Rank, ResultsFile
 
 DOCUMENT = test_hostile_inputs.DOCUMENT
@@ -330,3 +335,33 @@ def test_an_out_file_or_cache_gali_may_not_look_at_is_a_usage_error(flag, run, t
     assert result.exit_code == 2, result.stderr
     assert result.stderr.startswith(f"gali: {flag} {secret}: ") and "Permission denied" in result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_document_cache_writer_holds_its_temporary_while_it_writes(tmp_path, monkeypatch):
+    """What keeps another gali's clear or eviction off a write under way, however long it takes."""
+    real_save, judged = doc_cache.save_file, []
+
+    def watched(tensors, filename, metadata):
+        real_save(tensors, filename, metadata)
+        backdate(Path(filename).parent)
+        judged.append(left_behind(Path(filename).parent))
+
+    monkeypatch.setattr(doc_cache, "save_file", watched)
+    layer = types.SimpleNamespace(keys=torch.zeros(1, 1, 4, 2), values=torch.zeros(1, 1, 4, 2))
+    store = DocumentCache(tmp_path / "states", 2**30, print)
+    store.save("key", [1, 2, 3, 4], types.SimpleNamespace(layers=[layer]), {})
+    assert judged == [False] and [entry.path for entry in store.entries()] == [store.path("key")]
+
+
+def test_a_dequantization_holds_its_temporary_while_it_builds(tiny_gguf, tmp_path, monkeypatch):
+    real_build, judged = dequantized._dequantize_into, []
+
+    def watched(gguf, dtype, directory):
+        real_build(gguf, dtype, directory)
+        backdate(directory)
+        judged.append(left_behind(directory))
+
+    monkeypatch.setattr(dequantized, "_dequantize_into", watched)
+    models = DequantizedModels(tmp_path / "models")
+    entry = models.directory_for(GgufFile.at(tiny_gguf), torch.float32)
+    assert judged == [False] and [found.path for found in models.entries()] == [entry]
