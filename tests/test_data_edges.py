@@ -151,6 +151,7 @@ def test_a_full_disk_while_taking_the_lock_is_a_usage_error(call, run, two, tiny
     result = run("summarize", *map(str, two), "--max-new-tokens", "2", "--out", str(out), "-m", str(tiny_model_dir))
     assert result.exit_code == 2, result.stderr
     assert result.stderr == f"gali: --out {out}: cannot take its lock (.out.jsonl.lock): No space left on device\n"
+    assert not (tmp_path / ".out.jsonl.lock").exists() or call == "open"
 
 
 def test_a_part_file_that_cannot_be_removed_after_merging_is_one_line(tmp_path, monkeypatch):

@@ -177,7 +177,8 @@ class ResultsFile:
                 os.close(descriptor)
                 continue
             except OSError as error:
-                os.close(descriptor)
+                self._lock = descriptor
+                self.unlock()  # ours, so ours to remove
                 raise self._lock_error(error) from None
             self._lock = descriptor
         return None
