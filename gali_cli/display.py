@@ -7,11 +7,10 @@ second, by moving the cursor to their start and erasing them (`\r ESC[2K`), and 
 that erases the line the answer is being written on.
 """
 
-import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from .errors import ConfigError
-from .printable import printable
+from .errors import ConfigError, GaliError
+from .printable import json_text, printable
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
 _drawing: list[Live] = []  # the live displays now drawing on stderr, newest last
@@ -108,7 +107,7 @@ def status(message: str) -> Iterator[None]:
 
 
 def print_json(document: dict) -> None:
-    _print(json.dumps(document, ensure_ascii=False) + "\n")
+    _print(json_text(document) + "\n")
 
 
 def print_number(value: float) -> None:
@@ -118,8 +117,15 @@ def print_number(value: float) -> None:
 
 def _print(text: str) -> None:
     stop_drawing()
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # the reader went away: the command line stops quietly
+    except OSError as error:  # redirected to a full disk, or to a file system gone read-only
+        with suppress(AttributeError, OSError, ValueError):  # what stays in the buffer goes nowhere at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise GaliError(f"cannot write to standard output: {error.strerror or error}") from None
 
 
 def _stdout_console() -> Console:

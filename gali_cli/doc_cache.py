@@ -10,7 +10,8 @@ Entries are safetensors files (plain tensors, no pickled objects) named by a SHA
 on; they are written to a temporary file and renamed, so a crash or a full disk never leaves half an entry, and are
 checked on load (format version, key, token hash, shapes, dtype, and a CRC-32 of every tensor's bytes): a file that
 fails is ignored, deleted and rebuilt. Least recently used entries go first when the directory grows past its size
-limit.
+limit, which counts what running writers are writing (each locks its own temporary folder: file_locks.py) and deletes
+what killed ones left.
 
 Why CRC-32: the checksum guards against damage (a disk, a copy, a stray write), not against someone who can write the
 cache directory (they could rewrite any digest stored beside the data). CRC-32 catches every burst of up to 32 bits
@@ -22,11 +23,12 @@ docs/performance.md has its cost against a prefill.
 import hashlib
 import json
 import os
+import shutil
 import tempfile
-import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +39,13 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from .config import parse_size
+from .file_locks import hold, left_behind
+from .printable import encodable
 
 FORMAT = "2"  # 2: with checksums
 SUFFIX = ".safetensors"
+PARTIAL = ".partial-"  # a folder an entry is written in, before it is renamed into place
+LEFTOVER = "(an unfinished write; the gali writing it was killed)"  # how a killed writer's folder is listed
 DEFAULT_LIMIT = 20 * 2**30
 
 
@@ -174,33 +180,45 @@ class DocumentCache:
                       f"limit of {self.limit / 2**30:.2f} GiB (GALI_CACHE_LIMIT)")
             return
         metadata = {"format": FORMAT, "key": key, "tokens": str(tokens), "ids_sha256": _ids_digest(prefix_ids),
-                    "crc32": json.dumps(checksums(tensors)), **description}
-        temporary = None
+                    "crc32": json.dumps(checksums(tensors)),
+                    **{name: encodable(value) for name, value in description.items()}}  # a name not UTF-8
+        temporary, lock = None, None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._evict(keep=self.limit - size)
-            handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".partial-", suffix=SUFFIX)
-            os.close(handle)
-            save_file(tensors, temporary, metadata)
-            with open(temporary, "rb") as written:
-                os.fsync(written.fileno())
-            os.replace(temporary, self.path(key))
-            temporary = None
+            # written in a folder of its own, which this process locks (safetensors replaces the file it writes,
+            # so a lock on the file itself would not last): no other gali takes it for a killed writer's leftover
+            temporary = Path(tempfile.mkdtemp(dir=self.directory, prefix=PARTIAL))
+            lock = hold(temporary)
+            written = temporary / f"{key}{SUFFIX}"
+            save_file(tensors, written, metadata)
+            with open(written, "rb") as file:
+                os.fsync(file.fileno())
+            os.replace(written, self.path(key))
             _fsync_directory(self.directory)
         except (OSError, SafetensorError) as error:
             self.warn(f"could not write the document cache in {self.directory}: {error}")
-        finally:  # also on Ctrl-C: never leave half a file
+        finally:  # also on Ctrl-C: never leave half a file (after kill -9, the next gali deletes it)
             if temporary:
-                Path(temporary).unlink(missing_ok=True)
+                shutil.rmtree(temporary, ignore_errors=True)
+            if lock is not None:
+                os.close(lock)
 
     def entries(self) -> list[Entry]:
-        """Every entry, most recently used first; a file that is not one of ours is listed with what can be said."""
+        """Every entry, most recently used first; a file that is not one of ours is listed with what can be said,
+        and what a killed gali left of a write as an unfinished write (LEFTOVER)."""
         found = []
-        for path in self._files():
+        for path in [*self._partials(), *self._files()]:
+            partial = path.name.startswith(PARTIAL)
+            if partial and not left_behind(path):
+                continue  # a running gali's
             try:
                 stat = path.stat()
             except OSError:
                 continue  # gone meanwhile
+            if partial:
+                found.append(Entry(path, _size(path), stat.st_mtime, 0, LEFTOVER, "?", "?", {}))
+                continue
             try:
                 metadata = _metadata(path)
                 tokens = int(metadata.get("tokens", 0))
@@ -212,56 +230,77 @@ class DocumentCache:
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
     def clear(self) -> Cleared:
-        """Delete every entry (and leftovers of interrupted writes); says what was removed and what could not be."""
+        """Delete every entry (and what killed writers left); says what was removed and what could not be. What a
+        running gali is writing is left to it."""
         removed, kept = [], []
         try:
-            paths = self._files(partial=True, strict=True)
+            self._files(strict=True)
         except FileNotFoundError:
-            paths = []
+            return Cleared((), ())
         except OSError as error:
             return Cleared((), ((self.directory, 0, error.strerror or str(error)),))
-        for path in paths:
+        for entry in self.entries():
             try:
-                size = path.stat().st_size
-            except OSError:
-                continue  # gone meanwhile
-            try:
-                path.unlink()
-                removed.append((path, size))
+                _remove(entry.path)
+                removed.append((entry.path, entry.size))
             except FileNotFoundError:
                 continue
             except OSError as error:
-                kept.append((path, size, error.strerror or str(error)))
+                kept.append((entry.path, entry.size, error.strerror or str(error)))
         return Cleared(tuple(removed), tuple(kept))
 
-    def _files(self, partial: bool = False, strict: bool = False) -> list[Path]:
-        """The regular files in the directory that look like entries (and with `partial`, unfinished ones too); an
-        unreadable directory has none, or with `strict` raises OSError."""
+    def _files(self, strict: bool = False) -> list[Path]:
+        """The regular files in the directory that look like entries; an unreadable directory has none, or with
+        `strict` raises OSError."""
         try:
             with os.scandir(self.directory) as found:
-                paths = [Path(entry.path) for entry in found if entry.name.endswith(SUFFIX) and entry.is_file()]
+                return [Path(entry.path) for entry in found if entry.name.endswith(SUFFIX) and entry.is_file()
+                        and not entry.name.startswith(PARTIAL)]
         except OSError:
             if strict:
                 raise
             return []
-        return [path for path in paths if partial or not path.name.startswith(".partial-")]
+
+    def _partials(self) -> list[Path]:
+        """Writes under way or left unfinished: folders (and the files earlier releases wrote) named PARTIAL..."""
+        try:
+            with os.scandir(self.directory) as found:
+                return [Path(entry.path) for entry in found if entry.name.startswith(PARTIAL)]
+        except OSError:
+            return []
 
     def _evict(self, keep: int) -> None:
-        """Delete least recently used entries until the others take at most `keep` bytes."""
-        entries = self.entries()
-        total = sum(entry.size for entry in entries)
+        """Delete what killed writers left, then least recently used entries until the others, with what running
+        writers are writing, take at most `keep` bytes."""
+        entries = []
+        for entry in self.entries():
+            if entry.document == LEFTOVER:
+                with suppress(OSError):
+                    _remove(entry.path)
+            else:
+                entries.append(entry)
+        total = sum(_size(path) for path in self._partials()) + sum(entry.size for entry in entries)
         for entry in reversed(entries):
             if total <= keep:
                 break
             entry.path.unlink(missing_ok=True)
             total -= entry.size
-        stale = time.time() - 3600  # temporary files a killed writer left behind (not one still writing)
-        for partial in self._files(partial=True):
-            try:
-                if partial.name.startswith(".partial-") and partial.stat().st_mtime < stale:
-                    partial.unlink()
-            except OSError:
-                continue
+
+
+def _size(path: Path) -> int:
+    """The bytes a file, or a folder's files, take (0 for one gone meanwhile: renamed into an entry, or deleted)."""
+    try:
+        return sum(file.stat().st_size for file in path.iterdir()) if path.is_dir() else path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _remove(path: Path) -> None:
+    """Delete an entry, or a leftover folder with what it holds; OSError says why not."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def _identity(metadata: dict[str, str]) -> dict:

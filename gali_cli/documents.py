@@ -79,9 +79,13 @@ def check_source(source: str) -> None:
 
 
 def _check_path(path: Path, name: str) -> None:
-    if not path.exists():
+    try:
+        exists, directory = path.exists(), path.is_dir()
+    except OSError as error:  # e.g. a folder on the way that gali may not enter
+        raise InputError(f"{name}: {error.strerror or error}") from None
+    if not exists:
         raise InputError(f"{name}: {link_problem(path) or 'no such file'}")
-    if path.is_dir():
+    if directory:
         raise InputError(f"{name} is a directory, not a document")
 
 
@@ -109,12 +113,22 @@ def link_problem(path: Path) -> str | None:
     return None
 
 
+_PIECE = 64 * 2**20  # read at most this much at a time: read(n) sets aside n bytes before it reads any
+
+
 def _read_limited(stream: BinaryIO, name: str, max_bytes: int) -> bytes:
-    """All of `stream`, or InputError once more than `max_bytes` have come (memory never holds more)."""
-    data = stream.read(max_bytes + 1)
-    if len(data) > max_bytes:
+    """All of `stream`, or InputError once more than `max_bytes` have come (memory never holds more). Read in
+    pieces, so that a limit of tens of GB (or past 64 bits: no practical limit) costs only what the input holds."""
+    pieces, size = [], 0
+    while size <= max_bytes:
+        piece = stream.read(min(_PIECE, max_bytes + 1 - size))
+        if not piece:
+            break
+        pieces.append(piece)
+        size += len(piece)
+    if size > max_bytes:
         raise _too_large(name, max_bytes)
-    return data
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _too_large(name: str, max_bytes: int) -> InputError:

@@ -1,7 +1,10 @@
 """Strings from strangers (a request's path, a document's label, a file name) made safe to show on a terminal or in a
 log: every control, format or separator character and lone surrogate written as its escape, so that `%0A` cannot
-forge a log line, `ESC [2J` cannot clear the operator's screen and U+202E cannot reverse what they read."""
+forge a log line, `ESC [2J` cannot clear the operator's screen and U+202E cannot reverse what they read. And made
+writable as UTF-8 (a file, a JSON line, safetensors metadata) when a file name holds bytes that are not UTF-8, which
+Python keeps as lone surrogates (b"\\xff" is "\\udcff")."""
 
+import json
 import unicodedata
 
 _UNSAFE = {"Cc", "Cf", "Cs", "Zl", "Zp"}  # controls, formats (bidi overrides), lone surrogates, line/para separators
@@ -22,3 +25,16 @@ def _escape(character: str) -> str:
     if character in named:
         return named[character]
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def encodable(text: str) -> str:
+    """`text` with each lone surrogate as its escape (\\udcff), the only characters UTF-8 cannot encode; a file name
+    with a byte that is not UTF-8 would otherwise fail every write of it (UnicodeEncodeError)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def json_text(value: object) -> str:
+    """`value` as JSON, other scripts as themselves and lone surrogates as \\u escapes: valid UTF-8, and json.loads
+    gives the very same strings back (a surrogate only ever stands inside a JSON string, where \\udcff is its
+    escape)."""
+    return encodable(json.dumps(value, ensure_ascii=False))

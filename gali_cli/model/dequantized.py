@@ -37,12 +37,13 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import GaliWarning, ModelLoadError
+from ..file_locks import hold, left_behind
 from .gguf import GgufFile
 
 FORMAT = "1"
 MANIFEST = "gali-gguf.json"
 WEIGHTS = "model.safetensors"
-_STALE_SECONDS = 3600  # a temporary directory older than this was left by a killed build, not a running one
+_PARTIAL = ".partial-"  # a build's temporary directory, renamed into an entry when whole
 _TRANSFORMERS = f"transformers-{transformers.__version__}"
 UNUSED_DAYS = 30  # an entry this installation cannot use, unused this long, goes at the next build
 
@@ -113,9 +114,11 @@ class DequantizedModels:
         return entry
 
     def entries(self) -> list[ModelEntry]:
-        """Every entry, most recently used first (an unreadable directory holds none)."""
+        """Every entry, most recently used first (an unreadable directory holds none), and each build a killed gali
+        left unfinished, as an unusable entry (what prune and clear delete)."""
         try:
-            paths = [path for path in self.directory.iterdir() if path.is_dir() and not path.name.startswith(".")]
+            paths = [path for path in self.directory.iterdir() if path.is_dir() and (
+                not path.name.startswith(".") or (path.name.startswith(_PARTIAL) and left_behind(path)))]
         except OSError:
             return []
         entries = [_describe(path) for path in paths]
@@ -142,10 +145,11 @@ class DequantizedModels:
             self.directory.mkdir(parents=True, exist_ok=True)
             _remove_leftovers(self.directory, gguf)
             self.prune(UNUSED_DAYS * 86400)
-            temporary = Path(tempfile.mkdtemp(dir=self.directory, prefix=".partial-"))
+            temporary = Path(tempfile.mkdtemp(dir=self.directory, prefix=_PARTIAL))
         except OSError as error:
             raise ModelLoadError(f"cannot write the model cache in {self.directory}: {error.strerror or error} "
                                  "(GALI_MODEL_CACHE chooses another place)") from error
+        lock = hold(temporary)  # while it is held, no other gali takes the directory for a killed build's
         try:
             _dequantize_into(gguf, dtype, temporary)
             _write_manifest(temporary, _key(gguf, dtype), gguf, dtype)
@@ -158,8 +162,10 @@ class DequantizedModels:
         except (OSError, SafetensorError) as error:  # e.g. a full disk
             raise ModelLoadError(f"cannot write the model cache in {self.directory}: {error.strerror or error} "
                                  "(GALI_MODEL_CACHE chooses another place)") from error
-        finally:  # also on Ctrl-C: never leave half an entry
+        finally:  # also on Ctrl-C: never leave half an entry (after kill -9, the next build or prune deletes it)
             shutil.rmtree(temporary, ignore_errors=True)
+            if lock is not None:
+                os.close(lock)
 
 
 def _dequantize_into(gguf: GgufFile, dtype: torch.dtype, directory: Path) -> None:
@@ -284,6 +290,9 @@ def _describe(path: Path) -> ModelEntry | None:
         last_used = path.stat().st_mtime
     except OSError:
         return None
+    if path.name.startswith(_PARTIAL):
+        return ModelEntry(path, "?", "?", "?", size, last_used, False, "an unfinished build; the gali writing it was "
+                                                                         "killed")
     try:
         manifest = _manifest(path, full=False)
     except ValueError as problem:
@@ -310,11 +319,10 @@ def _unchanged(source: dict) -> bool:
 def _remove_leftovers(directory: Path, gguf: GgufFile) -> None:
     """Delete entries of an earlier file at the same path (replaced since), and temporary directories that a killed
     build left behind."""
-    stale = time.time() - _STALE_SECONDS
     for path in directory.iterdir():
         try:
-            if path.name.startswith(".partial-"):
-                if path.stat().st_mtime < stale:
+            if path.name.startswith(_PARTIAL):
+                if left_behind(path):
                     shutil.rmtree(path, ignore_errors=True)
                 continue
             if path.name.startswith(f"{gguf.path.stem}-") and not path.name.startswith(_stem(gguf)):

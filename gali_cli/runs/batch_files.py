@@ -3,8 +3,8 @@ file that makes a run resumable.
 
 A results file is JSON lines, one per finished document (and method, for ppl). Each line carries the document's
 path and content hash and the hash of the job's settings; a rerun skips the documents whose line says they were done
-with the same settings, so an interrupted run resumes where it stopped. Lines are written whole (one write call) and
-flushed to disk; a line cut by a kill is dropped when the file is next opened.
+with the same settings, so an interrupted run resumes where it stopped. Lines are written whole and flushed to disk;
+a line cut by a kill or a full disk is skipped when read and removed before the next line is written.
 
 Under torchrun or `accelerate launch` (RANK / WORLD_SIZE in the environment) each process takes every WORLD_SIZE-th
 document of the sorted list, writes its own part file next to the results file, and rank 0 merges the parts once all
@@ -15,7 +15,6 @@ from before it merges or appends anything until it is done, and a second run ref
 operating system's (flock; POSIX systems only), so a run that is killed leaves it free.
 """
 
-import errno
 import glob
 import hashlib
 import json
@@ -30,6 +29,8 @@ from pathlib import Path
 
 from ..documents import link_problem
 from ..errors import ConfigError, GaliError, InputError
+from ..file_locks import is_held_elsewhere, lock_exclusive
+from ..printable import json_text
 
 # Files a directory contributes; anything else in it (images, binaries, code) is left alone.
 DOCUMENT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".org", ".html", ".htm", ".pdf")
@@ -69,9 +70,13 @@ def _expand(spec: str, base: Path, manifests_seen: set[Path]) -> Iterator[Path]:
                     raise InputError(f"{spec[1:]}, line {number}: {error}") from None
         return
     path = base / Path(spec).expanduser()
-    if path.is_file():
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError as error:  # e.g. a folder on the way that gali may not enter
+        raise InputError(f"{spec}: {error.strerror or error}") from None
+    if is_file:
         yield path.resolve()
-    elif path.is_dir():
+    elif is_dir:
         files = [found for found in path.rglob("*") if found.is_file() and found.suffix.lower() in DOCUMENT_SUFFIXES
                  and not any(part.startswith(".") for part in found.relative_to(path).parts)]
         if not files:
@@ -145,30 +150,42 @@ class ResultsFile:
 
     def lock(self) -> str | None:
         """Take the results file for this run; returns None, or (leaving it alone) who holds it: another run.
-        Where the file system cannot lock at all, the run goes on unlocked, as it would have without the lock."""
+        Where the file system cannot lock at all, the run goes on unlocked, as it would have without the lock; a
+        lock file that cannot be written (a full disk, a read-only folder) is a ConfigError."""
         while self._lock is None:
             try:
                 descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError:
-                return None  # cannot even create it (then --out could not be written either: prepare() says so)
-            try:
-                _lock_file(descriptor)
             except OSError as error:
-                holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip()
+                raise self._lock_error(error) from None
+            try:
+                lock_exclusive(descriptor)
+            except OSError as error:
+                try:
+                    holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip()
+                except OSError:
+                    holder = ""
                 os.close(descriptor)
-                if error.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                if is_held_elsewhere(error):
                     return holder or "another gali run"
                 return None
             try:
                 if os.stat(self.lock_path).st_ino != os.fstat(descriptor).st_ino:
                     raise FileNotFoundError  # its holder removed it between our open and our lock: take the new one
+                os.ftruncate(descriptor, 0)
+                os.pwrite(descriptor, f"gali run {os.getpid()} on {socket.gethostname()}".encode(), 0)
             except FileNotFoundError:
                 os.close(descriptor)
                 continue
-            os.ftruncate(descriptor, 0)
-            os.pwrite(descriptor, f"gali run {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            except OSError as error:
+                self._lock = descriptor
+                self.unlock()  # ours, so ours to remove
+                raise self._lock_error(error) from None
             self._lock = descriptor
         return None
+
+    def _lock_error(self, error: OSError) -> ConfigError:
+        return ConfigError(f"--out {self.path}: cannot take its lock ({self.lock_path.name}): "
+                           f"{error.strerror or error}")
 
     def unlock(self) -> None:
         """Let the next run have the results file (removing the lock file first, then releasing it)."""
@@ -207,21 +224,29 @@ class ResultsFile:
         return [record for file in [self.path, *(self._parts() if parts else [])] for record in _records(file)]
 
     def append(self, records: list[dict]) -> None:
-        """Add a document's lines, whole: one write call, then flushed to disk. A line a killed run left without
-        its newline is closed first (and skipped when read), never cut away."""
-        data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode()
+        """Add a document's lines, whole: written together, then flushed to disk. A line that a killed run or a full
+        disk left cut short is removed first (it holds no whole record; one that lost only its newline is closed),
+        so that no cut line is ever followed by another; and if this write fails, what it wrote is taken back: the
+        file keeps whole lines only."""
+        data = "".join(json_text(record) + "\n" for record in records).encode()
         try:
             descriptor = os.open(self.part, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                size = os.fstat(descriptor).st_size
-                if size and os.pread(descriptor, 1, size - 1) != b"\n":
-                    data = b"\n" + data
-                os.write(descriptor, data)
-                os.fsync(descriptor)
+                whole, size = _whole_lines(descriptor), os.fstat(descriptor).st_size
+                if whole != size and _is_record(os.pread(descriptor, size - whole, whole)):
+                    data, whole = b"\n" + data, size  # a whole record that lost only its newline: kept
+                elif whole != size:
+                    os.ftruncate(descriptor, whole)
+                try:
+                    _write_all(descriptor, data)
+                    os.fsync(descriptor)
+                except OSError:
+                    os.ftruncate(descriptor, whole)  # frees what was written: it works on a full disk
+                    raise
             finally:
                 os.close(descriptor)
         except OSError as error:
-            raise GaliError(f"cannot write results to {self.part}: {error.strerror}") from None
+            raise GaliError(f"cannot write results to {self.part}: {error.strerror or error}") from None
 
     def merge(self) -> None:
         """Move the part files' lines (this run's, or those an interrupted run left) into the results file."""
@@ -233,40 +258,68 @@ class ResultsFile:
                 if new:
                     main.append(new)
                     seen.update(json.dumps(record, sort_keys=True) for record in new)
-                part.unlink()
+                try:
+                    part.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as error:  # its lines are in OUT now; a later merge finds them there and skips them
+                    raise GaliError(f"cannot remove {part} after merging it: {error.strerror or error}") from None
 
     def _parts(self) -> list[Path]:
         return sorted(self.path.parent.glob(f"{glob.escape(self.path.name)}.rank*-of-*.part"))
 
 
-def _lock_file(descriptor: int) -> None:
-    """An exclusive lock on the open file, or OSError (EAGAIN / EWOULDBLOCK) at once if another process holds one;
-    OSError(ENOTSUP) where there is no flock (Windows)."""
+def _write_all(descriptor: int, data: bytes) -> None:
+    """All of `data`, or OSError: a write to a filling disk may take only part of it and say so, not fail."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view):]
+
+
+def _whole_lines(descriptor: int) -> int:
+    """The size of the file up to the end of its last whole line (its newline included): all of it unless its
+    last line was cut short."""
+    end = os.fstat(descriptor).st_size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        block = os.pread(descriptor, end - start, start)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
+def _is_record(line: bytes) -> bool:
     try:
-        import fcntl
-    except ImportError:
-        raise OSError(errno.ENOTSUP, "no flock here") from None
-    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return isinstance(json.loads(line), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+_OUR_START = b'{"path": '  # every line gali writes starts so
 
 
 def _check_ours(path: Path) -> None:
-    """ConfigError unless `path` is absent, empty, or JSON lines of gali records (a last line may be cut)."""
-    if not path.exists():
-        return
-    if not path.is_file():
-        raise ConfigError(f"--out {path}: not a file")
+    """ConfigError unless `path` is absent, empty, or JSON lines of gali records. Lines may be cut short, and not
+    only the last: earlier releases of gali closed a cut line with a newline before appending (and a crash can
+    leave zeros where data had not reached the disk)."""
     try:
+        if not path.exists():
+            return
+        if not path.is_file():
+            raise ConfigError(f"--out {path}: not a file")
         lines = path.read_bytes().split(b"\n")
     except OSError as error:
-        raise ConfigError(f"--out {path}: cannot read it ({error.strerror})") from None
+        raise ConfigError(f"--out {path}: cannot read it ({error.strerror or error})") from None
     for number, line in enumerate(lines, 1):
-        if not line.strip():
+        if not line.strip(b"\0 \t\r"):
             continue
         try:
             record = json.loads(line)
             ours = isinstance(record, dict) and "job" in record and "path" in record
         except (json.JSONDecodeError, UnicodeDecodeError):
-            ours = number == len(lines) and line.startswith(b'{"path": ')  # our line, cut by a kill
+            ours = line.startswith(_OUR_START) or _OUR_START.startswith(line)  # our line, cut short
         if not ours:
             raise ConfigError(f"--out {path} exists and is not a gali results file (line {number}); it was left "
                               "untouched: choose another name")

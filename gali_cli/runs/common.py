@@ -98,8 +98,11 @@ def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
 def store(directory: str | None) -> DocumentCache:
     """The document cache in `directory` (--cache-dir), or in the user cache directory."""
     path = Path(directory).expanduser() if directory else default_directory()
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--cache-dir {path}: not a directory")
+    try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--cache-dir {path}: not a directory")
+    except OSError as error:  # e.g. a folder on the way that gali may not enter
+        raise ConfigError(f"--cache-dir {path}: {error.strerror or error}") from None
     return DocumentCache(path, default_limit(), warn)
 
 
