@@ -127,6 +127,29 @@ def test_a_line_cut_by_a_kill_is_skipped_then_dropped_and_parts_merge(folder):
     assert not list(folder.glob("*.part"))
 
 
+def test_a_document_with_some_of_its_lines_lost_is_done_again(folder):
+    """A power cut may keep the first of a document's lines (one per method for ppl) and lose the rest: the
+    document is not done until every line is there."""
+    (folder / "doc.txt").write_text("text")
+    path, calls = folder / "out.jsonl", []
+
+    def work(document: Path) -> list[dict]:
+        calls.append(document.name)
+        return [{"method": "gali"}, {"method": "yarn"}, {"method": "original"}]
+
+    run_batch([folder / "doc.txt"], ResultsFile(path, Rank()), {"command": "ppl"}, work, Rank())
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["line"] for line in lines] == [[0, 3], [1, 3], [2, 3]]
+    path.write_text("\n".join(lines[:2]) + "\n")  # the last line lost
+    again = run_batch([folder / "doc.txt"], ResultsFile(path, Rank()), {"command": "ppl"}, work, Rank())
+    assert (again.done, again.skipped, calls) == (1, 0, ["doc.txt", "doc.txt"])
+    third = run_batch([folder / "doc.txt"], ResultsFile(path, Rank()), {"command": "ppl"}, work, Rank())
+    assert (third.done, third.skipped) == (0, 1)
+    old = folder / "old.jsonl"  # lines of an older gali carry no mark: each is a whole document
+    old.write_text(json.dumps({"path": "x", "status": "ok", "sha256": "1", "job": "j"}) + "\n")
+    assert ResultsFile(old, Rank()).finished() == {("x", "1", "j")}
+
+
 def test_a_file_that_is_not_ours_is_refused_and_left_alone(folder):
     notes = folder / "notes.txt"
     notes.write_text("my important notes")

@@ -215,9 +215,25 @@ class ResultsFile:
                                                            and document.suffix == ".part")
 
     def finished(self) -> set[tuple[str, str, str]]:
-        """(path, content hash, job) of every document some earlier run (or process) finished without error."""
-        return {(record.get("path"), record.get("sha256"), record.get("job"))
-                for record in self.records(parts=True) if record.get("status") == "ok"}
+        """(path, content hash, job) of every document some earlier run (or process) finished without error: all
+        of its lines are there (each says which of how many it is; a power cut may keep the first of a document's
+        lines and lose the rest, and then the document is done again). Lines without that mark (older gali) are
+        whole documents."""
+        seen: dict[tuple, set[int]] = {}
+        done = set()
+        for record in self.records(parts=True):
+            if record.get("status") != "ok":
+                continue
+            key = (record.get("path"), record.get("sha256"), record.get("job"))
+            mark = record.get("line")
+            if not (isinstance(mark, list) and len(mark) == 2 and all(isinstance(value, int) for value in mark)):
+                done.add(key)
+                continue
+            indices = seen.setdefault((*key, mark[1]), set())
+            indices.add(mark[0])
+            if len(indices) >= mark[1]:
+                done.add(key)
+        return done
 
     def records(self, parts: bool = False) -> list[dict]:
         """Every whole line of the results file (and with `parts`, of the part files beside it)."""
@@ -429,7 +445,8 @@ def run_batch(
             outcome.failed += 1
             progress(outcome, Step(path, "error", error=message))
             continue
-        results.append([{**base, "status": "ok", **job, **record, "seconds": seconds} for record in records])
+        results.append([{**base, "status": "ok", **job, **record, "seconds": seconds, "line": [index, len(records)]}
+                        for index, record in enumerate(records)])
         outcome.done += 1
         outcome.tokens += sum(record.get("tokens", 0) for record in records)
         progress(outcome, Step(path, "ok", tuple(records), seconds=seconds))
