@@ -371,7 +371,8 @@ def test_windowed_methods_in_batches_and_half_precision(make_llama, method, sett
 
 
 @pytest.mark.parametrize("method, settings", [("self-extend", MethodSettings(group_size=5, neighbor_window=4)),
-                                              ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4))])
+                                              ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4)),
+                                              ("string", MethodSettings(shifted_offset=6, local_window=2))])
 def test_kept_keys_do_not_outlive_a_cache_cut_back_and_refilled(make_llama, method, settings):
     """Decoding keeps rotated keys; a cache cut back and refilled by a longer forward to the same length must not
     find the old tokens' keys there."""
