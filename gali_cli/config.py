@@ -199,6 +199,9 @@ class MethodSettings:
     shifted_offset: int | None = _flag(
         None, _OTHER, "string: S, distances from S on shift down to local-window (W), dropping the S largest "
                       "(default: 0.33 train-len; W: 128, at most S / 2).")
+    string_scale: bool = _flag(True, _OTHER, "string: every logit times (1 + 0.1 ln 2)^2, as the official code "
+                                             "scales its cos/sin (on SmolLM2 it raised perplexity).",
+                               "--string-scale/--no-string-scale")
 
     def __post_init__(self) -> None:
         self.gali()  # validates the settings GALI shares

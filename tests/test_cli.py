@@ -212,8 +212,8 @@ def test_info(gali, tiny_model_dir):
     assert previews["rerope"] == {"train_len": 32, "neighbor_window": 8, "logn": True}
     assert previews["leaky-rerope"]["reaches"] == 8 + 4 * (31 - 8) + 1  # how far k = 4 takes the window
     assert previews["dpe"]["neighbor_window"] == 4 and previews["dpe"]["dpe_published"] is None
-    assert previews["string"] == {"train_len": 32, "shifted_offset": 10, "local_window": 5, "reaches": 37,
-                                  "string_published": None}
+    assert previews["string"] == {"train_len": 32, "shifted_offset": 10, "local_window": 5, "string_scale": True,
+                                  "reaches": 37, "string_published": None}
     text = gali("info")
     assert text.exit_code == 0 and "train_len" in text.stdout
     assert gali("info", env={"GALI_MODEL": str(tiny_model_dir)}, model=False).exit_code == 0

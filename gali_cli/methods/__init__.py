@@ -12,7 +12,7 @@
 | leaky-rerope | Leaky ReRoPE: distances beyond the window compressed by k | --neighbor-window L/4, --leaky-factor 16 (more if N needs it), --logn |
 | dpe | DPE: SelfExtend per group of RoPE frequencies, a scale each | --neighbor-window L/8, --dpe-scales: published for the model, else the smallest that reaches N |
 | gali | Greedy Attention Logit Interpolation | --chunk-size L/4, --local-window L/2, --noise |
-| string | STRING: distances from S on shifted down to W, the largest never used | --shifted-offset 0.33L, --local-window 128 (at most S/2) |
+| string | STRING: distances from S on shifted down to W, the largest never used | --shifted-offset 0.33L, --local-window 128 (at most S/2), --string-scale |
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
 model can run them all in turn. Each also says where a forward may be cut without changing the results, and
@@ -147,7 +147,7 @@ def _string(config: PretrainedConfig, settings: MethodSettings, train_len: int, 
     check_string(shift, window, train_len)
     authors = settings.shifted_offset is None and settings.local_window is None
     return {"train_len": train_len, "shifted_offset": shift, "local_window": window,
-            "reaches": string_reach(shift, window, train_len),
+            "string_scale": settings.string_scale, "reaches": string_reach(shift, window, train_len),
             "string_published": published(config, train_len) if authors else None}
 
 
@@ -186,7 +186,8 @@ METHODS = {
         preview=_dpe),
     "gali": Method("gali", _apply_gali, _gali_boundaries),
     "string": Method("string", _installing(
-        _string, lambda config, s: StringRoPE(s["shifted_offset"], s["local_window"], s["train_len"])),
+        _string, lambda config, s: StringRoPE(s["shifted_offset"], s["local_window"], s["train_len"],
+                                                      s["string_scale"])),
         preview=_string),
 }
 

@@ -9,7 +9,7 @@ then stays within the trained distances up to L + S - W tokens (`reach`); past t
 model's, run beyond L.
 
 As in the official code (string_for_llama.py, which scales the rotary's cos/sin by 1 + 0.1 ln 2, "similar with
-Yarn"), every logit is multiplied by (1 + 0.1 ln 2)^2: applied here to the softmax scale.
+Yarn"), every logit is multiplied by (1 + 0.1 ln 2)^2 (applied here to the softmax scale), unless --no-string-scale.
 
 Two attentions merged by log-sum-exp (engine.windowed): the near keys at their true distances, the far keys at their
 true positions j against queries rotated at i - S + W. Keys are cached without RoPE; the far keys' rotations depend
@@ -64,11 +64,13 @@ def check(shift: int, window: int, train_len: int) -> None:
 
 class StringRoPE(PositionalAttention):
     name = "string"
-    exact_until = 0  # the logit scale applies from the first token on
 
-    def __init__(self, shift: int, window: int, train_len: int) -> None:
+    def __init__(self, shift: int, window: int, train_len: int, scale: bool = True) -> None:
         check(shift, window, train_len)
         self.shift, self.window, self.train_len = shift, window, train_len
+        self.logit_scale = LOGIT_SCALE if scale else 1.0
+        # Every distance below S is plain RoPE; the logit scale, when on, applies from the first token on.
+        self.exact_until = 0 if scale else shift
         self._kept = KeptKeys()
 
     def table_rows(self, start: int, stop: int) -> int:
@@ -89,7 +91,7 @@ class StringRoPE(PositionalAttention):
         far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
         plan = forward.attention_plan(query, key, value, dropout)
         output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, shift,
-                                    start, scaling * LOGIT_SCALE, dropout, plan)
+                                    start, scaling * self.logit_scale, dropout, plan)
         return output.transpose(1, 2)
 
     @staticmethod
