@@ -50,8 +50,10 @@ VARIANTS = {
     "rerope": "ReRoPE, its defaults (window train_len/4, log n), one forward",
     "leaky-rerope": "Leaky ReRoPE, its defaults (window train_len/4, k 16, log n), one forward",
     "dpe": "DPE, its defaults (window train_len/8, 8 groups at the scale that reaches the input), one forward",
+    "string": "STRING, its defaults (shift 0.33 train_len, local window min(128, shift / 2), logit scale on), one "
+              "forward",
 }
-METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe")  # applied by name with their default settings
+METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe", "string")  # applied by name with their default settings
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:

@@ -115,10 +115,10 @@ def _check_int(flag: str, value: object, minimum: int) -> None:
 # The methods --method accepts, in the order gali lists them; gali_cli.methods implements each (tests/test_methods.py
 # keeps the two in step). Listed here so that a mistyped name is refused before torch loads.
 METHOD_NAMES = ("original", "ntk", "dynamic-ntk", "yarn", "self-extend", "chunk-llama", "rerope", "leaky-rerope", "dpe",
-                "gali")
+                "gali", "string")
 # Those whose settings depend on the model's config before any input is seen (gali info shows them; they are checked
 # before a document is read); GALI's own are resolved without torch, in MethodSettings.gali().
-PREVIEWED_METHODS = ("rerope", "leaky-rerope", "dpe")
+PREVIEWED_METHODS = ("rerope", "leaky-rerope", "dpe", "string")
 
 
 def parse_methods(text: str, many: bool = True) -> tuple[str, ...]:
@@ -174,7 +174,7 @@ class MethodSettings:
     train_len: int | None = _flag(None, _GALI, "The training window to stay within (default: the model's).")
     chunk_size: int | None = _flag(None, _GALI, "Tokens per chunk beyond it (default: train-len / 4).")
     local_window: int | None = _flag(None, _GALI, "Newest tokens kept at exact positions (default: train-len / 2; "
-                                                  "chunk-llama: train-len - dca-chunk-size).")
+                                                  "chunk-llama: train-len - dca-chunk-size; string: 128).")
     noise: bool = _flag(False, _GALI, "The paper's Gaussian logit noise (off by default: on real prose it raised "
                                           "perplexity, and it slows each forward).",
                         "--noise/--no-noise")
@@ -196,12 +196,19 @@ class MethodSettings:
         None, _OTHER, "dpe: one scale per group of RoPE frequencies, highest first, e.g. 2,8,2,8,32,32,32,4 "
                       "(default: the authors' for Llama-3(.1)-8B, else the smallest that reaches the input).",
         parser=parse_scales)
+    shifted_offset: int | None = _flag(
+        None, _OTHER, "string: S, distances from S on shift down to local-window (W), dropping the S largest "
+                      "(default: 0.33 train-len; W: 128, at most S / 2).")
+    string_scale: bool = _flag(True, _OTHER, "string: every logit times (1 + 0.1 ln 2)^2, as the official code "
+                                             "scales its cos/sin (on SmolLM2 it raised perplexity).",
+                               "--string-scale/--no-string-scale")
 
     def __post_init__(self) -> None:
         self.gali()  # validates the settings GALI shares
         _check_int("--group-size", self.group_size, minimum=1)
         _check_int("--neighbor-window", self.neighbor_window, minimum=1)
         _check_int("--dca-chunk-size", self.dca_chunk_size, minimum=1)
+        _check_int("--shifted-offset", self.shifted_offset, minimum=1)
         if self.factor is not None and (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
                                         or not 1 <= self.factor < float("inf")):
             raise ConfigError(f"--factor must be a number >= 1, got {self.factor!r}")

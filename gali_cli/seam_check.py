@@ -87,6 +87,8 @@ CASES = (
              lambda model, s: ref.NaiveReRoPE(model, s["neighbor_window"], s["leaky_factor"], s["train_len"])),
     SeamCase("dpe", "dpe", MethodSettings(neighbor_window=2, dpe_scales=(2, 4)),
              lambda model, s: ref.NaiveDPE(model, s["dpe_scales"], s["neighbor_window"])),
+    SeamCase("string", "string", MethodSettings(shifted_offset=5, local_window=2),
+             lambda model, s: ref.NaiveString(model, s["shifted_offset"], s["local_window"])),
     # Static NTK and YaRN change only the rotary's frequencies (and scaling): plain RoPE with the patched rotary.
     SeamCase("ntk", "ntk", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
     SeamCase("yarn", "yarn", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),

@@ -113,7 +113,7 @@ def test_a_prefill_stopped_midway_keeps_what_it_read_and_the_next_request_goes_o
     assert "".join(event.text for event in events if isinstance(event, TextPiece)) == _fresh_answer(loaded, prompt)
 
 
-@pytest.mark.parametrize("method", ["rerope", "leaky-rerope", "dpe"])
+@pytest.mark.parametrize("method", ["rerope", "leaky-rerope", "dpe", "string"])
 def test_the_window_split_methods_serve_a_second_question_from_the_first_ones_state(loaded, method):
     """ReRoPE, Leaky ReRoPE and DPE place keys by (i, j) alone: the document read for one question is reused for the
     next (their far keys, rotated once per cache, follow the cache cut back to the document), with the answer of a

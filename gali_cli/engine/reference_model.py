@@ -283,3 +283,20 @@ class NaiveDPE(NaiveRelative):
         near = (i.unsqueeze(1) - j.unsqueeze(0)).unsqueeze(-1).expand(-1, -1, len(s))
         far = (i.unsqueeze(1).unsqueeze(2) // s + w - w // s) - (j.unsqueeze(0).unsqueeze(2) // s)
         return torch.where(near < w, near, far).double()
+
+
+class NaiveString(NaiveRelative):
+    """STRING (An et al. 2025): the distance d = i - j stays d below the shift S and becomes d - S + W from S on;
+    every logit times (1 + 0.1 ln 2)^2 with `scale`, the official code's factor on both the queries' and the keys'
+    cos/sin."""
+
+    def __init__(self, model, shift, window, scale=True):
+        super().__init__(model)
+        self.shift, self.window, self.scale = shift, window, scale
+
+    def relative(self, i, j):
+        d = (i.unsqueeze(1) - j.unsqueeze(0)).double()
+        return torch.where(d < self.shift, d, d - self.shift + self.window)
+
+    def query_scale(self, i):
+        return torch.full((len(i),), (1 + 0.1 * math.log(2)) ** 2 if self.scale else 1.0, dtype=torch.float64)

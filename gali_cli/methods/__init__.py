@@ -12,6 +12,7 @@
 | leaky-rerope | Leaky ReRoPE: distances beyond the window compressed by k | --neighbor-window L/4, --leaky-factor 16 (more if N needs it), --logn |
 | dpe | DPE: SelfExtend per group of RoPE frequencies, a scale each | --neighbor-window L/8, --dpe-scales: published for the model, else the smallest that reaches N |
 | gali | Greedy Attention Logit Interpolation | --chunk-size L/4, --local-window L/2, --noise |
+| string | STRING: distances from S on shifted down to W, the largest never used | --shifted-offset 0.33L, --local-window 128 (at most S/2), --string-scale |
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
 model can run them all in turn. Each also says where a forward may be cut without changing the results, and
@@ -36,6 +37,9 @@ from .gali import Gali, apply_gali, gali_settings
 from .rerope import ReRoPE, leaky_reach
 from .rope_scaling import rescale, restore
 from .self_extend import SelfExtend, reach
+from .string_rope import StringRoPE, default_shift, default_window, published
+from .string_rope import check as check_string
+from .string_rope import reach as string_reach
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,16 @@ def _dpe(config: PretrainedConfig, settings: MethodSettings, train_len: int, tok
             "dpe_published": published[0] if published and not settings.dpe_scales else None}
 
 
+def _string(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    shift = settings.shifted_offset if settings.shifted_offset is not None else default_shift(train_len)
+    window = settings.local_window if settings.local_window is not None else default_window(shift)
+    check_string(shift, window, train_len)
+    authors = settings.shifted_offset is None and settings.local_window is None
+    return {"train_len": train_len, "shifted_offset": shift, "local_window": window,
+            "string_scale": settings.string_scale, "reaches": string_reach(shift, window, train_len),
+            "string_published": published(config, train_len) if authors else None}
+
+
 def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -172,6 +186,10 @@ METHODS = {
         _dpe, lambda config, s: DPE(tuple(s["dpe_scales"]), s["neighbor_window"], s["train_len"], _head_dim(config))),
         preview=_dpe),
     "gali": Method("gali", _apply_gali, _gali_boundaries),
+    "string": Method("string", _installing(
+        _string, lambda config, s: StringRoPE(s["shifted_offset"], s["local_window"], s["train_len"],
+                                                      s["string_scale"])),
+        preview=_string),
 }
 
 

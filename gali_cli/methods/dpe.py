@@ -39,6 +39,13 @@ def published_settings(config: PretrainedConfig) -> tuple[str, int, tuple[int, .
 
     Matched by architecture: base and Instruct models share it (the settings were searched on the Instruct ones).
     """
+    model = llama3_8b(config)
+    return (model, *PUBLISHED[model]) if model else None
+
+
+def llama3_8b(config: PretrainedConfig) -> str | None:
+    """The name of the model whose architecture `config` has, base or Instruct (Meta-Llama-3-8B-Instruct,
+    Meta-Llama-3.1-8B-Instruct), else None: the models DPE's and STRING's authors published settings for."""
     if getattr(config, "model_type", None) != "llama" or any(
             getattr(config, name, None) != value for name, value in _LLAMA_3_8B.items()):
         return None
@@ -46,13 +53,11 @@ def published_settings(config: PretrainedConfig) -> tuple[str, int, tuple[int, .
     if rope.get("rope_theta") != 500000.0:
         return None
     if rope.get("rope_type", "default") == "default" and config.max_position_embeddings == 8192:
-        model = "Meta-Llama-3-8B-Instruct"
-    elif (rope.get("rope_type") == "llama3" and rope.get("factor") == 8.0
-          and rope.get("original_max_position_embeddings") == 8192 and config.max_position_embeddings == 131072):
-        model = "Meta-Llama-3.1-8B-Instruct"
-    else:
-        return None
-    return (model, *PUBLISHED[model])
+        return "Meta-Llama-3-8B-Instruct"
+    if (rope.get("rope_type") == "llama3" and rope.get("factor") == 8.0
+            and rope.get("original_max_position_embeddings") == 8192 and config.max_position_embeddings == 131072):
+        return "Meta-Llama-3.1-8B-Instruct"
+    return None
 
 
 def default_groups(head_dim: int) -> int:

@@ -1,0 +1,100 @@
+"""STRING (An et al., ICLR 2025, "Why Does the Effective Context Length of LLMs Fall Short?"; HKUNLP/STRING):
+shifted rotary positions, so that no pair uses the largest, least-trained distances.
+
+A query i and a key j closer than the shift S keep their true distance d = i - j; a farther pair gets d - S + W,
+where the local window W < S: the S largest distances of the training window are never used, the distances in
+[W, S) serve far pairs too, and only the W nearest keys see distances below W. With L the training window, the
+authors run S = 0.33 L and W = 128 (their README's quick start and their RULER runs on Llama-3.1-8B/70B); the input
+then stays within the trained distances up to L + S - W tokens (`reach`); past that its distances, like the unpatched
+model's, run beyond L.
+
+As in the official code (string_for_llama.py, which scales the rotary's cos/sin by 1 + 0.1 ln 2, "similar with
+Yarn"), every logit is multiplied by (1 + 0.1 ln 2)^2 (applied here to the softmax scale), unless --no-string-scale.
+
+Two attentions merged by log-sum-exp (engine.windowed): the near keys at their true distances, the far keys at their
+true positions j against queries rotated at i - S + W. Keys are cached without RoPE; the far keys' rotations depend
+on j only, so they are rotated once and kept while decoding. Positions depend on (i, j) only: any split of the input
+into forwards gives the same result, and a document's prefilled state serves any later question.
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..engine.hooks import Forward, PositionalAttention
+from ..engine.kept_keys import KeptKeys
+from ..engine.rope import rotate, rotation
+from ..engine.windowed import windowed_attention
+from ..errors import ConfigError
+from .dpe import llama3_8b
+
+SHIFT_RATIO = 0.33  # S = int(0.33 L), as the official README and RULER scripts set it
+LOCAL_WINDOW = 128  # W, the official default
+LOGIT_SCALE = (1 + 0.1 * math.log(2)) ** 2  # the official code's cos/sin factor, once on queries and once on keys
+
+
+def default_shift(train_len: int) -> int:
+    return max(1, int(SHIFT_RATIO * train_len))
+
+
+def default_window(shift: int) -> int:
+    """The authors' 128, at most half the shift (for windows too small for it)."""
+    return min(LOCAL_WINDOW, shift // 2)
+
+
+def reach(shift: int, window: int, train_len: int) -> int:
+    """The longest input whose distances all stay below train_len: the largest, N - 1 - S + W, at most L - 1."""
+    return train_len + shift - window
+
+
+def published(config: PretrainedConfig, train_len: int) -> str | None:
+    """The model whose settings the authors ran (S = 0.33 L, W = 128) when `config` is one, at its own window."""
+    return llama3_8b(config) if train_len == config.max_position_embeddings else None
+
+
+def check(shift: int, window: int, train_len: int) -> None:
+    if not 0 < shift <= train_len:
+        raise ConfigError(f"--shifted-offset must be between 1 and train_len ({train_len}), got {shift}")
+    if not 0 <= window < shift:
+        raise ConfigError(f"--local-window must be between 0 and --shifted-offset - 1 ({shift - 1}) for string, "
+                          f"got {window}")
+
+
+class StringRoPE(PositionalAttention):
+    name = "string"
+
+    def __init__(self, shift: int, window: int, train_len: int, scale: bool = True) -> None:
+        check(shift, window, train_len)
+        self.shift, self.window, self.train_len = shift, window, train_len
+        self.logit_scale = LOGIT_SCALE if scale else 1.0
+        # Every distance below S is plain RoPE; the logit scale, when on, applies from the first token on.
+        self.exact_until = 0 if scale else shift
+        self._kept = KeptKeys()
+
+    def table_rows(self, start: int, stop: int) -> int:
+        return 2 * self.shift  # near keys are rotated relative to their tile of S queries
+
+    def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
+        shift, start, stop = self.shift, forward.start, forward.stop
+        table = forward.table(query.device, query.dtype)
+        cos, sin = forward.memo(("string-query", query.device), lambda: self._rotation(
+            forward, torch.arange(start, stop, device=query.device) - shift + self.window, torch.float32))
+        far_query = rotate(query.float(), cos, sin)
+
+        def key_rotation(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return forward.memo(("string-key", key.device, key.dtype, first, last), lambda: self._rotation(
+                forward, torch.arange(first, last, device=key.device), key.dtype))
+
+        far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
+        plan = forward.attention_plan(query, key, value, dropout)
+        output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, shift,
+                                    start, scaling * self.logit_scale, dropout, plan)
+        return output.transpose(1, 2)
+
+    @staticmethod
+    def _rotation(forward: Forward, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = forward.installed.rotary
+        return rotation(positions.unsqueeze(-1), rotary.inv_freq, rotary.attention_scaling, dtype)
