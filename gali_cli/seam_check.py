@@ -87,6 +87,9 @@ CASES = (
              lambda model, s: ref.NaiveReRoPE(model, s["neighbor_window"], s["leaky_factor"], s["train_len"])),
     SeamCase("dpe", "dpe", MethodSettings(neighbor_window=2, dpe_scales=(2, 4)),
              lambda model, s: ref.NaiveDPE(model, s["dpe_scales"], s["neighbor_window"])),
+    SeamCase("lampe", "lampe", MethodSettings(neighbor_window=4, lampe_tail=2, lampe_length=6),
+             lambda model, s: ref.NaiveLaMPE(model, s["neighbor_window"], s["lampe_tail"], s["lampe_length"],
+                                             s["tokens"])),
     # Static NTK and YaRN change only the rotary's frequencies (and scaling): plain RoPE with the patched rotary.
     SeamCase("ntk", "ntk", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
     SeamCase("yarn", "yarn", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
