@@ -425,3 +425,13 @@ def test_lampe_defaults_follow_train_len_and_the_authors_model(make_llama):
     assert preview["lampe_published"] == "Meta-Llama-3-8B-Instruct"
     with pytest.raises(ConfigError, match="--lampe-tail"):
         preview_method(llama3_config("3"), "lampe", MethodSettings(lampe_tail=600))
+
+
+def test_lampe_rounds_its_map_as_the_official_code():
+    """24 / 149 as torch divides an int by a long tensor puts m(149) at 24 (a correctly rounded float32 quotient
+    gives 23.999998, so 23): the regions below are those the official llama_cache1.py printed for this input."""
+    from gali_cli.methods.lampe import Layout, mapping
+
+    assert int(mapping(torch.arange(150), 150, 24)[149]) == 24
+    layout = Layout.of(8, 3, 24, 150)
+    assert (layout.tail_end, layout.head_shift, layout.tail_shift) == (6, 6, 114)

@@ -287,16 +287,16 @@ class NaiveDPE(NaiveRelative):
 
 class NaiveLaMPE(NaiveRelative):
     """LaMPE (arXiv 2508.02308) as its official code (llama_cache1.py) places each key, pair by pair: for N prompt
-    tokens, m(x) = floor(float32(U / (N - 1)) * x); b1 = H - 1 - m(H); R = S, moved on while m(R + 1) == m(R);
-    b2 = (N - 1 - R) - m(N - 1 - R) - b1. Distance i - j below H: itself; key j <= i - (N - R): (i - b2) - j; any
-    other: m(min(i, N - 1)) + b1 - m(min(j, N - 1)). Below 2H prompt tokens, i - j throughout. Every logit times
-    (1 + 0.1 ln 2)^2. The prompt's length is given: decoded tokens keep its map."""
+    tokens, m(x) = floor(U / (N - 1) * x) in float32 as torch computes it; b1 = H - 1 - m(H); R = S, moved on while
+    m(R + 1) == m(R); b2 = (N - 1 - R) - m(N - 1 - R) - b1. Distance i - j below H: itself; key j <= i - (N - R):
+    (i - b2) - j; any other: m(min(i, N - 1)) + b1 - m(min(j, N - 1)). Below 2H prompt tokens, i - j throughout.
+    Every logit times (1 + 0.1 ln 2)^2. The prompt's length is given: decoded tokens keep its map."""
 
     def __init__(self, model, head, tail, length, prompt_tokens):
         super().__init__(model)
         self.head, self.prompt_tokens = head, prompt_tokens
-        ratio = torch.tensor(length, dtype=torch.float32) / torch.tensor(prompt_tokens - 1, dtype=torch.float32)
-        self.m = torch.floor(torch.arange(prompt_tokens, dtype=torch.float32) * ratio).long()
+        # The official map_ids: an int over a long tensor (float32, rounded as torch rounds it), times the indices.
+        self.m = torch.floor(length / torch.tensor(prompt_tokens - 1) * torch.arange(prompt_tokens)).long()
         end = tail
         while end + 1 < prompt_tokens and self.m[end] == self.m[end + 1]:
             end += 1

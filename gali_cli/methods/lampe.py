@@ -59,10 +59,11 @@ def published_settings(config: PretrainedConfig) -> tuple[str, int, int, int] | 
 
 
 def mapping(tokens: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """m(x) = floor(x * U / (N - 1)) for token indices x < N, in float32 like the official code (its rounding
-    decides where m steps)."""
-    ratio = torch.tensor(float(length), dtype=torch.float32) / torch.tensor(float(count - 1), dtype=torch.float32)
-    return torch.floor(tokens.to(torch.float32) * ratio.to(tokens.device)).long()
+    """m(x) = floor(x * U / (N - 1)) for token indices x < N, as the official code computes it: U divided by a
+    long tensor (float32, which torch rounds differently from U / (N - 1) in float32 or float64), times the long
+    token indices. The rounding decides where m steps, and whether m(N - 1) is U or U - 1."""
+    ratio = length / torch.tensor(count - 1, device=tokens.device)
+    return torch.floor(ratio * tokens.long()).long()
 
 
 @dataclass(frozen=True)
