@@ -50,8 +50,9 @@ VARIANTS = {
     "rerope": "ReRoPE, its defaults (window train_len/4, log n), one forward",
     "leaky-rerope": "Leaky ReRoPE, its defaults (window train_len/4, k 16, log n), one forward",
     "dpe": "DPE, its defaults (window train_len/8, 8 groups at the scale that reaches the input), one forward",
+    "lampe": "LaMPE, its defaults (head train_len/16, tail 200/8192 of it, mapping length 3/16 of it), one forward",
 }
-METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe")  # applied by name with their default settings
+METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe", "lampe")  # applied by name with their default settings
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:

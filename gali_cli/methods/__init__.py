@@ -33,7 +33,7 @@ from ..generate import forward_spans
 from .chunk_llama import DualChunkAttention
 from .dpe import DPE, check_scales, default_groups, published_settings
 from .gali import Gali, apply_gali, gali_settings
-from .lampe import LaMPE, Layout
+from .lampe import LaMPE, Layout, check_tail
 from .lampe import published_settings as lampe_published
 from .rerope import ReRoPE, leaky_reach
 from .rope_scaling import rescale, restore
@@ -146,8 +146,7 @@ def _lampe(config: PretrainedConfig, settings: MethodSettings, train_len: int, t
     head = _window(settings, train_len, published[1] if published else max(2, train_len // 16))
     tail = settings.lampe_tail or (published[2] if published else min(head - 1, max(1, round(train_len * 200 / 8192))))
     length = settings.lampe_length or (published[3] if published else 3 * train_len // 16)
-    if not 0 < tail < head:
-        raise ConfigError(f"--lampe-tail must be between 1 and the head window - 1 ({head - 1}), got {tail}")
+    check_tail(tail, head)
     resolved = {"train_len": train_len, "neighbor_window": head, "lampe_tail": tail,
                 "lampe_length": length if tokens is None else min(length, tokens),
                 "lampe_published": published[0] if published else None}

@@ -66,6 +66,13 @@ def mapping(tokens: torch.Tensor, count: int, length: int) -> torch.Tensor:
     return torch.floor(ratio * tokens.long()).long()
 
 
+def check_tail(tail: int, head: int) -> None:
+    """A ConfigError unless the tail is shorter than the head window (the official code's regions assume it)."""
+    if not 0 < tail < head:
+        raise ConfigError(f"--lampe-tail must be between 1 and the head window (--neighbor-window) - 1 ({head - 1}), "
+                          f"got {tail}")
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where LaMPE's regions lie for an input of `tokens` tokens (see the module docstring)."""
@@ -108,8 +115,7 @@ class LaMPE(PositionalAttention):
     def __init__(self, head: int, tail: int, length: int, tokens: int, train_len: int) -> None:
         if not 0 < head < train_len:
             raise ConfigError(f"--neighbor-window must be between 1 and train_len - 1 ({train_len - 1}), got {head}")
-        if not 0 < tail < head:
-            raise ConfigError(f"--lampe-tail must be between 1 and --neighbor-window - 1 ({head - 1}), got {tail}")
+        check_tail(tail, head)
         if length < 1:
             raise ConfigError(f"--lampe-length must be >= 1, got {length}")
         self.layout = Layout.of(head, tail, length, tokens)
