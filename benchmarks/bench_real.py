@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "real.jsonl"
 ALL_METHODS = ["original", "gali", "self-extend", "chunk-llama", "ntk", "dynamic-ntk", "yarn", "rerope", "leaky-rerope",
-               "dpe", "string"]
+               "dpe", "string", "lampe"]
 PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
 
 

@@ -52,8 +52,9 @@ VARIANTS = {
     "dpe": "DPE, its defaults (window train_len/8, 8 groups at the scale that reaches the input), one forward",
     "string": "STRING, its defaults (shift 0.33 train_len, local window min(128, shift / 2), logit scale on), one "
               "forward",
+    "lampe": "LaMPE, its defaults (head train_len/16, tail 200/8192 of it, mapping length 3/16 of it), one forward",
 }
-METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe", "string")  # applied by name with their default settings
+METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe", "string", "lampe")  # applied by name with their default settings
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:

@@ -115,10 +115,10 @@ def _check_int(flag: str, value: object, minimum: int) -> None:
 # The methods --method accepts, in the order gali lists them; gali_cli.methods implements each (tests/test_methods.py
 # keeps the two in step). Listed here so that a mistyped name is refused before torch loads.
 METHOD_NAMES = ("original", "ntk", "dynamic-ntk", "yarn", "self-extend", "chunk-llama", "rerope", "leaky-rerope", "dpe",
-                "gali", "string")
+                "gali", "string", "lampe")
 # Those whose settings depend on the model's config before any input is seen (gali info shows them; they are checked
 # before a document is read); GALI's own are resolved without torch, in MethodSettings.gali().
-PREVIEWED_METHODS = ("rerope", "leaky-rerope", "dpe", "string")
+PREVIEWED_METHODS = ("rerope", "leaky-rerope", "dpe", "string", "lampe")
 
 
 def parse_methods(text: str, many: bool = True) -> tuple[str, ...]:
@@ -185,8 +185,9 @@ class MethodSettings:
                                                "train-len, rounded up).")
     group_size: int | None = _flag(None, _OTHER, "self-extend: tokens per group (default: the smallest that reaches "
                                                  "the input).")
-    neighbor_window: int | None = _flag(None, _OTHER, "self-extend, rerope, leaky-rerope, dpe: keys at exact "
-                                                      "distances (default: train-len / 4; dpe: train-len / 8).")
+    neighbor_window: int | None = _flag(None, _OTHER, "self-extend, rerope, leaky-rerope, dpe, lampe: keys at exact "
+                                                      "distances (default: train-len / 4; dpe: train-len / 8; "
+                                                      "lampe: its head, train-len / 16).")
     dca_chunk_size: int | None = _flag(None, _OTHER, "chunk-llama: chunk size (default: 3/4 of train-len).")
     leaky_factor: float | None = _flag(None, _OTHER, "leaky-rerope: k, distances past the window grow 1/k as fast "
                                                      "(default: 16, more if the input needs it).")
@@ -202,6 +203,10 @@ class MethodSettings:
     string_scale: bool = _flag(True, _OTHER, "string: every logit times (1 + 0.1 ln 2)^2, as the official code "
                                              "scales its cos/sin (on SmolLM2 it raised perplexity).",
                                "--string-scale/--no-string-scale")
+    lampe_tail: int | None = _flag(None, _OTHER, "lampe: the first tokens kept at true spacing beyond the compressed "
+                                                 "middle (default: 200 per 8192 of train-len).")
+    lampe_length: int | None = _flag(None, _OTHER, "lampe: the positions the middle is compressed into, U (default: "
+                                                   "3/16 of train-len, at most the input's length).")
 
     def __post_init__(self) -> None:
         self.gali()  # validates the settings GALI shares
@@ -209,6 +214,8 @@ class MethodSettings:
         _check_int("--neighbor-window", self.neighbor_window, minimum=1)
         _check_int("--dca-chunk-size", self.dca_chunk_size, minimum=1)
         _check_int("--shifted-offset", self.shifted_offset, minimum=1)
+        _check_int("--lampe-tail", self.lampe_tail, minimum=1)
+        _check_int("--lampe-length", self.lampe_length, minimum=1)
         if self.factor is not None and (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
                                         or not 1 <= self.factor < float("inf")):
             raise ConfigError(f"--factor must be a number >= 1, got {self.factor!r}")

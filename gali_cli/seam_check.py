@@ -89,6 +89,9 @@ CASES = (
              lambda model, s: ref.NaiveDPE(model, s["dpe_scales"], s["neighbor_window"])),
     SeamCase("string", "string", MethodSettings(shifted_offset=5, local_window=2),
              lambda model, s: ref.NaiveString(model, s["shifted_offset"], s["local_window"])),
+    SeamCase("lampe", "lampe", MethodSettings(neighbor_window=4, lampe_tail=2, lampe_length=6),
+             lambda model, s: ref.NaiveLaMPE(model, s["neighbor_window"], s["lampe_tail"], s["lampe_length"],
+                                             s["tokens"])),
     # Static NTK and YaRN change only the rotary's frequencies (and scaling): plain RoPE with the patched rotary.
     SeamCase("ntk", "ntk", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
     SeamCase("yarn", "yarn", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),

@@ -176,6 +176,19 @@ def test_new_methods_answer_and_chat_through_the_document_cache(gali, doc, metho
     assert answers[0]["answer"] == answers[1]["answer"] == answers[2]["answer"]
 
 
+def test_lampe_answers_without_the_document_cache(gali, doc):
+    """LaMPE's map follows the input's length: nothing is stored, each question reads the document again, and the
+    answer is a fresh read's."""
+    runs = [gali("ask", str(doc), "When does the lease end?", "--method", "lampe", "--max-new-tokens", "6", "--json",
+                 *extra) for extra in ((), (), ("--no-cache",))]
+    answers = [json.loads(result.stdout) for result in runs]
+    assert [answer["cached_tokens"] for answer in answers] == [0, 0, 0]
+    assert answers[0]["answer"] == answers[1]["answer"] == answers[2]["answer"]
+    preview = json.loads(gali("info", "--json", "--method", "lampe").stdout)["lampe"]
+    assert preview == {"train_len": 32, "neighbor_window": 2, "lampe_tail": 1, "lampe_length": 6,
+                       "lampe_published": None}
+
+
 def test_prefill_cuts_forwards_only_at_chunk_boundaries(gali, doc, tiny_model_dir):
     """With chunks of 5, a 256-token forward would end inside a chunk; the CLI must cut at 32 + 5k instead."""
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -554,16 +567,16 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 18 of 18 passed" in result.stderr
-    assert len(lines) == 18 and all(line.startswith("ok ") for line in lines)
-    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:12]) == 12  # the seam first
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 19 of 19 passed" in result.stderr
+    assert len(lines) == 19 and all(line.startswith("ok ") for line in lines)
+    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:13]) == 13  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
     assert any(line.startswith("ok   GALI vs Alg. 3 as written: 300 keys") and "GALI " in line and " ms" in line
                for line in lines)
     facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
     checks = facts["check"]["checks"]
-    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 18
-    assert sum(item["seam"] for item in checks) == 12
+    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 19
+    assert sum(item["seam"] for item in checks) == 13
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
 
 

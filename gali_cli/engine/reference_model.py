@@ -300,3 +300,35 @@ class NaiveString(NaiveRelative):
 
     def query_scale(self, i):
         return torch.full((len(i),), (1 + 0.1 * math.log(2)) ** 2 if self.scale else 1.0, dtype=torch.float64)
+class NaiveLaMPE(NaiveRelative):
+    """LaMPE (arXiv 2508.02308) as its official code (llama_cache1.py) places each key, pair by pair: for N prompt
+    tokens, m(x) = floor(U / (N - 1) * x) in float32 as torch computes it; b1 = H - 1 - m(H); R = S, moved on while
+    m(R + 1) == m(R); b2 = (N - 1 - R) - m(N - 1 - R) - b1. Distance i - j below H: itself; key j <= i - (N - R):
+    (i - b2) - j; any other: m(min(i, N - 1)) + b1 - m(min(j, N - 1)). Below 2H prompt tokens, i - j throughout.
+    Every logit times (1 + 0.1 ln 2)^2. The prompt's length is given: decoded tokens keep its map."""
+
+    def __init__(self, model, head, tail, length, prompt_tokens):
+        super().__init__(model)
+        self.head, self.prompt_tokens = head, prompt_tokens
+        # The official map_ids: an int over a long tensor (float32, rounded as torch rounds it), times the indices.
+        self.m = torch.floor(length / torch.tensor(prompt_tokens - 1) * torch.arange(prompt_tokens)).long()
+        end = tail
+        while end + 1 < prompt_tokens and self.m[end] == self.m[end + 1]:
+            end += 1
+        self.b1 = head - 1 - int(self.m[head]) if prompt_tokens > head else 0
+        self.b2 = (prompt_tokens - 1 - end) - int(self.m[prompt_tokens - 1 - end]) - self.b1
+        self.tail_end = end
+
+    def relative(self, i, j):
+        i, j = i.unsqueeze(1), j.unsqueeze(0)
+        d = i - j
+        if self.prompt_tokens < 2 * self.head:
+            return d.double()
+        last = self.prompt_tokens - 1
+        middle = self.m[i.clamp(max=last)] + self.b1 - self.m[j.clamp(max=last)]
+        tail = (i - self.b2) - j
+        far = torch.where(j <= i - (self.prompt_tokens - self.tail_end), tail, middle)
+        return torch.where(d < self.head, d, far).double()
+
+    def query_scale(self, i):
+        return torch.full((len(i),), (0.1 * math.log(2) + 1) ** 2, dtype=torch.float64)

@@ -13,6 +13,7 @@
 | dpe | DPE: SelfExtend per group of RoPE frequencies, a scale each | --neighbor-window L/8, --dpe-scales: published for the model, else the smallest that reaches N |
 | gali | Greedy Attention Logit Interpolation | --chunk-size L/4, --local-window L/2, --noise |
 | string | STRING: distances from S on shifted down to W, the largest never used | --shifted-offset 0.33L, --local-window 128 (at most S/2), --string-scale |
+| lampe | LaMPE: exact head window, middle compressed into U by N, first tokens at true spacing | --neighbor-window L/16, --lampe-tail 200L/8192, --lampe-length min(3L/16, N); published for Llama-3-8B |
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
 model can run them all in turn. Each also says where a forward may be cut without changing the results, and
@@ -34,6 +35,8 @@ from ..generate import forward_spans
 from .chunk_llama import DualChunkAttention
 from .dpe import DPE, check_scales, default_groups, published_settings
 from .gali import Gali, apply_gali, gali_settings
+from .lampe import LaMPE, Layout, check_tail
+from .lampe import published_settings as lampe_published
 from .rerope import ReRoPE, leaky_reach
 from .rope_scaling import rescale, restore
 from .self_extend import SelfExtend, reach
@@ -152,6 +155,22 @@ def _string(config: PretrainedConfig, settings: MethodSettings, train_len: int, 
             "string_published": published(config, train_len) if authors else None}
 
 
+def _lampe(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    # The authors' settings hold for the model's own window only.
+    published = lampe_published(config) if train_len == config.max_position_embeddings else None
+    head = _window(settings, train_len, published[1] if published else max(2, train_len // 16))
+    tail = settings.lampe_tail or (published[2] if published else min(head - 1, max(1, round(train_len * 200 / 8192))))
+    length = settings.lampe_length or (published[3] if published else 3 * train_len // 16)
+    check_tail(tail, head)
+    resolved = {"train_len": train_len, "neighbor_window": head, "lampe_tail": tail,
+                "lampe_length": length if tokens is None else min(length, tokens),
+                "lampe_published": published[0] if published else None}
+    if tokens is not None:
+        resolved["tokens"] = tokens  # the map follows the input's length: part of the settings it ran with
+        resolved["reach"] = Layout.of(head, tail, resolved["lampe_length"], tokens).reach()
+    return resolved
+
+
 def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -190,6 +209,10 @@ METHODS = {
         _string, lambda config, s: StringRoPE(s["shifted_offset"], s["local_window"], s["train_len"],
                                                       s["string_scale"])),
         preview=_string),
+    # Its map follows the input's length: a prefix read for one input is not that of another.
+    "lampe": Method("lampe", _installing(_lampe, lambda config, s: LaMPE(
+        s["neighbor_window"], s["lampe_tail"], s["lampe_length"], s["tokens"], s["train_len"])),
+        prefix_reusable=False, preview=_lampe),
 }
 
 
