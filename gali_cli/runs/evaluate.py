@@ -122,7 +122,7 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
     records written."""
     cache = None if evaluation.no_cache else store(evaluation.cache_dir)
     finished = results.finished() if results else set()
-    pairs = rank.shard([(sample, method) for sample in samples for method in choice.methods])
+    pairs = rank.shard([(sample, method) for sample in _interleaved(samples) for method in choice.methods])
     keys = {(sample.task, sample.id): sample_hash(sample) for sample in samples}
     job_keys = {method: job_hash(job) for method, job in jobs.items()}
     todo = [(sample, method) for sample, method in pairs
@@ -148,6 +148,18 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
                 f"in {record['seconds']:.1f} s, {answer['prediction'][:60]!r}", style="dim")
         bar(len(todo), len(todo))
     return written
+
+
+def _interleaved(samples: list[Sample]) -> list[Sample]:
+    """Shortest length first, and at each length the first sample of every task, then the second of each...: a run
+    stopped early has a table for every task, from fewer samples."""
+    seen: dict[tuple[str, int | None], int] = {}
+    places = []
+    for sample in samples:
+        places.append(seen.setdefault((sample.task, sample.length), 0))
+        seen[sample.task, sample.length] += 1
+    order = sorted(range(len(samples)), key=lambda index: (samples[index].length or 0, places[index]))
+    return [samples[index] for index in order]
 
 
 def score_rows(records: list[dict], jobs: dict[str, dict], samples: list[Sample]) -> list[dict]:

@@ -1,0 +1,97 @@
+"""gali eval end to end on a tiny random Llama: the table, --json and --csv, the results file and resuming it, and
+the usage errors (gali_cli.runs.evaluate and the eval command)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+import gali_cli.cli as cli
+import gali_cli.runs.evaluate as evaluate
+from gali_cli.evaluation import tasks
+from gali_cli.evaluation.sample import Sample
+
+TIMING = {"seconds", "prefill_tokens_per_second", "decode_tokens_per_second", "peak_memory_mib"}
+
+
+@pytest.fixture(autouse=True)
+def _short_answers(monkeypatch):
+    """Answers of 8 tokens, not RULER's 128: the tiny model never stops early, and each token costs a forward."""
+    real = evaluate.answer_sample
+    monkeypatch.setattr(evaluate, "answer_sample", lambda loaded, method, choice, sample, cache: real(
+        loaded, method, choice, replace(sample, max_new_tokens=8), cache))
+
+
+@pytest.fixture
+def gali(tiny_model_dir):
+    def run(*args: str):
+        return CliRunner().invoke(cli.app, ["eval", *args, "-m", str(tiny_model_dir), "--no-cache"],
+                                  env={"COLUMNS": "200"})
+    return run
+
+
+ARGS = ("niah_single_1", "--lengths", "512", "--samples", "2", "--method", "gali,original")
+
+
+def _answers(path) -> list[dict]:
+    return [{key: value for key, value in json.loads(line).items() if key not in TIMING}
+            for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, monkeypatch):
+    whole = gali(*ARGS, "--out", str(tmp_path / "whole.jsonl"))
+    assert whole.exit_code == 0, whole.stderr
+    records = _answers(tmp_path / "whole.jsonl")
+    assert len(records) == 4 and {record["method"] for record in records} == {"gali", "original"}
+    assert all(record["status"] == "ok" and 0 <= record["score"] <= 1 and record["decoding"] == "greedy"
+               and record["length"] == 512 and record["prompt_tokens"] + 128 <= 512 for record in records)
+    gali_settings = next(record["settings"] for record in records if record["method"] == "gali")
+    assert gali_settings["train_len"] == 32 and "chunk_size" in gali_settings  # the settings as applied
+    assert all(json.loads(line)["seconds"] > 0 for line in (tmp_path / "whole.jsonl").read_text().splitlines())
+    assert "niah_single_1" in whole.stdout and "gali" in whole.stdout and "original" in whole.stdout
+
+    answered, real = [], evaluate.answer_sample
+
+    def killed_on_the_third(*args, **kwargs):
+        if len(answered) == 2:
+            raise KeyboardInterrupt
+        answered.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "answer_sample", killed_on_the_third)
+    cut = gali(*ARGS, "--out", str(tmp_path / "resumed.jsonl"))
+    assert cut.exit_code == 130 and len(_answers(tmp_path / "resumed.jsonl")) == 2
+    monkeypatch.setattr(evaluate, "answer_sample", real)
+    resumed = gali(*ARGS, "--out", str(tmp_path / "resumed.jsonl"))
+    assert resumed.exit_code == 0, resumed.stderr
+    assert "2 answers already in" in resumed.stderr
+    assert _answers(tmp_path / "resumed.jsonl") == records and resumed.stdout == whole.stdout
+    again = gali(*ARGS, "--out", str(tmp_path / "whole.jsonl"), "--json")
+    assert "4 answers already in" in again.stderr and len(_answers(tmp_path / "whole.jsonl")) == 4
+    table = json.loads(again.stdout)
+    assert table["out"] == str(tmp_path / "whole.jsonl") and len(table["results"]) == 2
+    row = table["results"][0]
+    assert set(row) == {"task", "length", "method", "score", "samples", "seconds_per_sample"}
+    assert (row["task"], row["length"], row["method"], row["samples"]) == ("niah_single_1", 512, "gali", 2)
+    mean = 100 * sum(r["score"] for r in records if r["method"] == "gali" and r["task"] == "niah_single_1") / 2
+    assert row["score"] == pytest.approx(mean)
+    csv = gali(*ARGS, "--out", str(tmp_path / "whole.jsonl"), "--csv")
+    lines = csv.stdout.splitlines()
+    assert lines[0] == "task,length,method,score,samples,seconds_per_sample" and len(lines) == 3
+    assert lines[1].startswith(f"niah_single_1,512,gali,{row['score']:.2f},2,")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["niah_single_9"], "unknown task niah_single_9"),
+    (["vt", "--lengths", "x"], "--lengths: 'x' is not a length"),
+    (["vt", "--json", "--csv"], "--json and --csv both print on stdout"),
+    (["unscorable"], "has no reference answer: it cannot be scored"),
+])
+def test_usage_errors_exit_2(gali, monkeypatch, args, message):
+    def unscorable(name, request):
+        return [Sample(task=name, id="0", context="text", question="?", references=(), score=lambda answer: 0.0)]
+
+    monkeypatch.setitem(tasks.TASKS, "unscorable", unscorable)
+    result = gali(*args)
+    assert result.exit_code == 2 and message in result.stderr and result.stdout == ""
