@@ -2,7 +2,12 @@
 the usage errors (gali_cli.runs.evaluate and the eval command)."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -95,3 +100,32 @@ def test_usage_errors_exit_2(gali, monkeypatch, args, message):
     monkeypatch.setitem(tasks.TASKS, "unscorable", unscorable)
     result = gali(*args)
     assert result.exit_code == 2 and message in result.stderr and result.stdout == ""
+
+
+def test_without_out_with_ones_own_haystack_and_a_plot(gali, tmp_path):
+    (tmp_path / "report.txt").write_text("The lease ends in March. The tenant pays rent monthly. " * 40)
+    result = gali("niah_single_1", "--lengths", "512", "--samples", "1", "--haystack", str(tmp_path / "report.txt"),
+                  "--json", "--plot", str(tmp_path / "eval.png"))
+    assert result.exit_code == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert found["out"] is None and [(row["task"], row["method"], row["samples"]) for row in found["results"]] == \
+        [("niah_single_1", "gali", 1)]
+    assert (tmp_path / "eval.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+                    reason="torchrun is not installed")
+def test_two_processes_under_torchrun_share_the_answers(tiny_model_dir, tmp_path):
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    out = tmp_path / "eval.jsonl"
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", str(Path(sys.executable)
+               .with_name("gali")), "eval", "niah_single_1", "--lengths", "512", "--samples", "2", "--out", str(out),
+               "-m", str(tiny_model_dir), "--no-cache", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[rank 0/2]" in result.stderr and "[rank 1/2]" in result.stderr
+    assert sorted(json.loads(line)["sample"] for line in out.read_text().splitlines()) == ["512-0", "512-1"]
+    assert not list(tmp_path.glob("*.part"))
+    assert json.loads(result.stdout.strip().splitlines()[-1])["results"][0]["samples"] == 2  # rank 0, once merged
