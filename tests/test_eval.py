@@ -10,12 +10,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
 import gali_cli.runs.evaluate as evaluate
 from gali_cli.evaluation import tasks
+from gali_cli.evaluation.ruler import Request
 from gali_cli.evaluation.sample import Sample
+from gali_cli.evaluation.tasks import build_samples
+from gali_cli.runs.evaluate import prompt_ids
 
 TIMING = {"seconds", "prefill_tokens_per_second", "decode_tokens_per_second", "peak_memory_mib"}
 
@@ -44,10 +48,14 @@ def _answers(path) -> list[dict]:
             for line in path.read_text().splitlines()]
 
 
-def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, monkeypatch):
+def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, monkeypatch, tiny_model_dir):
     whole = gali(*ARGS, "--out", str(tmp_path / "whole.jsonl"))
     assert whole.exit_code == 0, whole.stderr
     records = _answers(tmp_path / "whole.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    samples = build_samples(["niah_single_1"], Request((512,), 2, 42, lambda s: len(prompt_ids(tokenizer, s))))
+    fed = {sample.id: len(prompt_ids(tokenizer, sample)) for sample in samples}
+    assert all(record["prompt_tokens"] == fed[record["sample"]] for record in records)  # answer prefix included
     assert len(records) == 4 and {record["method"] for record in records} == {"gali", "original"}
     assert all(record["status"] == "ok" and 0 <= record["score"] <= 1 and record["decoding"] == "greedy"
                and record["length"] == 512 and record["prompt_tokens"] + 128 <= 512 for record in records)
