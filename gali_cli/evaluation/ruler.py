@@ -226,9 +226,9 @@ def cwe(task: str, request: Request, length: int, index: int, units: int) -> Sam
 
 def fwe(task: str, request: Request, length: int, index: int, units: int) -> Sample:
     """freq_words_extraction.py's sample: `units` words of 6 random letters drawn from a Zipf law (alpha 2) over a
-    vocabulary of length / 50 words, the most frequent one being '...' (noise); the answer is the next three."""
+    vocabulary of (length - 50) / 50 words, the most frequent one being '...' (noise); the answer is the next three."""
     rng = _rng(request, task, length, index)
-    size = max(length // 50, 4)
+    size = max((length - 50) // 50, 4)  # RULER: (max_seq_length - tokens_to_generate) // 50
     vocabulary: set[str] = set()
     while len(vocabulary) < size:
         vocabulary.add("".join(rng.choices(string.ascii_lowercase, k=6)))
