@@ -147,6 +147,9 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
             say(f"{label}[{done + 1}/{len(todo)}] {sample.task} {sample.id} {method}: score {answer['score']:.2f} "
                 f"in {record['seconds']:.1f} s, {answer['prediction'][:60]!r}", style="dim")
         bar(len(todo), len(todo))
+    if written:
+        seconds = sum(record["seconds"] for record in written)
+        say(f"{label}{len(written)} answers in {seconds:.0f} s ({seconds / len(written):.1f} s each)")
     return written
 
 
