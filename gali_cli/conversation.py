@@ -44,8 +44,9 @@ class Conversation:
         system: str | None = None,
         store: DocumentCache | None = None,
         notice: Callable[[str], None] = lambda message: None,
+        chat: bool = True,  # False: a raw text prompt, without the chat template (prompts.conversation_ids)
     ) -> None:
-        self.loaded, self.method, self.settings = loaded, method, settings
+        self.loaded, self.method, self.settings, self.chat = loaded, method, settings, chat
         self.document, self.document_name, self.system = document, document_name, system
         self.states = DocumentStates(loaded, method, store)
         self.notice = notice
@@ -65,7 +66,8 @@ class Conversation:
         turn = (instruction, len(self.questions))
         if self._last_prompt is None or self._last_prompt[0] != turn:
             self._last_prompt = turn, conversation_ids(self.loaded.tokenizer, self.document,
-                                                       [*self.questions, instruction], self.answers, self.system)
+                                                       [*self.questions, instruction], self.answers, self.system,
+                                                       self.chat)
         return self._last_prompt[1]
 
     @torch.inference_mode()

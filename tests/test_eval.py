@@ -137,3 +137,17 @@ def test_two_processes_under_torchrun_share_the_answers(tiny_model_dir, tmp_path
     assert sorted(json.loads(line)["sample"] for line in out.read_text().splitlines()) == ["512-0", "512-1"]
     assert not list(tmp_path.glob("*.part"))
     assert json.loads(result.stdout.strip().splitlines()[-1])["results"][0]["samples"] == 2  # rank 0, once merged
+
+
+def test_a_raw_task_is_answered_without_the_chat_template(gali, monkeypatch, tiny_model_dir, tmp_path):
+    """A task whose samples set chat=False (LongBench's trec, samsum, lcc...) is read as raw text."""
+    def raw(name, request):
+        return [Sample(task=name, id="0", context="Text: the lease ends in March.", question="Type:",
+                       references=("month",), score=lambda answer: 1.0, chat=False)]
+
+    monkeypatch.setitem(tasks.TASKS, "raw", raw)
+    result = gali("raw", "--json", "--out", str(tmp_path / "raw.jsonl"))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["results"][0]["score"] == 100.0
+    raw_ids = AutoTokenizer.from_pretrained(tiny_model_dir)("Text: the lease ends in March.\n\nType:").input_ids
+    assert _answers(tmp_path / "raw.jsonl")[0]["prompt_tokens"] == len(raw_ids)

@@ -2,6 +2,7 @@
 scores (gali_cli.evaluation: ruler.py, haystack.py, scoring.py, tasks.py)."""
 
 import re
+from dataclasses import replace
 
 import pytest
 from conftest import tiny_tokenizer
@@ -9,6 +10,7 @@ from conftest import tiny_tokenizer
 from gali_cli.errors import ConfigError
 from gali_cli.evaluation import haystack
 from gali_cli.evaluation.ruler import NEEDLE, NOISE, Request
+from gali_cli.evaluation.sample import Sample
 from gali_cli.evaluation.scoring import postprocess, string_match_all, string_match_part
 from gali_cli.evaluation.tasks import TASKS, build_samples, check_tasks
 from gali_cli.runs.evaluate import prompt_ids
@@ -102,3 +104,12 @@ def test_scores_match_rulers_definitions(prediction, references, match_all, matc
 
 def test_predictions_are_cleaned_as_ruler_cleans_them():
     assert postprocess("  a\tb\x00c\n ") == "a\nb\nc"
+
+
+def test_a_raw_prompt_leaves_the_chat_template_out():
+    """LongBench's trec, samsum, lcc...: BOS, the context, a blank line, the question, and nothing after."""
+    sample = Sample(task="raw", id="0", context="Text: a b c", question="Type:", references=("x",),
+                    score=lambda answer: 0.0, chat=False)
+    assert prompt_ids(TOKENIZER, sample) == TOKENIZER("Text: a b c\n\nType:").input_ids
+    chat = prompt_ids(TOKENIZER, replace(sample, chat=True))
+    assert TOKENIZER.decode(chat).startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nText:")

@@ -10,7 +10,6 @@ from pathlib import Path
 from .. import display
 from ..conversation import Conversation
 from ..display import print_json, say
-from ..errors import ConfigError
 from ..evaluation.ruler import Request
 from ..evaluation.sample import Sample
 from ..evaluation.tasks import build_samples
@@ -42,11 +41,10 @@ class Evaluation:
 
 
 def prompt_ids(tokenizer, sample: Sample) -> list[int]:
-    """The tokens a sample's answer follows, as `gali ask` builds them (conversation.py), with the answer prefix."""
-    if not sample.chat:
-        raise ConfigError(f"{sample.task}: prompts without the chat template are not supported by gali eval yet")
+    """The tokens a sample's answer follows, as `gali ask` builds them (conversation.py), with the answer prefix;
+    without `chat`, the raw text: BOS, the context, a blank line, the question."""
     prefix = text_ids(tokenizer, sample.answer_prefix) if sample.answer_prefix else []
-    return conversation_ids(tokenizer, sample.context, [sample.question], []).ids + prefix
+    return conversation_ids(tokenizer, sample.context, [sample.question], [], chat=sample.chat).ids + prefix
 
 
 def sample_hash(sample: Sample) -> str:
@@ -60,7 +58,7 @@ def answer_sample(loaded: LoadedModel, method: str, choice: ModelChoice, sample:
     """The sample answered greedily through `gali ask`'s conversation (its document cache too), cut at the first
     stop string, and scored."""
     talk = Conversation(loaded, method, choice.settings, sample.context, f"<gali eval {sample.task} {sample.id}>",
-                        None, cache)
+                        None, cache, chat=sample.chat)
     text, finished = "", None
     for event in talk.ask(sample.question, make_sampler(), sample.max_new_tokens, answer_prefix=sample.answer_prefix):
         if isinstance(event, Finished):
