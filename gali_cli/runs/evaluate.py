@@ -4,12 +4,14 @@
 import hashlib
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import display
 from ..conversation import Conversation
 from ..display import print_json, say
+from ..errors import ConfigError
 from ..evaluation.ruler import Request
 from ..evaluation.sample import Sample
 from ..evaluation.tasks import build_samples
@@ -77,30 +79,31 @@ def answer_sample(loaded: LoadedModel, method: str, choice: ModelChoice, sample:
 def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> None:
     """Build the samples, answer those not already in --out, print the table (or JSON / CSV) and the plot."""
     choice.check()
-    haystack = read(evaluation.haystack, reading).text if evaluation.haystack else None
     rank = Rank.from_environment()
+    if rank.distributed and not evaluation.out:
+        raise ConfigError("under a launcher gali eval needs --out FILE.jsonl, where the processes' answers meet")
+    haystack = read(evaluation.haystack, reading).text if evaluation.haystack else None
     results = ResultsFile(Path(evaluation.out), rank) if evaluation.out else None
-    loaded = load(choice, rank)
-    with display.status("Building the samples"):
-        samples = build_samples(list(evaluation.tasks), Request(
-            evaluation.lengths, evaluation.samples, evaluation.seed,
-            lambda sample: len(prompt_ids(loaded.tokenizer, sample)), haystack))
-    jobs = {method: batch_job("eval", replace(choice, methods=(method,)), seed=evaluation.seed,
-                              haystack=haystack and hashlib.sha256(haystack.encode()).hexdigest(), decoding="greedy")
-            for method in choice.methods}
-    if results is None:
-        records = _answer_all(loaded, choice, samples, jobs, None, rank, evaluation)
-    else:
-        with held(results) as collective:
-            _answer_all(loaded, choice, samples, jobs, results, rank, evaluation)
-            if collective is not None:
-                collective.wait()  # every process is done: rank 0 merges their parts
-                results.merge()
-                collective.wait()
-                collective.close()
+    with held(results) if results else nullcontext() as collective:  # a second run on --out refuses before loading
+        loaded = load(choice, rank)
+        with display.status("Building the samples"):
+            samples = build_samples(list(evaluation.tasks), Request(
+                evaluation.lengths, evaluation.samples, evaluation.seed,
+                lambda sample: len(prompt_ids(loaded.tokenizer, sample)), haystack))
+        jobs = {method: batch_job("eval", replace(choice, methods=(method,)), seed=evaluation.seed,
+                                  haystack=haystack and hashlib.sha256(haystack.encode()).hexdigest(),
+                                  decoding="greedy")
+                for method in choice.methods}
+        records = _answer_all(loaded, choice, samples, jobs, results, rank, evaluation)
+        if collective is not None:
+            collective.wait()  # every process is done: rank 0 merges their parts
+            results.merge()
+            collective.wait()
+            collective.close()
+        if results:
             records = results.records()
-        if rank.rank != 0:
-            return
+    if rank.rank != 0:
+        return
     rows = score_rows(records, jobs, samples)
     if evaluation.json_output:
         print_json({"results": rows, "model": choice.model, "out": str(results.path) if results else None})
