@@ -16,8 +16,7 @@ from typer.testing import CliRunner
 import gali_cli.cli as cli
 import gali_cli.runs.evaluate as evaluate
 from gali_cli.evaluation import tasks
-from gali_cli.evaluation.ruler import Request
-from gali_cli.evaluation.sample import Sample
+from gali_cli.evaluation.sample import Request, Sample
 from gali_cli.evaluation.tasks import build_samples
 from gali_cli.runs.evaluate import prompt_ids
 

@@ -9,8 +9,8 @@ from conftest import tiny_tokenizer
 
 from gali_cli.errors import ConfigError
 from gali_cli.evaluation import haystack
-from gali_cli.evaluation.ruler import NEEDLE, NOISE, Request
-from gali_cli.evaluation.sample import Sample
+from gali_cli.evaluation.ruler import NEEDLE, NOISE
+from gali_cli.evaluation.sample import Request, Sample
 from gali_cli.evaluation.scoring import postprocess, string_match_all, string_match_part
 from gali_cli.evaluation.tasks import TASKS, build_samples, check_tasks
 from gali_cli.runs.evaluate import prompt_ids

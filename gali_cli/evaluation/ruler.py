@@ -15,14 +15,13 @@ import math
 import random
 import string
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
 from importlib import resources
 
 from ..errors import ConfigError
 from . import haystack
-from .sample import Sample
+from .sample import Request, Sample
 from .scoring import string_match_all
 
 # scripts/data/synthetic/constants.py (template, answer_prefix, tokens_to_generate); the "\n" before the question is
@@ -47,19 +46,6 @@ FWE = ("Read the following coded text and track the frequency of each coded word
 # niah.py and variable_tracking.py
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a task builds its samples for: target lengths in tokens, samples per length, the seed, how many tokens
-    the runner's prompt for a sample takes (chat template and answer prefix included), and the user's haystack
-    (None: the shipped text)."""
-
-    lengths: tuple[int, ...]
-    samples: int
-    seed: int
-    prompt_tokens: Callable[[Sample], int]
-    haystack: str | None = None
 
 
 @dataclass(frozen=True)

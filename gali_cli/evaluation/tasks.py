@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 from ..errors import ConfigError
 from . import ruler
-from .ruler import Request
-from .sample import Sample
+from .sample import Request, Sample
 
 Builder = Callable[[str, Request], list[Sample]]
 

@@ -12,8 +12,7 @@ from .. import display
 from ..conversation import Conversation
 from ..display import print_json, say
 from ..errors import ConfigError
-from ..evaluation.ruler import Request
-from ..evaluation.sample import Sample
+from ..evaluation.sample import Request, Sample
 from ..evaluation.tasks import build_samples
 from ..generate import Finished, TextPiece, make_sampler
 from ..methods import kept_window
