@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from gali_cli.cli import app
 
-COMMANDS = ["summarize", "ask", "chat", "ppl", "serve", "info", "cache", "cache list", "cache clear", "cache prune"]
+COMMANDS = ["summarize", "ask", "chat", "ppl", "eval", "serve", "info", "cache", "cache list", "cache clear",
+            "cache prune"]
 
 
 def render() -> str:

@@ -224,6 +224,59 @@ def _parse_lengths(text: str | None) -> list[int]:
     return sorted(lengths)
 
 
+@app.command(name="eval", cls=Command)
+@_guarded
+@with_model_options(many_methods=True)
+def eval_(
+    tasks: Annotated[list[str], typer.Argument(metavar="TASKS", show_default=False,
+                                               help="RULER tasks: niah_single_1/2/3, niah_multikey_1/2/3, "
+                                                    "niah_multivalue, niah_multiquery, vt, cwe, fwe.")],
+    lengths: Annotated[str, typer.Option(metavar="L,L...", help="Prompt lengths in tokens of the model's tokenizer, "
+                                                                "answer included (k = 1024).")] = "4k,8k,16k",
+    samples: Annotated[int, typer.Option(min=1, metavar="N", help="Samples per task and length.")] = 10,
+    seed: Annotated[int, typer.Option(min=0, metavar="N", help="Seed the samples are generated from (RULER's "
+                                                               "default).")] = 42,
+    haystack: Annotated[str | None, typer.Option(metavar="FILE", help="Hide the needles in this document (text or "
+                                                                      "PDF) instead of the shipped public-domain "
+                                                                      "text.")] = None,
+    out: Annotated[str | None, typer.Option(metavar="FILE", help="Append one JSON line per answer here; a rerun "
+                                                                 "skips the answers already there.")] = None,
+    password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    csv: Annotated[bool, typer.Option("--csv", metavar="", help="Print task,length,method,score rows as CSV.")]
+    = False,
+    plot: Annotated[str | None, typer.Option(metavar="FILE", help="Also save score against length as an image "
+                                                                  "(needs pip install 'gali-cli\\[plot]').")] = None,
+    cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False,
+    choice: ModelChoice = None,
+) -> None:
+    """Score each method on synthetic long-context tasks (RULER's recipes), per task and length.
+
+    Each sample is answered greedily as gali ask answers, scored as RULER scores it, and with --out appended as a
+    JSON line (prediction, score, the method's settings, time), so a killed run resumes; under torchrun each
+    process takes its share. The table's best score per row is in bold.
+
+    Example: gali eval niah_single_1 vt -m smollm2 --train-len 1024 --lengths 2k,4k --method gali,original
+
+    Example: gali eval niah_single_2 --haystack report.pdf --method all --out eval.jsonl
+    """
+    from .evaluation.tasks import check_tasks
+
+    wanted = _parse_lengths(lengths)
+    if not wanted:
+        raise ConfigError("--lengths: give at least one length, e.g. 4k")
+    if json_output and csv:
+        raise ConfigError("--json and --csv both print on stdout: choose one")
+    if plot:
+        display.check_plotting(plot)
+    names = check_tasks(tasks)
+    if haystack:
+        _check_first(choice, haystack)
+    from .runs.evaluate import Evaluation, evaluate
+
+    evaluate(choice, Evaluation(tuple(names), tuple(wanted), samples, seed, haystack, out, json_output, csv, plot,
+                                cache_dir, no_cache), Reading(password, max_input_size))
+
+
 @app.command(cls=Command)
 @_guarded
 @with_model_options

@@ -28,7 +28,7 @@ from .generate import (
 )
 from .methods import METHODS, apply_method, prefill_spans
 from .model.loading import LoadedModel
-from .prompts import Prompt, ask_instruction, conversation_ids
+from .prompts import Prompt, ask_instruction, conversation_ids, text_ids
 
 
 class Conversation:
@@ -44,8 +44,9 @@ class Conversation:
         system: str | None = None,
         store: DocumentCache | None = None,
         notice: Callable[[str], None] = lambda message: None,
+        chat: bool = True,  # False: a raw text prompt, without the chat template (prompts.conversation_ids)
     ) -> None:
-        self.loaded, self.method, self.settings = loaded, method, settings
+        self.loaded, self.method, self.settings, self.chat = loaded, method, settings, chat
         self.document, self.document_name, self.system = document, document_name, system
         self.states = DocumentStates(loaded, method, store)
         self.notice = notice
@@ -65,7 +66,8 @@ class Conversation:
         turn = (instruction, len(self.questions))
         if self._last_prompt is None or self._last_prompt[0] != turn:
             self._last_prompt = turn, conversation_ids(self.loaded.tokenizer, self.document,
-                                                       [*self.questions, instruction], self.answers, self.system)
+                                                       [*self.questions, instruction], self.answers, self.system,
+                                                       self.chat)
         return self._last_prompt[1]
 
     @torch.inference_mode()
@@ -95,23 +97,28 @@ class Conversation:
         self.cached_ids = document_ids
 
     def ask(
-        self, instruction: str, sampler: Sampler, max_new_tokens: int, progress: Progress | None = None
+        self, instruction: str, sampler: Sampler, max_new_tokens: int, progress: Progress | None = None,
+        answer_prefix: str = "",
     ) -> Iterator[TextPiece | Finished]:
         """Answer `instruction` (the first one follows the document in the same user turn); yields the answer piece
         by piece, then `Finished`. The question and answer join the conversation once the answer is complete; an
         answer cut short (Ctrl-C, or a consumer that stops early) leaves the conversation as it was before it: at
-        once when the interruption reaches the generator, and at the latest when the next answer begins."""
+        once when the interruption reaches the generator, and at the latest when the next answer begins.
+        `answer_prefix` is text the answer starts with, after the template's assistant turn (`gali eval`'s RULER
+        tasks: "The special magic number ... is"); it joins the conversation as the answer's first tokens."""
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         self._turns += 1
         turn = self._turns
         self._roll_back()  # what an answer left unfinished may have added, whether or not its generator was closed
         prompt = self.prompt(instruction)
+        prefix = text_ids(tokenizer, answer_prefix) if answer_prefix else []
+        ids = prompt.ids + prefix
         self.document_tokens = prompt.question_start
-        resolved = apply_method(model, self.method, self.settings, len(prompt.ids))
+        resolved = apply_method(model, self.method, self.settings, len(ids))
         reusable = METHODS[self.method].prefix_reusable and resolved == self.resolved
         if self.cache is not None and not reusable:
             self.notice(f"reading the document again: {self.method}'s settings changed with the conversation's "
-                        f"length ({len(prompt.ids)} tokens)" if METHODS[self.method].prefix_reusable else
+                        f"length ({len(ids)} tokens)" if METHODS[self.method].prefix_reusable else
                         f"reading the document again: {self.method} needs the whole input in one forward")
         if not reusable or prompt.ids[: len(self.cached_ids)] != self.cached_ids:
             self.cache, self.cached_ids = None, []
@@ -122,12 +129,12 @@ class Conversation:
             self.cached_ids = prompt.ids[: self.document_tokens] if stored else []
             self.cache = stored[0] if stored else DynamicCache(config=model.config)
         start, recorded = len(self.cached_ids), False
-        spans = prefill_spans(model, self.method, start, len(prompt.ids), [self.document_tokens])
+        spans = prefill_spans(model, self.method, start, len(ids), [self.document_tokens])
         try:
-            for event in stream_generate(model, tokenizer, prompt.ids, sampler, max_new_tokens,
+            for event in stream_generate(model, tokenizer, ids, sampler, max_new_tokens,
                                          stop_token_ids(model, tokenizer), spans, progress, self.cache):
                 if isinstance(event, Finished):  # before yielding it: a consumer may stop at the last event
-                    self._record(instruction, prompt, list(event.answer_ids), start)
+                    self._record(instruction, prompt, prefix + list(event.answer_ids), start)
                     recorded = True
                 yield event
         finally:

@@ -218,6 +218,40 @@ def print_ppl_table(rows: list[dict]) -> None:
     _stdout_console().print(ppl_table(rows))
 
 
+def eval_table(rows: list[dict]) -> Table:
+    """`gali eval`'s scores: a row per task and length, a column per method, the best of each row in bold (RULER's
+    score: mean x100), and the mean over tasks per length when there are several tasks."""
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    score = {(row["task"], row["length"], row["method"]): row["score"] for row in rows}
+    lines = list(dict.fromkeys((row["task"], row["length"]) for row in rows))
+    tasks = list(dict.fromkeys(task for task, _ in lines))
+    if len(tasks) > 1:
+        for length in dict.fromkeys(length for _, length in lines):
+            for method in methods:
+                found = [score[task, length, method] for task in tasks if (task, length, method) in score]
+                if len(found) == len(tasks):
+                    score["mean", length, method] = round(sum(found) / len(found), 2)
+            lines.append(("mean", length))
+    table = Table("task", "length", *methods)
+    for task, length in lines:
+        values = [score.get((task, length, method)) for method in methods]
+        best = max((value for value in values if value is not None), default=None)
+        table.add_row(task, _count(length) if length else "-", *("-" if value is None else
+                                                                  f"[bold]{value:.1f}[/]" if value == best else
+                                                                  f"{value:.1f}" for value in values))
+    return table
+
+
+def print_eval_table(rows: list[dict]) -> None:
+    _stdout_console().print(eval_table(rows))
+
+
+def print_eval_csv(rows: list[dict]) -> None:
+    _print("task,length,method,score,samples,seconds_per_sample\n" + "".join(
+        f"{r['task']},{r['length'] or ''},{r['method']},{r['score']:.2f},{r['samples']},{r['seconds_per_sample']}\n"
+        for r in rows))
+
+
 def print_cache_entries(entries: list, directory, limit: int) -> None:
     """`gali cache list`: the cached documents on stdout, the totals on stderr."""
     rows = [(printable(short_path(entry.document)), printable(short_path(entry.model)), printable(entry.method),
@@ -378,6 +412,36 @@ def plot_ppl(rows: list[dict], path: str, title: str, window: int) -> None:
     try:
         figure.savefig(path)
     except (OSError, RuntimeError, ValueError) as error:  # e.g. the disk filled up, or Pillow lacks a codec
+        raise ConfigError(f"--plot {path}: {getattr(error, 'strerror', None) or error}") from error
+    finally:
+        plt.close(figure)
+
+
+def plot_eval(rows: list[dict], path: str, title: str, window: int) -> None:
+    """Score against length, a panel per task and a line per method, saved as an image at `path`, the training
+    `window` marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    figure, panels = plt.subplots(1, len(tasks), figsize=(4 * len(tasks) + 2, 3.5), squeeze=False)
+    for axes, task in zip(panels[0], tasks):
+        for method in dict.fromkeys(row["method"] for row in rows):
+            points = sorted((row["length"], row["score"]) for row in rows
+                            if row["task"] == task and row["method"] == method and row["length"])
+            if points:
+                axes.plot(*zip(*points), marker="o", markersize=4, label=method)
+        axes.axvline(window, color="0.4", linestyle=":", linewidth=1.2)
+        axes.set_xscale("log", base=2)
+        axes.set(title=task, xlabel="tokens (log scale)", ylabel="score", ylim=(-3, 103))
+    panels[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False, fontsize=9)
+    figure.suptitle(title)
+    figure.tight_layout()
+    try:
+        figure.savefig(path)
+    except (OSError, RuntimeError, ValueError) as error:
         raise ConfigError(f"--plot {path}: {getattr(error, 'strerror', None) or error}") from error
     finally:
         plt.close(figure)

@@ -56,13 +56,16 @@ def prompt_ids(tokenizer, document: str, instruction: str, system: str | None = 
 
 
 def conversation_ids(
-    tokenizer, document: str, questions: list[str], answers: list[list[int]], system: str | None = None
+    tokenizer, document: str, questions: list[str], answers: list[list[int]], system: str | None = None,
+    chat: bool = True,
 ) -> Prompt:
     """Token ids of a conversation about `document`, ending where the model answers the last question.
 
     The first user turn holds the document and the first instruction; later turns hold one question each.
     `answers` are the token ids the model generated for all questions but the last, reused as they are, so the ids
     of turn n are a prefix of those of turn n + 1 (no re-tokenization of what is already in the cache).
+    Without `chat` the chat template is left out even where the model has one, and the first instruction ends the
+    prompt without a line break: the raw text prompt some benchmarks use (LongBench's trec, samsum, lcc...).
     """
     if len(answers) != len(questions) - 1:
         raise ValueError(f"{len(questions)} questions need {len(questions) - 1} answers, got {len(answers)}")
@@ -75,9 +78,9 @@ def conversation_ids(
     first_user = 1 if system else 0
     specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
 
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template or not chat:
         ids = text_ids(tokenizer, f"{system}\n\n" if system else "", add_special_tokens=True)
-        document_ids, ends = _document_turn(tokenizer, "", document, f"\n\n{questions[0]}\n", specials)
+        document_ids, ends = _document_turn(tokenizer, "", document, f"\n\n{questions[0]}" + "\n" * chat, specials)
         document_end, question_start = (len(ids) + end for end in ends)
         ids += document_ids
         for role, content in turns[first_user + 1:]:

@@ -64,7 +64,7 @@ def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_p
     assert "no-such-org/no-such-model" in result.stderr.splitlines()[-1]
 
 
-COMMANDS = [[], ["summarize"], ["ask"], ["chat"], ["ppl"], ["serve"], ["info"], ["cache"], ["cache", "list"],
+COMMANDS = [[], ["summarize"], ["ask"], ["chat"], ["ppl"], ["eval"], ["serve"], ["info"], ["cache"], ["cache", "list"],
             ["cache", "clear"], ["cache", "prune"]]
 
 

@@ -28,3 +28,16 @@ class Sample:
     answer_prefix: str = ""
     stop: tuple[str, ...] = ()
     length: int | None = None  # the target prompt length in tokens the sample was built for (RULER), else None
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a task builds its samples for: target lengths in tokens, samples per length, the seed, how many tokens
+    the runner's prompt for a sample takes (chat template and answer prefix included), and the user's haystack
+    (None: the shipped text)."""
+
+    lengths: tuple[int, ...]
+    samples: int
+    seed: int
+    prompt_tokens: Callable[[Sample], int]
+    haystack: str | None = None

@@ -36,7 +36,7 @@ def answer_batch(specs: list[str], out: str | None, command: str, instruction: s
     """Answer `instruction` about each document into `out`; returns how many documents failed (in all processes)."""
     with _setup(specs, out, choice) as batch:
         cache = None if answering.no_cache else store(answering.cache_dir)
-        job = _job(command, choice, question=question, system=answering.system,
+        job = batch_job(command, choice, question=question, system=answering.system,
                    generation={"max_new_tokens": answering.max_new_tokens, "temperature": answering.temperature,
                                "top_p": answering.top_p, "top_k": answering.top_k, "seed": answering.seed})
         loaded = load(choice, batch.rank)
@@ -64,7 +64,7 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
     """Each document's perplexity into `out`, then the corpus's (token-weighted) on stdout; returns how many
     documents failed (in all processes)."""
     with _setup(specs, out, choice) as batch:
-        job = _job("ppl", choice, max_tokens=max_tokens, lengths=lengths)
+        job = batch_job("ppl", choice, max_tokens=max_tokens, lengths=lengths)
         loaded = load(choice, batch.rank)
 
         def work(path: Path) -> list[dict]:
@@ -119,6 +119,15 @@ def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> Iterator[_
     documents = [document for document in expand_documents(specs) if not results.is_output(document)]
     if not documents:
         raise InputError(f"no documents in {' '.join(specs)} besides --out")
+    with held(results) as collective:
+        yield _Batch(documents, results, rank, collective)
+
+
+@contextmanager
+def held(results: ResultsFile) -> Iterator[Collective | None]:
+    """The results file checked, held by this run until the block ends (a second run on it refuses) and merged
+    from what an interrupted distributed run left; yields the launcher's other processes (None when alone)."""
+    rank = results.rank
     results.prepare()
     collective = Collective(rank) if rank.distributed else None
     holder = results.lock() if rank.rank == 0 else None  # rank 0 holds it for all the processes of its run
@@ -128,12 +137,12 @@ def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> Iterator[_
                               "it to finish, or choose another --out")
         if not rank.distributed:
             results.merge()  # part files an interrupted distributed run left behind
-        yield _Batch(documents, results, rank, collective)
+        yield collective
     finally:
         results.unlock()
 
 
-def _job(command: str, choice: ModelChoice, **details) -> dict:
+def batch_job(command: str, choice: ModelChoice, **details) -> dict:
     """What decides a document's output besides its content: a rerun with another job does every document again."""
     device = resolve_device(choice.device)
     return {"command": command, "model": choice.model, "quantize": choice.quantize, "device": device.type,

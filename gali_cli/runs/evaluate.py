@@ -1,0 +1,186 @@
+"""gali eval: each task's samples answered greedily by each method, scored, one results line per sample and method
+(resumable, sharded under a launcher as batch mode is), then a table of mean scores per task, length and method."""
+
+import hashlib
+import json
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .. import display
+from ..conversation import Conversation
+from ..display import print_json, say
+from ..errors import ConfigError
+from ..evaluation.sample import Request, Sample
+from ..evaluation.tasks import build_samples
+from ..generate import Finished, TextPiece, make_sampler
+from ..methods import kept_window
+from ..model.loading import LoadedModel
+from ..prompts import conversation_ids, text_ids
+from . import ModelChoice, Reading
+from .batch_files import Rank, ResultsFile, job_hash, latest_records
+from .batches import batch_job, held
+from .common import entry_point, finished_facts, load, read, store
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What `gali eval` runs and how it reports, besides the model and methods."""
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    samples: int
+    seed: int
+    haystack: str | None  # --haystack FILE
+    out: str | None
+    json_output: bool = False
+    csv: bool = False
+    plot: str | None = None
+    cache_dir: str | None = None
+    no_cache: bool = False
+
+
+def prompt_ids(tokenizer, sample: Sample) -> list[int]:
+    """The tokens a sample's answer follows, as `gali ask` builds them (conversation.py), with the answer prefix;
+    without `chat`, the raw text: BOS, the context, a blank line, the question."""
+    prefix = text_ids(tokenizer, sample.answer_prefix) if sample.answer_prefix else []
+    return conversation_ids(tokenizer, sample.context, [sample.question], [], chat=sample.chat).ids + prefix
+
+
+def sample_hash(sample: Sample) -> str:
+    """What the sample asks: a rerun whose generator built it differently answers it again."""
+    fields = [sample.context, sample.question, sample.answer_prefix, sample.references, sample.max_new_tokens,
+              sample.chat, sample.stop]
+    return hashlib.sha256(json.dumps(fields, ensure_ascii=False).encode()).hexdigest()
+
+
+def answer_sample(loaded: LoadedModel, method: str, choice: ModelChoice, sample: Sample, cache) -> dict:
+    """The sample answered greedily through `gali ask`'s conversation (its document cache too), cut at the first
+    stop string, and scored."""
+    talk = Conversation(loaded, method, choice.settings, sample.context, f"<gali eval {sample.task} {sample.id}>",
+                        None, cache, chat=sample.chat)
+    text, finished = "", None
+    for event in talk.ask(sample.question, make_sampler(), sample.max_new_tokens, answer_prefix=sample.answer_prefix):
+        if isinstance(event, Finished):
+            finished = event
+            break
+        text += event.text if isinstance(event, TextPiece) else ""
+        if any(stop in text for stop in sample.stop):
+            break  # closing the generator leaves the conversation as it was, which is then dropped
+    for stop in sample.stop:
+        text = text.split(stop)[0]
+    facts = finished_facts(finished) if finished else {"finish_reason": "stop"}
+    return {"prediction": text, "score": float(sample.score(text)), "settings": talk.resolved, **facts}
+
+
+@entry_point
+def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> None:
+    """Build the samples, answer those not already in --out, print the table (or JSON / CSV) and the plot."""
+    choice.check()
+    rank = Rank.from_environment()
+    if rank.distributed and not evaluation.out:
+        raise ConfigError("under a launcher gali eval needs --out FILE.jsonl, where the processes' answers meet")
+    haystack = read(evaluation.haystack, reading).text if evaluation.haystack else None
+    results = ResultsFile(Path(evaluation.out), rank) if evaluation.out else None
+    with held(results) if results else nullcontext() as collective:  # a second run on --out refuses before loading
+        loaded = load(choice, rank)
+        with display.status("Building the samples"):
+            samples = build_samples(list(evaluation.tasks), Request(
+                evaluation.lengths, evaluation.samples, evaluation.seed,
+                lambda sample: len(prompt_ids(loaded.tokenizer, sample)), haystack))
+        jobs = {method: batch_job("eval", replace(choice, methods=(method,)), seed=evaluation.seed,
+                                  haystack=haystack and hashlib.sha256(haystack.encode()).hexdigest(),
+                                  decoding="greedy")
+                for method in choice.methods}
+        records = _answer_all(loaded, choice, samples, jobs, results, rank, evaluation)
+        if collective is not None:
+            collective.wait()  # every process is done: rank 0 merges their parts
+            results.merge()
+            collective.wait()
+            collective.close()
+        if results:
+            records = results.records()
+    if rank.rank != 0:
+        return
+    rows = score_rows(records, jobs, samples)
+    if evaluation.json_output:
+        print_json({"results": rows, "model": choice.model, "out": str(results.path) if results else None})
+    elif evaluation.csv:
+        display.print_eval_csv(rows)
+    elif rows:
+        display.print_eval_table(rows)
+    if evaluation.plot and rows:
+        window = kept_window("gali", choice.settings.train_len, loaded.train_len)
+        display.plot_eval(rows, evaluation.plot, choice.model, window)
+        say(f"Saved {evaluation.plot}.")
+
+
+def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample], jobs: dict[str, dict],
+                results: ResultsFile | None, rank: Rank, evaluation: Evaluation) -> list[dict]:
+    """This process's share of (sample, method) pairs not already done, each appended as it finishes; returns the
+    records written."""
+    cache = None if evaluation.no_cache else store(evaluation.cache_dir)
+    finished = results.finished() if results else set()
+    pairs = rank.shard([(sample, method) for sample in _interleaved(samples) for method in choice.methods])
+    keys = {(sample.task, sample.id): sample_hash(sample) for sample in samples}
+    job_keys = {method: job_hash(job) for method, job in jobs.items()}
+    todo = [(sample, method) for sample, method in pairs
+            if (f"{sample.task}/{sample.id}", keys[sample.task, sample.id], job_keys[method]) not in finished]
+    label = f"[rank {rank.rank}/{rank.world}] " if rank.distributed else ""
+    if len(todo) < len(pairs):
+        say(f"{label}{len(pairs) - len(todo)} answers already in {evaluation.out}, skipped", style="dim")
+    written = []
+    with display.progress_bar("answers") as bar:
+        for done, (sample, method) in enumerate(todo):
+            bar(done, len(todo))
+            started = time.perf_counter()
+            answer = answer_sample(loaded, method, choice, sample, cache)
+            record = {"path": f"{sample.task}/{sample.id}", "sha256": keys[sample.task, sample.id],
+                      "job": job_keys[method],
+                      "status": "ok", **jobs[method], "task": sample.task, "sample": sample.id,
+                      "length": sample.length, "references": list(sample.references), **answer,
+                      "seconds": round(time.perf_counter() - started, 3)}
+            if results:
+                results.append([record])
+            written.append(record)
+            say(f"{label}[{done + 1}/{len(todo)}] {sample.task} {sample.id} {method}: score {answer['score']:.2f} "
+                f"in {record['seconds']:.1f} s, {answer['prediction'][:60]!r}", style="dim")
+        bar(len(todo), len(todo))
+    if written:
+        seconds = sum(record["seconds"] for record in written)
+        say(f"{label}{len(written)} answers in {seconds:.0f} s ({seconds / len(written):.1f} s each)")
+    return written
+
+
+def _interleaved(samples: list[Sample]) -> list[Sample]:
+    """Shortest length first, and at each length the first sample of every task, then the second of each...: a run
+    stopped early has a table for every task, from fewer samples."""
+    seen: dict[tuple[str, int | None], int] = {}
+    places = []
+    for sample in samples:
+        places.append(seen.setdefault((sample.task, sample.length), 0))
+        seen[sample.task, sample.length] += 1
+    order = sorted(range(len(samples)), key=lambda index: (samples[index].length or 0, places[index]))
+    return [samples[index] for index in order]
+
+
+def score_rows(records: list[dict], jobs: dict[str, dict], samples: list[Sample]) -> list[dict]:
+    """Mean score (x100, as RULER reports it) per task, length and method, from each sample's latest line of this
+    run's jobs; in the order of the tasks, lengths and methods asked."""
+    paths = [f"{sample.task}/{sample.id}" for sample in samples]
+    wanted = {(f"{sample.task}/{sample.id}", sample_hash(sample)) for sample in samples}
+    sums: dict[tuple[str, int | None, str], list[float]] = {}
+    for method, job in jobs.items():
+        for record in latest_records(records, job, paths, ok_only=True).values():
+            if (record["path"], record.get("sha256")) in wanted:
+                entry = sums.setdefault((record["task"], record["length"], method), [0.0, 0, 0.0])
+                entry[0] += record["score"]
+                entry[1] += 1
+                entry[2] += record["seconds"]
+    order = {key: index for index, key in enumerate(dict.fromkeys(
+        (sample.task, sample.length, method) for sample in samples for method in jobs))}
+    return [{"task": task, "length": length, "method": method, "score": round(100 * total / count, 2),
+             "samples": count, "seconds_per_sample": round(seconds / count, 3)}
+            for (task, length, method), (total, count, seconds) in sorted(sums.items(), key=lambda item:
+                                                                         order[item[0]])]

@@ -1,0 +1,152 @@
+"""gali eval end to end on a tiny random Llama: the table, --json and --csv, the results file and resuming it, and
+the usage errors (gali_cli.runs.evaluate and the eval command)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+import gali_cli.cli as cli
+import gali_cli.runs.evaluate as evaluate
+from gali_cli.evaluation import tasks
+from gali_cli.evaluation.sample import Request, Sample
+from gali_cli.evaluation.tasks import build_samples
+from gali_cli.runs.evaluate import prompt_ids
+
+TIMING = {"seconds", "prefill_tokens_per_second", "decode_tokens_per_second", "peak_memory_mib"}
+
+
+@pytest.fixture(autouse=True)
+def _short_answers(monkeypatch):
+    """Answers of 8 tokens, not RULER's 128: the tiny model never stops early, and each token costs a forward."""
+    real = evaluate.answer_sample
+    monkeypatch.setattr(evaluate, "answer_sample", lambda loaded, method, choice, sample, cache: real(
+        loaded, method, choice, replace(sample, max_new_tokens=8), cache))
+
+
+@pytest.fixture
+def gali(tiny_model_dir):
+    def run(*args: str):
+        return CliRunner().invoke(cli.app, ["eval", *args, "-m", str(tiny_model_dir), "--no-cache"],
+                                  env={"COLUMNS": "200"})
+    return run
+
+
+ARGS = ("niah_single_1", "--lengths", "512", "--samples", "2", "--method", "gali,original")
+
+
+def _answers(path) -> list[dict]:
+    return [{key: value for key, value in json.loads(line).items() if key not in TIMING}
+            for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, monkeypatch, tiny_model_dir):
+    whole = gali(*ARGS, "--out", str(tmp_path / "whole.jsonl"))
+    assert whole.exit_code == 0, whole.stderr
+    records = _answers(tmp_path / "whole.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    samples = build_samples(["niah_single_1"], Request((512,), 2, 42, lambda s: len(prompt_ids(tokenizer, s))))
+    fed = {sample.id: len(prompt_ids(tokenizer, sample)) for sample in samples}
+    assert all(record["prompt_tokens"] == fed[record["sample"]] for record in records)  # answer prefix included
+    assert len(records) == 4 and {record["method"] for record in records} == {"gali", "original"}
+    assert all(record["status"] == "ok" and 0 <= record["score"] <= 1 and record["decoding"] == "greedy"
+               and record["length"] == 512 and record["prompt_tokens"] + 128 <= 512 for record in records)
+    gali_settings = next(record["settings"] for record in records if record["method"] == "gali")
+    assert gali_settings["train_len"] == 32 and "chunk_size" in gali_settings  # the settings as applied
+    assert all(json.loads(line)["seconds"] > 0 for line in (tmp_path / "whole.jsonl").read_text().splitlines())
+    assert "niah_single_1" in whole.stdout and "gali" in whole.stdout and "original" in whole.stdout
+
+    answered, real = [], evaluate.answer_sample
+
+    def killed_on_the_third(*args, **kwargs):
+        if len(answered) == 2:
+            raise KeyboardInterrupt
+        answered.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "answer_sample", killed_on_the_third)
+    cut = gali(*ARGS, "--out", str(tmp_path / "resumed.jsonl"))
+    assert cut.exit_code == 130 and len(_answers(tmp_path / "resumed.jsonl")) == 2
+    monkeypatch.setattr(evaluate, "answer_sample", real)
+    resumed = gali(*ARGS, "--out", str(tmp_path / "resumed.jsonl"))
+    assert resumed.exit_code == 0, resumed.stderr
+    assert "2 answers already in" in resumed.stderr
+    assert _answers(tmp_path / "resumed.jsonl") == records and resumed.stdout == whole.stdout
+    again = gali(*ARGS, "--out", str(tmp_path / "whole.jsonl"), "--json")
+    assert "4 answers already in" in again.stderr and len(_answers(tmp_path / "whole.jsonl")) == 4
+    table = json.loads(again.stdout)
+    assert table["out"] == str(tmp_path / "whole.jsonl") and len(table["results"]) == 2
+    row = table["results"][0]
+    assert set(row) == {"task", "length", "method", "score", "samples", "seconds_per_sample"}
+    assert (row["task"], row["length"], row["method"], row["samples"]) == ("niah_single_1", 512, "gali", 2)
+    mean = 100 * sum(r["score"] for r in records if r["method"] == "gali" and r["task"] == "niah_single_1") / 2
+    assert row["score"] == pytest.approx(mean)
+    csv = gali(*ARGS, "--out", str(tmp_path / "whole.jsonl"), "--csv")
+    lines = csv.stdout.splitlines()
+    assert lines[0] == "task,length,method,score,samples,seconds_per_sample" and len(lines) == 3
+    assert lines[1].startswith(f"niah_single_1,512,gali,{row['score']:.2f},2,")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["niah_single_9"], "unknown task niah_single_9"),
+    (["vt", "--lengths", "x"], "--lengths: 'x' is not a length"),
+    (["vt", "--json", "--csv"], "--json and --csv both print on stdout"),
+    (["unscorable"], "has no reference answer: it cannot be scored"),
+])
+def test_usage_errors_exit_2(gali, monkeypatch, args, message):
+    def unscorable(name, request):
+        return [Sample(task=name, id="0", context="text", question="?", references=(), score=lambda answer: 0.0)]
+
+    monkeypatch.setitem(tasks.TASKS, "unscorable", unscorable)
+    result = gali(*args)
+    assert result.exit_code == 2 and message in result.stderr and result.stdout == ""
+
+
+def test_without_out_with_ones_own_haystack_and_a_plot(gali, tmp_path):
+    (tmp_path / "report.txt").write_text("The lease ends in March. The tenant pays rent monthly. " * 40)
+    result = gali("niah_single_1", "--lengths", "512", "--samples", "1", "--haystack", str(tmp_path / "report.txt"),
+                  "--json", "--plot", str(tmp_path / "eval.png"))
+    assert result.exit_code == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert found["out"] is None and [(row["task"], row["method"], row["samples"]) for row in found["results"]] == \
+        [("niah_single_1", "gali", 1)]
+    assert (tmp_path / "eval.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+                    reason="torchrun is not installed")
+def test_two_processes_under_torchrun_share_the_answers(tiny_model_dir, tmp_path):
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    out = tmp_path / "eval.jsonl"
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", str(Path(sys.executable)
+               .with_name("gali")), "eval", "niah_single_1", "--lengths", "512", "--samples", "2", "--out", str(out),
+               "-m", str(tiny_model_dir), "--no-cache", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[rank 0/2]" in result.stderr and "[rank 1/2]" in result.stderr
+    assert sorted(json.loads(line)["sample"] for line in out.read_text().splitlines()) == ["512-0", "512-1"]
+    assert not list(tmp_path.glob("*.part"))
+    assert json.loads(result.stdout.strip().splitlines()[-1])["results"][0]["samples"] == 2  # rank 0, once merged
+
+
+def test_a_raw_task_is_answered_without_the_chat_template(gali, monkeypatch, tiny_model_dir, tmp_path):
+    """A task whose samples set chat=False (LongBench's trec, samsum, lcc...) is read as raw text."""
+    def raw(name, request):
+        return [Sample(task=name, id="0", context="Text: the lease ends in March.", question="Type:",
+                       references=("month",), score=lambda answer: 1.0, chat=False)]
+
+    monkeypatch.setitem(tasks.TASKS, "raw", raw)
+    result = gali("raw", "--json", "--out", str(tmp_path / "raw.jsonl"))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["results"][0]["score"] == 100.0
+    raw_ids = AutoTokenizer.from_pretrained(tiny_model_dir)("Text: the lease ends in March.\n\nType:").input_ids
+    assert _answers(tmp_path / "raw.jsonl")[0]["prompt_tokens"] == len(raw_ids)
