@@ -230,7 +230,8 @@ def _parse_lengths(text: str | None) -> list[int]:
 def eval_(
     tasks: Annotated[list[str], typer.Argument(metavar="TASKS", show_default=False,
                                                help="RULER tasks: niah_single_1/2/3, niah_multikey_1/2/3, "
-                                                    "niah_multivalue, niah_multiquery, vt, cwe, fwe.")],
+                                                    "niah_multivalue, niah_multiquery, vt, cwe, fwe; LongBench: "
+                                                    "longbench (its 16 English datasets) or longbench/DATASET.")],
     lengths: Annotated[str, typer.Option(metavar="L,L...", help="Prompt lengths in tokens of the model's tokenizer, "
                                                                 "answer included (k = 1024).")] = "4k,8k,16k",
     samples: Annotated[int, typer.Option(min=1, metavar="N", help="Samples per task and length.")] = 10,
@@ -241,6 +242,13 @@ def eval_(
                                                                       "text.")] = None,
     out: Annotated[str | None, typer.Option(metavar="FILE", help="Append one JSON line per answer here; a rerun "
                                                                  "skips the answers already there.")] = None,
+    longbench_data: Annotated[str | None, typer.Option(metavar="DIR", help="Your copy of LongBench v1: its data/ "
+                                                                           "jsonl files or the parquet copy "
+                                                                           "(docs/eval.md).")] = None,
+    truncation: Annotated[str, typer.Option(metavar="official|paper", help="LongBench prompts cut in the middle to "
+                                                                           "the length (official pred.py), or to "
+                                                                           "length - answer - 50 (the GALI "
+                                                                           "authors').")] = "official",
     password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     csv: Annotated[bool, typer.Option("--csv", metavar="", help="Print task,length,method,score rows as CSV.")]
     = False,
@@ -259,6 +267,7 @@ def eval_(
 
     Example: gali eval niah_single_2 --haystack report.pdf --method all --out eval.jsonl
     """
+    from .evaluation.longbench import TRUNCATIONS
     from .evaluation.tasks import check_tasks
 
     wanted = _parse_lengths(lengths)
@@ -269,12 +278,14 @@ def eval_(
     if plot:
         display.check_plotting(plot)
     names = check_tasks(tasks)
+    if truncation not in TRUNCATIONS:
+        raise ConfigError(f"--truncation must be one of {', '.join(TRUNCATIONS)}; got {truncation!r}")
     if haystack:
         _check_first(choice, haystack)
     from .runs.evaluate import Evaluation, evaluate
 
     evaluate(choice, Evaluation(tuple(names), tuple(wanted), samples, seed, haystack, out, json_output, csv, plot,
-                                cache_dir, no_cache), Reading(password, max_input_size))
+                                cache_dir, no_cache, longbench_data, truncation), Reading(password, max_input_size))
 
 
 @app.command(cls=Command)

@@ -232,13 +232,17 @@ def eval_table(rows: list[dict]) -> Table:
                 if len(found) == len(tasks):
                     score["mean", length, method] = round(sum(found) / len(found), 2)
             lines.append(("mean", length))
-    table = Table("task", "length", *methods)
+    paper = {(row["task"], row["length"], row["method"]): row["paper"] for row in rows if "paper" in row}
+    table = Table("task", "length", *methods,
+                  caption="(in brackets: the GALI paper's score for this model)" if paper else None)
     for task, length in lines:
         values = [score.get((task, length, method)) for method in methods]
         best = max((value for value in values if value is not None), default=None)
-        table.add_row(task, _count(length) if length else "-", *("-" if value is None else
-                                                                  f"[bold]{value:.1f}[/]" if value == best else
-                                                                  f"{value:.1f}" for value in values))
+        cells = ["-" if value is None else f"[bold]{value:.1f}[/]" if value == best else f"{value:.1f}"
+                 for value in values]
+        cells = [cell + (f" ({paper[task, length, method]:.1f})" if (task, length, method) in paper else "")
+                 for cell, method in zip(cells, methods)]
+        table.add_row(task, _count(length) if length else "-", *cells)
     return table
 
 

@@ -64,12 +64,13 @@ def conversation_ids(
     The first user turn holds the document and the first instruction; later turns hold one question each.
     `answers` are the token ids the model generated for all questions but the last, reused as they are, so the ids
     of turn n are a prefix of those of turn n + 1 (no re-tokenization of what is already in the cache).
-    Without `chat` the chat template is left out even where the model has one, and the first instruction ends the
-    prompt without a line break: the raw text prompt some benchmarks use (LongBench's trec, samsum, lcc...).
+    Without `chat` the chat template is left out even where the model has one, and the prompt is BOS, the document
+    and the first instruction exactly as given, joined with nothing between them: the raw text prompt some
+    benchmarks use (LongBench's trec, samsum, lcc..., whose questions carry their own separator).
     """
     if len(answers) != len(questions) - 1:
         raise ValueError(f"{len(questions)} questions need {len(questions) - 1} answers, got {len(answers)}")
-    document = document.strip()
+    document = document.strip() if chat else document
     turns: list[tuple[str, str | list[int]]] = [("system", system)] if system else []  # (role, text or ids)
     for index, question in enumerate(questions):
         turns.append(("user", question))
@@ -80,7 +81,8 @@ def conversation_ids(
 
     if not tokenizer.chat_template or not chat:
         ids = text_ids(tokenizer, f"{system}\n\n" if system else "", add_special_tokens=True)
-        document_ids, ends = _document_turn(tokenizer, "", document, f"\n\n{questions[0]}" + "\n" * chat, specials)
+        after = f"\n\n{questions[0]}\n" if chat else questions[0]
+        document_ids, ends = _document_turn(tokenizer, "", document, after, specials)
         document_end, question_start = (len(ids) + end for end in ends)
         ids += document_ids
         for role, content in turns[first_user + 1:]:
@@ -223,7 +225,8 @@ def _document_turn(tokenizer, template_part: str, document: str, after: str, spe
         return document_ids + text_ids(tokenizer, after), (len(document_ids), len(document_ids))
     together = tokenizer(template_part + document + after, add_special_tokens=False).input_ids
     alone = tokenizer(template_part + document, add_special_tokens=False).input_ids
-    blank = tokenizer(template_part + document + after[: after.index("\n\n") + 2], add_special_tokens=False).input_ids
+    separator = after.index("\n\n") + 2 if after.startswith("\n\n") else 0  # a raw prompt's question follows at once
+    blank = tokenizer(template_part + document + after[:separator], add_special_tokens=False).input_ids
     return together, (_common_prefix(together, alone), _common_prefix(together, blank))
 
 

@@ -141,12 +141,63 @@ def test_two_processes_under_torchrun_share_the_answers(tiny_model_dir, tmp_path
 def test_a_raw_task_is_answered_without_the_chat_template(gali, monkeypatch, tiny_model_dir, tmp_path):
     """A task whose samples set chat=False (LongBench's trec, samsum, lcc...) is read as raw text."""
     def raw(name, request):
-        return [Sample(task=name, id="0", context="Text: the lease ends in March.", question="Type:",
+        return [Sample(task=name, id="0", context="Text: the lease ends in March.", question="\nType:",
                        references=("month",), score=lambda answer: 1.0, chat=False)]
 
     monkeypatch.setitem(tasks.TASKS, "raw", raw)
     result = gali("raw", "--json", "--out", str(tmp_path / "raw.jsonl"))
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["results"][0]["score"] == 100.0
-    raw_ids = AutoTokenizer.from_pretrained(tiny_model_dir)("Text: the lease ends in March.\n\nType:").input_ids
+    raw_ids = AutoTokenizer.from_pretrained(tiny_model_dir)("Text: the lease ends in March.\nType:").input_ids
     assert _answers(tmp_path / "raw.jsonl")[0]["prompt_tokens"] == len(raw_ids)
+
+
+LONGBENCH_DATA = Path(__file__).parent / "data" / "longbench"
+
+
+def test_longbench_runs_from_local_data_with_its_official_rules(gali, tmp_path, tiny_model_dir):
+    result = gali("longbench/trec", "longbench/qasper", "--longbench-data", str(LONGBENCH_DATA), "--lengths", "300",
+                  "--samples", "2", "--method", "original", "--truncation", "paper", "--json", "--out",
+                  str(tmp_path / "lb.jsonl"))
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["results"]
+    assert [row["task"] for row in rows] == ["longbench/trec", "longbench/qasper"]
+    assert all(row["length"] == 300 and 0 <= row["score"] <= 100 and "paper" not in row for row in rows)
+    records = _answers(tmp_path / "lb.jsonl")
+    assert {record["truncation"] for record in records} == {"paper"}
+    trec = [record for record in records if record["task"] == "longbench/trec"]
+    assert all(record["prompt_tokens"] <= 300 - 64 - 50 + 2 for record in trec)  # trec's 64 answer tokens, margin 50
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("longbench/trec",), "give its folder with --longbench-data DIR"),
+    (("longbench/dureader", "--longbench-data", str(LONGBENCH_DATA)), "jieba"),
+    (("longbench/nosuch", "--longbench-data", str(LONGBENCH_DATA)), "unknown LongBench dataset 'nosuch'"),
+    (("longbench/trec", "--longbench-data", str(LONGBENCH_DATA), "--truncation", "left"),
+     "--truncation must be one of official, paper"),
+])
+def test_longbench_usage_errors(gali, args, message):
+    result = gali(*args, "--lengths", "300")
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+
+
+def test_longbench_stands_for_the_papers_sixteen_datasets():
+    from gali_cli.evaluation.longbench import PAPER_DATASETS
+
+    names = tasks.check_tasks(["niah_single_1", "longbench", "longbench/trec"])
+    assert names == ["niah_single_1", *(f"longbench/{name}" for name in PAPER_DATASETS)] and len(PAPER_DATASETS) == 16
+
+
+def test_the_papers_scores_are_shown_beside_ours_for_its_model():
+    from gali_cli.display import eval_table
+
+    rows = [{"task": "longbench/trec", "length": 16384, "method": "gali", "score": 70.0, "samples": 5,
+             "seconds_per_sample": 1.0},
+            {"task": "niah_single_1", "length": 16384, "method": "gali", "score": 90.0, "samples": 5,
+             "seconds_per_sample": 1.0}]
+    found = evaluate.with_paper_scores(rows, 8192)
+    assert found[0]["paper"] == 77.0 and "paper" not in found[1]  # the paper's trec for GALI at 8k -> 16k
+    assert "paper" not in evaluate.with_paper_scores(rows, 2048)[0]  # no such backbone in the paper
+    table = eval_table(found)
+    assert table.caption and "GALI paper" in table.caption
+    assert [str(cell) for cell in table.columns[2]._cells] == ["[bold]70.0[/] (77.0)", "[bold]90.0[/]", "[bold]80.0[/]"]

@@ -107,8 +107,9 @@ def test_predictions_are_cleaned_as_ruler_cleans_them():
 
 
 def test_a_raw_prompt_leaves_the_chat_template_out():
-    """LongBench's trec, samsum, lcc...: BOS, the context, a blank line, the question, and nothing after."""
-    sample = Sample(task="raw", id="0", context="Text: a b c", question="Type:", references=("x",),
+    """LongBench's trec, samsum, lcc...: BOS, the context and the question exactly as given (the question carries
+    its own separator), nothing between and nothing after."""
+    sample = Sample(task="raw", id="0", context="Text: a b c\n", question="\nType:", references=("x",),
                     score=lambda answer: 0.0, chat=False)
     assert prompt_ids(TOKENIZER, sample) == TOKENIZER("Text: a b c\n\nType:").input_ids
     chat = prompt_ids(TOKENIZER, replace(sample, chat=True))

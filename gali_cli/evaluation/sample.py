@@ -34,10 +34,14 @@ class Sample:
 class Request:
     """What a task builds its samples for: target lengths in tokens, samples per length, the seed, how many tokens
     the runner's prompt for a sample takes (chat template and answer prefix included), and the user's haystack
-    (None: the shipped text)."""
+    (None: the shipped text); for LongBench, the model's tokenizer (its truncation counts tokens), the folder of the
+    user's copy of the data and the truncation rule."""
 
     lengths: tuple[int, ...]
     samples: int
     seed: int
     prompt_tokens: Callable[[Sample], int]
     haystack: str | None = None
+    tokenizer: object = None
+    longbench_data: str | None = None
+    truncation: str = "official"

@@ -12,8 +12,9 @@ from .. import display
 from ..conversation import Conversation
 from ..display import print_json, say
 from ..errors import ConfigError
+from ..evaluation.longbench_paper import is_paper_model, paper_scores
 from ..evaluation.sample import Request, Sample
-from ..evaluation.tasks import build_samples
+from ..evaluation.tasks import LONGBENCH, build_samples
 from ..generate import Finished, TextPiece, make_sampler
 from ..methods import kept_window
 from ..model.loading import LoadedModel
@@ -39,6 +40,8 @@ class Evaluation:
     plot: str | None = None
     cache_dir: str | None = None
     no_cache: bool = False
+    longbench_data: str | None = None  # --longbench-data DIR
+    truncation: str = "official"
 
 
 def prompt_ids(tokenizer, sample: Sample) -> list[int]:
@@ -85,13 +88,16 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
     results = ResultsFile(Path(evaluation.out), rank) if evaluation.out else None
     with held(results) if results else nullcontext() as collective:  # a second run on --out refuses before loading
         loaded = load(choice, rank)
+        paper_model = is_paper_model(loaded.model.config, choice.model)  # before a method changes its config
         with display.status("Building the samples"):
             samples = build_samples(list(evaluation.tasks), Request(
                 evaluation.lengths, evaluation.samples, evaluation.seed,
-                lambda sample: len(prompt_ids(loaded.tokenizer, sample)), haystack))
+                lambda sample: len(prompt_ids(loaded.tokenizer, sample)), haystack, loaded.tokenizer,
+                evaluation.longbench_data, evaluation.truncation))
+        longbench = any(task.startswith(f"{LONGBENCH}/") for task in evaluation.tasks)
         jobs = {method: batch_job("eval", replace(choice, methods=(method,)), seed=evaluation.seed,
                                   haystack=haystack and hashlib.sha256(haystack.encode()).hexdigest(),
-                                  decoding="greedy")
+                                  decoding="greedy", **({"truncation": evaluation.truncation} if longbench else {}))
                 for method in choice.methods}
         records = _answer_all(loaded, choice, samples, jobs, results, rank, evaluation)
         if collective is not None:
@@ -104,6 +110,8 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
     if rank.rank != 0:
         return
     rows = score_rows(records, jobs, samples)
+    if paper_model:
+        rows = with_paper_scores(rows, choice.settings.train_len or loaded.train_len)
     if evaluation.json_output:
         print_json({"results": rows, "model": choice.model, "out": str(results.path) if results else None})
     elif evaluation.csv:
@@ -184,3 +192,15 @@ def score_rows(records: list[dict], jobs: dict[str, dict], samples: list[Sample]
              "samples": count, "seconds_per_sample": round(seconds / count, 3)}
             for (task, length, method), (total, count, seconds) in sorted(sums.items(), key=lambda item:
                                                                          order[item[0]])]
+
+
+def with_paper_scores(rows: list[dict], train_len: int) -> list[dict]:
+    """`rows` with the GALI paper's LongBench score ("paper", x100) where it has one for the task, the method, the
+    backbone's window `train_len` and the length: for the paper's own model only (Llama-3-8B-Instruct)."""
+    found = []
+    for row in rows:
+        scores = (paper_scores(train_len, row["length"], row["method"])
+                  if row["task"].startswith(f"{LONGBENCH}/") and row["length"] else None)
+        dataset = row["task"].removeprefix(f"{LONGBENCH}/")
+        found.append({**row, "paper": scores[dataset]} if scores and dataset in scores else row)
+    return found
