@@ -242,9 +242,9 @@ def eval_(
                                                                       "text.")] = None,
     out: Annotated[str | None, typer.Option(metavar="FILE", help="Append one JSON line per answer here; a rerun "
                                                                  "skips the answers already there.")] = None,
-    longbench_data: Annotated[str | None, typer.Option(metavar="DIR", help="Your copy of LongBench v1: its data/ "
-                                                                           "jsonl files or the parquet copy "
-                                                                           "(docs/eval.md).")] = None,
+    longbench_data: Annotated[str | None, typer.Option(metavar="DIR", help="Your copy of LongBench v1: the folder "
+                                                                           "of its data/*.jsonl files, or of the "
+                                                                           "parquet copy lm-eval reads.")] = None,
     truncation: Annotated[str, typer.Option(metavar="official|paper", help="LongBench prompts cut in the middle to "
                                                                            "the length (official pred.py), or to "
                                                                            "length - answer - 50 (the GALI "
