@@ -597,7 +597,7 @@ def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, mon
     assert sum(line.startswith("FAIL noisy attention, native vs PyTorch") for line in result.stdout.splitlines()) == 4
     assert sum(line.startswith("FAIL GALI vs Alg. 3") for line in result.stdout.splitlines()) == 2  # its route
     assert result.stderr.strip().splitlines()[-1] == (
-        "gali: self-check: 7 of 18 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
+        "gali: self-check: 7 of 19 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
     assert "FAIL transformers seam, gali with noise" in result.stdout  # noisy GALI takes the wrong kernel too
 
 
@@ -607,11 +607,11 @@ def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, s
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     seam = [line for line in lines if "transformers seam" in line]
-    assert len(seam) == 12 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
+    assert len(seam) == 13 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
     assert "takes its KV cache under none of the names gali knows (cache, past_key_values)" in seam[0]
     assert sum(line.startswith("ok   ") for line in lines) == 6  # the attention paths themselves hold
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "gali: self-check: 12 of 18 checks failed; the transformers seam fails (see above): gali's answers would be "
+        "gali: self-check: 13 of 19 checks failed; the transformers seam fails (see above): gali's answers would be "
         "wrong with transformers ")
 
 
