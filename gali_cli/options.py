@@ -38,8 +38,7 @@ class DType(str, Enum):
     float32 = "float32"
 
 
-_DTYPE_HELP = ("auto: bfloat16 where the GPU or CPU computes in it (AVX-512 BF16, AMX), else float16 on GPU, "
-               "float32 on CPU.")
+_DTYPE_HELP = ("auto: bfloat16 on a GPU that has it or a CPU with AMX, else float16 on GPU, float32 on CPU.")
 
 
 def _model_option(*declarations: str, help: str, **kwargs) -> typer.Option:
