@@ -34,6 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 SHAPES = {  # hidden, heads, kv_heads, intermediate, layers, vocab
     "small": (512, 4, 1, 1792, 4, 32000),  # Llama-3 proportions (head dim 128, 4 query heads per kv head), scaled down
+    "smollm2-135m": (576, 9, 3, 1536, 30, 49152),  # SmolLM2-135M's shape (head dim 64), for GPUs without its file
     "llama3-8b": (4096, 32, 8, 14336, 32, 128256),
 }
 VARIANTS = {
@@ -163,10 +164,24 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def reset_peak(device: str) -> bool:
+    """Start a new peak-memory window: CUDA's allocator statistics on a GPU, VmHWM on the CPU."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return True
+    return reset_peak_rss()
+
+
+def peak_mib(device: str) -> float:
+    """Peak memory since `reset_peak`: allocated GPU memory on CUDA, resident memory on the CPU."""
+    return peak_memory_mib(device) if device == "cuda" else peak_rss_mib()
+
+
 def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple[int, int]]) -> dict:
     """All variants in this one process on one loaded model, interleaved forward by forward, `args.rounds` times:
-    on a shared machine the load shifts alike for all of them, so their ratios hold. Peak RSS per forward through
-    VmHWM, reset before each."""
+    on a shared machine the load shifts alike for all of them, so their ratios hold. Peak memory per forward (CUDA:
+    the allocator's peak; CPU: VmHWM), reset before each."""
     from transformers import DynamicCache
 
     from gali_cli.engine.seam import with_cache
@@ -187,14 +202,19 @@ def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple
                     apply_variant(model, variant, train_len, length + args.decode_tokens)
                     model(ids[:, :8], logits_to_keep=1)
                     synchronize(args.device)
-                    resettable = reset_peak_rss()
-                    before = peak_rss_mib()
+                    resettable = reset_peak(args.device)
+                    before = peak_mib(args.device)
                     start = time.perf_counter()
                     cache = DynamicCache(config=model.config)
-                    model(ids[:, :length], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+                    try:
+                        model(ids[:, :length], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+                    except torch.OutOfMemoryError:  # the anchor at long lengths: reported, the others go on
+                        del cache
+                        print(f"{variant} at {factor}x train_len {train_len}: out of memory", file=sys.stderr)
+                        continue
                     synchronize(args.device)
                     prefill_s = time.perf_counter() - start
-                    peak = peak_rss_mib() if resettable else float("nan")
+                    peak = peak_mib(args.device) if resettable else float("nan")
                     decode = []
                     for step in range(args.decode_tokens):
                         start = time.perf_counter()

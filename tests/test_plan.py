@@ -7,13 +7,13 @@ from test_attention import qkv
 from test_hooks import prompt
 
 from gali_cli import GaliConfig, apply_gali
-from gali_cli.engine import plan
+from gali_cli.engine import dense, plan
 from gali_cli.engine.plan import AttentionPlan, decide, plan_for
-from gali_cli.errors import ConfigError
+from gali_cli.errors import ConfigError, GaliWarning
 
 # (device, dtype, forward only) -> (causal, partial)
 ROUTES = [
-    ("cuda", "bfloat16", True, "lower-right", "explicit"),
+    ("cuda", "bfloat16", True, "lower-right", "cuda"),
     ("cuda", "float32", False, "lower-right", "explicit"),
     ("cpu", "float32", True, "split", "flash"),
     ("cpu", "bfloat16", True, "masked", "flash"),
@@ -27,6 +27,34 @@ def test_routes_follow_device_dtype_and_autograd(device, dtype, forward_only, ca
     got = decide(device, dtype, forward_only, noise=False)
     assert (got.causal, got.partial, got.noisy, got.noisy_partial) == (causal, partial, None, None)
     assert got.split == (causal == "split")
+
+
+def test_a_gpu_takes_explicit_parts_where_its_kernel_fails_the_first_use_check():
+    # The check runs the CUDA kernel; on the CPU torch has none, which is the failure the check must survive.
+    dense.cuda_partial_verified.cache_clear()
+    with pytest.warns(GaliWarning, match="memory-efficient CUDA attention does not run here"):
+        assert not dense.cuda_partial_verified(torch.device("cpu"), torch.float32)
+    dense.cuda_partial_verified.cache_clear()
+
+
+def test_explicit_tiles_are_wider_on_a_gpu():
+    # 32 heads over 8k keys: a few rows a tile on the CPU (cache-sized), hundreds on a GPU (few launches).
+    assert dense.logits_tile_rows(torch.device("cpu"), 1, 32, 8192) == 4
+    assert dense.logits_tile_rows(torch.device("cuda"), 1, 32, 8192) == 128
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, queries, keys, causal", [
+    (4, 2, 37, 101, False), (4, 4, 1, 300, False), (9, 3, 64, 64, True), (32, 8, 200, 4000, False)])
+def test_the_gpu_parts_equal_explicit_logits(dtype, heads, kv_heads, queries, keys, causal):
+    query, key, value = qkv(2, heads, kv_heads, queries, keys, dtype=dtype, dim=64, device="cuda")
+    got = dense.cuda_partial(query, key, value, 0.125, causal=causal)
+    expected = dense.explicit_partial(query, key, value, 0.125, causal=causal)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (got.output.float() - expected.output.float()).abs().max().item() <= tolerance
+    assert (got.lse - expected.lse).abs().max().item() <= tolerance
+    assert plan_for(query, key, value).partial == "cuda"
 
 
 def test_the_cpu_without_its_flash_kernel_takes_the_mask():

@@ -137,24 +137,24 @@ def test_kernel_choice_follows_gali_kernel(monkeypatch):
         fused_kernel_applies(query, key)
 
 
-def test_forced_kernel_refuses_what_it_cannot_run(kernel, monkeypatch):
+def test_forced_kernel_refuses_what_it_cannot_run(kernel, device, monkeypatch):
     monkeypatch.setenv("GALI_KERNEL", "triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-        with pytest.raises(ConfigError, match="needs a CUDA device"):
-            fused_kernel_applies(*qkv(1, 2, 1, 4, 8)[:2])
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    query, key, _ = qkv(1, 2, 1, 4, 8, dim=24)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled, CPU tensors: the kernel needs CUDA
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        fused_kernel_applies(*qkv(1, 2, 1, 4, 8)[:2])
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    query, key, _ = qkv(1, 2, 1, 4, 8, dim=24, device=device)
     with pytest.raises(ConfigError, match="power-of-two head dim"):
         fused_kernel_applies(query, key)
-    query, key, _ = qkv(1, 2, 1, 4, 8)
+    query, key, _ = qkv(1, 2, 1, 4, 8, device=device)
     assert fused_kernel_applies(query, key)
 
 
-def test_forced_kernel_without_triton_is_a_clear_error(monkeypatch):
+def test_forced_kernel_without_triton_is_a_clear_error(device, monkeypatch):
     monkeypatch.setenv("GALI_KERNEL", "triton")
     monkeypatch.setattr(plan_module, "_triton_installed", lambda: False)
-    query, key, _ = qkv(1, 2, 1, 4, 8)
+    query, key, _ = qkv(1, 2, 1, 4, 8, device=device)
     with pytest.raises(ConfigError, match="triton is not installed"):
         fused_kernel_applies(query, key)
 

@@ -5,6 +5,8 @@ Shapes: B batch, H query heads, Hkv key/value heads (GQA when Hkv < H), q querie
 q queries are the last q of its T keys (lower-right causal).
 """
 
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -12,11 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..errors import GaliWarning
 from .plan import AttentionPlan, plan_for
 
-# Explicit logits held at once (a tile of queries): 1M float32, 4 MiB; noise or extra position sets take a few
-# times that.
-_LOGITS_TILE_ELEMENTS = 1 << 20
+# Explicit logits held at once (a tile of queries): on the CPU 1M float32, 4 MiB (cache-sized); on a GPU 32M, 128 MiB,
+# since there each tile costs a few kernel launches whatever its size (at 4 MiB, 32 heads x 8k keys made tiles of
+# 4 queries: an 8k-token prefill of a Llama-3-8B took 19 s instead of 0.7 s on an H200). Noise or extra position sets
+# take a few times that.
+_LOGITS_TILE_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 25}
+
+
+def logits_tile_rows(device: torch.device, batch: int, heads: int, keys: int) -> int:
+    """Query rows per tile of explicit float32 logits (B, H, rows, keys) on this device."""
+    elements = _LOGITS_TILE_ELEMENTS.get(device.type, _LOGITS_TILE_ELEMENTS["cuda"])
+    return max(1, elements // (batch * heads * keys))
 
 # (query, key, value, scale, dropout) -> (B, H, q, D): causal attention of q < T queries, the last q of the T keys.
 CausalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor]
@@ -43,9 +54,20 @@ PartialAttention = Callable[..., Partial]
 _CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+# On CUDA, torch's memory-efficient attention, which returns the log-sum-exp when asked (an aten op, as the CPU one:
+# without it, or where it fails its first-use check, parts take explicit logits). Any float dtype, head dims up to 256.
+_CUDA_EFFICIENT_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+
+
 def cpu_flash_available() -> bool:
     """Whether this torch has the CPU flash kernel with log-sum-exp (plan.py asks, once per forward)."""
     return _CPU_FLASH_WITH_LSE is not None
+
+
+def cuda_partial_applies(query: torch.Tensor) -> bool:
+    """Whether `cuda_partial` takes queries like these: head dims the kernel has (multiples of 8 up to 256)."""
+    dim = query.shape[-1]
+    return _CUDA_EFFICIENT_WITH_LSE is not None and dim % 8 == 0 and dim <= 256
 
 
 def causal_attention(
@@ -125,6 +147,61 @@ def flash_partial(
     return Partial(output.reshape(batch, heads, q_len, dim), lse.reshape(batch, heads, q_len))
 
 
+def cuda_partial(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> Partial:
+    """`flash_partial` on a GPU, by torch's memory-efficient CUDA kernel: no (queries x keys) tensor at any length.
+    A `mask` (rare: LaMPE's last rows) goes to `explicit_partial`, whose tiles are as good there.
+
+    Forward only, no dropout: the plan sends those to `explicit_partial`.
+    """
+    if mask is not None:
+        return explicit_partial(query, key, value, scale, causal, mask, dropout)
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    if causal and heads != kv_heads:  # the causal flag needs one key head per query head
+        key, value = key.repeat_interleave(heads // kv_heads, dim=1), value.repeat_interleave(heads // kv_heads, dim=1)
+    # Query heads sharing a key head, stacked as rows: no copies of the keys.
+    stacked = query.reshape(batch, key.shape[1], -1, dim)
+    output, lse, _, _ = _CUDA_EFFICIENT_WITH_LSE(stacked, key, value, None, True, 0.0, causal, scale=scale)
+    lse = lse[..., : stacked.shape[2]]  # the kernel pads its log-sum-exp rows to a multiple of 32
+    return Partial(output.reshape(batch, heads, q_len, dim), lse.reshape(batch, heads, q_len))
+
+
+@functools.cache
+def cuda_partial_verified(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run `cuda_partial` once on small problems (keys seen in full, grouped heads; a causal square) and compare it,
+    log-sum-exp included, with explicit logits, so that a torch or GPU where the kernel is missing or differs takes
+    the explicit route (with a warning) instead of failing or answering wrongly."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(shape, generator=generator).to(device, dtype)
+                         for shape in ((2, 4, 37, 64), (2, 2, 101, 64), (2, 2, 101, 64)))
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    try:
+        with torch.inference_mode():
+            pairs = [(cuda_partial(*call, 0.125), explicit_partial(*call, 0.125))
+                     for call in ((query, key, value), (query, key[:, :, :37], value[:, :, :37]))]
+            pairs.append((cuda_partial(query, key[:, :, :37], value[:, :, :37], 0.125, causal=True),
+                          explicit_partial(query, key[:, :, :37], value[:, :, :37], 0.125, causal=True)))
+            error = max(max((got.output.float() - expected.output.float()).abs().max().item(),
+                            (got.lse - expected.lse).abs().max().item()) for got, expected in pairs)
+    except Exception as failure:  # a missing kernel, an unsupported dtype or layout on this torch or GPU
+        warnings.warn(f"torch's memory-efficient CUDA attention does not run here ({type(failure).__name__}: "
+                      f"{failure}); attention parts take explicit logits (slower)", GaliWarning, stacklevel=2)
+        return False
+    if not error <= tolerance:  # also catches NaN
+        warnings.warn(f"torch's memory-efficient CUDA attention disagrees with explicit logits here (max error "
+                      f"{error:.2g}); attention parts take explicit logits (slower)", GaliWarning, stacklevel=2)
+        return False
+    return True
+
+
 def explicit_partial(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -139,7 +216,7 @@ def explicit_partial(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     value32 = value.float()
     outputs, lses = [], []
-    tile = max(1, _LOGITS_TILE_ELEMENTS // (batch * heads * kv_len))
+    tile = logits_tile_rows(query.device, batch, heads, kv_len)
     for start in range(0, q_len, tile):
         rows = slice(start, min(start + tile, q_len))
         logits = grouped_logits(query[:, :, rows], key, scale)  # (B, H, n, T)
@@ -220,7 +297,7 @@ def tiled_attention(
     batch, kv_heads, kv_len, dim = value.shape
     value32 = value.float()
     output = value.new_empty(batch, heads, queries, dim)
-    tile = max(1, _LOGITS_TILE_ELEMENTS // (batch * heads * kv_len))
+    tile = logits_tile_rows(value.device, batch, heads, kv_len)
     for start in range(0, queries, tile):
         rows = slice(start, min(start + tile, queries))
         probs = F.dropout(torch.softmax(logits(rows), dim=-1), p=dropout)
@@ -238,4 +315,4 @@ def mask_future(logits: torch.Tensor, query_index: torch.Tensor) -> None:
 # The plan's routes (plan.CAUSAL_WORDS, plan.PARTIAL_WORDS say them in words).
 CAUSAL: dict[str, CausalAttention] = {"lower-right": lower_right_causal_attention, "split": split_causal_attention,
                                       "masked": masked_causal_attention}
-PARTIAL: dict[str, PartialAttention] = {"flash": flash_partial, "explicit": explicit_partial}
+PARTIAL: dict[str, PartialAttention] = {"flash": flash_partial, "cuda": cuda_partial, "explicit": explicit_partial}

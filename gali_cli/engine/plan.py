@@ -23,7 +23,8 @@ CAUSAL_WORDS = {
     "masked": "a (queries x keys) bool mask",
 }
 # Attention over part of the keys with its log-sum-exp (dense.PARTIAL):
-PARTIAL_WORDS = {"flash": "torch's CPU flash kernel", "explicit": "explicit float32 logits, a tile at a time"}
+PARTIAL_WORDS = {"flash": "torch's CPU flash kernel", "cuda": "torch's memory-efficient CUDA kernel",
+                 "explicit": "explicit float32 logits, a tile at a time"}
 # Noisy attention over keys every query sees (noisy_attention.NOISY_PARTIAL), for decoding and the CPU's split:
 NOISY_PARTIAL_WORDS = {"native": "the native CPU kernel", "explicit": "explicit float32 logits"}
 
@@ -92,7 +93,10 @@ def decide(device: str, dtype: str, forward_only: bool, noise: bool, cpu_flash: 
         causal = "lower-right"
     else:  # the split: float32 only (in bfloat16 the mask is faster), forward only (autograd would drop the lse's)
         causal = "split" if cpu and dtype == "float32" and forward_only and cpu_flash else "masked"
-    partial = "flash" if cpu and cpu_flash and forward_only else "explicit"
+    if forward_only and ((cpu and cpu_flash) or device == "cuda"):
+        partial = "flash" if cpu else "cuda"
+    else:
+        partial = "explicit"
     plan = AttentionPlan(device, dtype, forward_only, noise, causal, partial)
     if not noise:
         return plan
@@ -136,12 +140,15 @@ def plan_for(query, key, value, dropout: float = 0.0, noise: bool = False) -> At
     """
     import torch
 
-    from .dense import cpu_flash_available
+    from .dense import cpu_flash_available, cuda_partial_applies, cuda_partial_verified
 
     # The one test of "gradients or dropout": autograd records an op on these tensors, or dropout is drawn.
     recorded = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value))
     plan = decide(query.device.type, str(query.dtype).removeprefix("torch."), dropout == 0.0 and not recorded,
                   noise, cpu_flash_available())
+    if plan.partial == "cuda" and not (cuda_partial_applies(query) and cuda_partial_verified(query.device,
+                                                                                              query.dtype)):
+        plan = dataclasses.replace(plan, partial="explicit")
     return checked(plan, query, key) if noise else plan
 
 

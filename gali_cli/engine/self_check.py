@@ -1,10 +1,11 @@
 """The engine's self-check (`gali info --check`): every noisy-attention path this machine can run, held to the
 PyTorch path at real head dims, head groupings, dtypes and lengths, and GALI held to Alg. 3 as written; each timed.
 
-No GPU is lent to the project, so the Triton kernel has run only under Triton's interpreter: this is what the first
-user with a GPU runs to tell us whether it holds there (the kernel's first-use check, `kernel_verified`, is a smaller
-version of the same comparison). On a CPU it checks the native kernel; the Triton kernel only under
-TRITON_INTERPRET=1 (slow: small problems).
+On a GPU it checks the fused Triton kernel (first passed on an H200 on 2026-11-26: docs/performance.md) and the CUDA
+route of attention parts with their log-sum-exp; it is what a user with another GPU runs to tell whether they hold
+there (the first-use checks, `kernel_verified` and `cuda_partial_verified`, are smaller versions of the same
+comparisons). On a CPU it checks the native kernel; the Triton kernel only under TRITON_INTERPRET=1 (slow: small
+problems).
 """
 
 import time
@@ -62,6 +63,10 @@ def self_check(device: torch.device, triton_interpreted: bool = False) -> Iterat
     for dtype in (torch.float32, torch.bfloat16):
         for keys in LENGTHS["gali"]:
             yield _gali_check(device, dtype, keys)
+    if cuda:  # the route every windowed method's parts take there
+        for head_dim, heads, kv_heads in HEAD_SHAPES[:2]:
+            for dtype in (torch.float32, torch.bfloat16):
+                yield _partial_check(device, dtype, head_dim, heads, kv_heads, 4096)
 
 
 def _noisy_kernels(device: torch.device, triton_interpreted: bool) -> dict[str, Callable]:
@@ -127,6 +132,33 @@ def _gali_check(device: torch.device, dtype: torch.dtype, keys: int) -> Check:
                                      (query, key, value), device)
     name = f"GALI vs Alg. 3 as written: {keys} keys, {_CHUNK} queries, noise on, {str(dtype).removeprefix('torch.')}"
     return Check(name, _difference(got, expected), _tolerance(dtype, expected), {"GALI": fast, "Alg. 3": reference})
+
+
+def _partial_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int,
+                   keys: int) -> Check:
+    """Attention over part of the keys with its log-sum-exp (SelfExtend, ChunkLlama, ReRoPE, DPE, STRING, LaMPE):
+    torch's memory-efficient CUDA kernel against explicit float32 logits, output and log-sum-exp."""
+    from .dense import cuda_partial, explicit_partial
+
+    generator = torch.Generator().manual_seed(keys + heads)
+    shapes = ((1, heads, _CHUNK, head_dim), (1, kv_heads, keys, head_dim), (1, kv_heads, keys, head_dim))
+    query, key, value = (torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
+    name = (f"attention parts with log-sum-exp, CUDA kernel vs explicit logits: head dim {head_dim}, "
+            f"{heads}/{kv_heads} heads, {str(dtype).removeprefix('torch.')}, {keys} keys")
+    with torch.inference_mode():
+        try:
+            got, fast = _timed(lambda *a: _joined(cuda_partial(*a)), (query, key, value, head_dim**-0.5), device)
+        except Exception as error:  # a missing kernel or an unsupported layout is this check's finding
+            return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:160]})", float("nan"),
+                         0.0, {})
+        expected, reference = _timed(lambda *a: _joined(explicit_partial(*a)), (query, key, value, head_dim**-0.5),
+                                     device)
+    return Check(name, _difference(got, expected), _tolerance(dtype, expected), {"CUDA": fast, "explicit": reference})
+
+
+def _joined(part) -> torch.Tensor:
+    """A Partial's output and log-sum-exp as one float32 tensor, to compare both at once."""
+    return torch.cat((part.output.float(), part.lse.float().unsqueeze(-1)), dim=-1)
 
 
 def _timed(function: Callable, arguments: tuple, device: torch.device) -> tuple[torch.Tensor, float]:

@@ -1,0 +1,42 @@
+#!/bin/bash
+# What a GPU session of the device machine runs (docs/performance.md, "GPU"): correctness first, then speed, each
+# step bounded so that the whole fits one call. Run from the repository root; $OUT is where logs go.
+#   one-time, on this machine: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 --platform any -d .whl transformers==5.24.0 gguf wonderwords pypdf \
+#       platformdirs starlette uvicorn pydantic pydantic_core annotated-types typing-inspection fpdf2 defusedxml \
+#       pyte wcwidth openai distro jiter sniffio rouge
+#   then: run `bash benchmarks/gpu_session.sh` there with .whl carried.
+set -u
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/gali-gpu}; mkdir -p "$OUT"
+S=$(date +%s)
+DEADLINE=${DEADLINE:-540}  # seconds: no step runs past it
+step() { echo; echo "=== +$(( $(date +%s) - S ))s: $*"; }
+cap() { local left=$(( DEADLINE - ($(date +%s) - S) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/pip.log" 2>&1 || { echo "pip failed"; tail -5 "$OUT/pip.log"; }
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+step versions
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__)"
+step "gali info --check"
+timeout "$(cap 180)" python3 -m gali_cli info --check 2>&1 | tee "$OUT/info-check.log"
+step "the kernel's and the plan's tests, compiled"
+TRITON_INTERPRET=0 timeout "$(cap 120)" python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_attention.py \
+  tests/test_plan.py 2>&1 | tail -30
+step "prefill and decode: Llama-3-8B shape, bfloat16, every method, 8k and 32k"
+timeout "$(cap 200)" python3 benchmarks/bench_speed.py --device cuda --dtype bfloat16 --shape llama3-8b \
+  --train-len 8192 --factors 1,4 --one-process --rounds 1 --decode-tokens 16 --decode-factors "" \
+  --variants sdpa,gali,gali-noise,self-extend,chunk-llama,rerope,leaky-rerope,dpe,string,lampe,anchor \
+  --json "$OUT/bench-8b.json" >"$OUT/bench-8b.md" 2>"$OUT/bench-8b.err"; cat "$OUT/bench-8b.md"
+step "128k tokens"
+timeout "$(cap 150)" python3 benchmarks/bench_speed.py --device cuda --dtype bfloat16 --shape llama3-8b \
+  --train-len 8192 --factors 16 --one-process --rounds 1 --decode-tokens 8 --decode-factors "" \
+  --variants sdpa,gali,gali-noise --json "$OUT/bench-128k.json" >"$OUT/bench-128k.md" 2>"$OUT/bench-128k.err"
+cat "$OUT/bench-128k.md"
+step "the default suite on CUDA: failures by name as they happen"
+TRITON_INTERPRET=0 timeout "$(cap 400)" python3 -m pytest -p no:cacheprovider -v -n 8 --timeout 120 --tb=line 2>&1 \
+  | grep --line-buffered -E "FAILED|ERROR| passed| failed" >"$OUT/suite.log"; tail -40 "$OUT/suite.log"
+step done
