@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from .config import MethodSettings
 from .doc_cache import DocumentCache
 from .document_states import DocumentStates
+from .engine.kv_cache import new_cache
 from .generate import (
     Finished,
     Progress,
@@ -89,7 +90,7 @@ class Conversation:
             if progress:
                 progress(self.document_tokens, self.document_tokens)
         else:
-            self.cache = DynamicCache(config=model.config)
+            self.cache = new_cache(model)
             device = model.get_input_embeddings().weight.device
             prefill(model, torch.tensor([document_ids], device=device), self.cache,
                     prefill_spans(model, self.method, 0, self.document_tokens, [self.document_tokens]), progress)
@@ -127,7 +128,7 @@ class Conversation:
             stored = self.states.load(prompt.ids, [], [self.document_tokens], resolved)
             self.from_store = stored is not None
             self.cached_ids = prompt.ids[: self.document_tokens] if stored else []
-            self.cache = stored[0] if stored else DynamicCache(config=model.config)
+            self.cache = stored[0] if stored else new_cache(model)
         start, recorded = len(self.cached_ids), False
         spans = prefill_spans(model, self.method, start, len(ids), [self.document_tokens])
         try:

@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from .config import parse_size
+from .engine.kv_cache import new_cache
 from .file_locks import hold, left_behind
 from .printable import encodable
 
@@ -161,7 +162,7 @@ class DocumentCache:
             os.utime(path)  # recently used: evicted last
         except OSError:
             pass  # a read-only cache still serves
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
         for layer, attention in enumerate(layer.self_attn for layer in model.model.layers):
             device = attention.k_proj.weight.device  # with device_map="auto", layers live on different GPUs
             cache.update(tensors[f"keys.{layer}"].to(device), tensors[f"values.{layer}"].to(device), layer)

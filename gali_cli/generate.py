@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .engine.kv_cache import new_cache, reserve
 from .engine.seam import with_cache
 from .errors import ConfigError
 
@@ -185,7 +186,8 @@ def stream_generate(
     ids = torch.tensor([prompt_ids], device=device)
     reset_peak_memory(device)
     started = time.perf_counter()
-    cache = cache if cache is not None else DynamicCache(config=model.config)
+    cache = cache if cache is not None else new_cache(model)
+    reserve(cache, len(prompt_ids) + max_new_tokens)
     if spans[0][0] != cache.get_seq_length():
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens but the spans start at {spans[0][0]}")
     logits = prefill(model, ids, cache, spans, progress)

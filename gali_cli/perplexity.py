@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from .engine.kv_cache import new_cache, reserve
 from .engine.seam import with_cache
 from .errors import ConfigError
 
@@ -44,7 +45,8 @@ def perplexities(
     nll = torch.zeros(total - 1, dtype=torch.float64)  # nll[t]: token t + 1 given tokens 0..t
     cuts = sorted({*(boundaries or []), *(last for _, last in spans)})
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
+        reserve(cache, spans[-1][1])
         given = with_cache(model.model, cache)
         for first, last in spans:
             hidden = model.model(input_ids=ids[:, first:last], **given, use_cache=True).last_hidden_state

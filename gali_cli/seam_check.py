@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from .config import MethodSettings
 from .engine import reference_model as ref
+from .engine.kv_cache import new_cache
 from .engine.self_check import Check
 from .generate import decode, prefill
 from .methods import apply_method, prefill_spans, remove_method
@@ -127,7 +128,7 @@ def _seam_check(model: LlamaForCausalLM, ids: torch.Tensor, case: SeamCase) -> C
                 seen.append(logits.double())
                 return int(logits.argmax())
 
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model)
             logits = prefill(model, ids, cache, spans)
             tokens = list(decode(model, cache, logits, greedy, case.decoded, stop_ids=set()))
         gali_seconds = time.perf_counter() - started

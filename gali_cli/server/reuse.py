@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 from ..doc_cache import DocumentCache
 from ..document_states import DocumentStates
+from ..engine.kv_cache import new_cache
 from ..generate import truncate_cache
 from ..methods import METHODS, forward_ends
 from ..model.loading import LoadedModel
@@ -93,7 +94,7 @@ class States:
         if memory:
             truncate_cache(kept.cache, memory)
             return kept.cache, memory
-        return DynamicCache(config=model.config), 0
+        return new_cache(model), 0
 
     def keep(self, cache: DynamicCache, prompt: ServedPrompt, read: int, resolved: dict) -> None:
         """Keep the state of the first `read` tokens of `prompt` (all of them, or as far as a stopped prefill got)

@@ -1,0 +1,95 @@
+"""The KV cache gali generates with: transformers' DynamicCache, with layers that append in place.
+
+transformers' DynamicLayer appends a forward's keys and values with `torch.cat`, which copies the whole cache: every
+decoded token reads and writes all T cached keys and values once more, on top of the attention reading them. On a
+CPU, whose decode step is bound by memory traffic, that is the largest cost after the weights: SmolLM2 decoding
+after 4,096 tokens took 102 ms a token with it and 70 ms without (docs/performance.md, "Decode: the KV cache").
+`GrowingLayer` keeps the keys and values in a buffer with room to spare (or exactly the room `reserve` asked for)
+and writes each forward's rows into it; `keys`/`values` are views of its first rows, so everything that reads a
+DynamicCache — transformers, the document cache, `truncate_cache` — reads it unchanged.
+
+Built on the cache classes' public constructor (`DynamicCache.layers` holds one layer object per decoder layer) and
+the layer's public contract (`update` returns the keys and values of every token so far); the seam check and the
+equivalence tests run through it on every transformers release gali admits.
+"""
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+_SPARE_MIN = 64  # rows of room added, at least, when a buffer must grow past what was reserved
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values live in buffers (B, Hkv, capacity, D) that grow by a quarter at a time,
+    so that appending a token is amortised O(1) instead of O(T).
+
+    Anything that replaces `keys`/`values` (a cut by `truncate_cache` or `crop`, a batch selection) is respected:
+    a view of the buffer's first rows is continued in place (a cut's rows are overwritten, as they are dropped); any
+    other tensor is copied into a new buffer at the next append. Under autograd it appends as DynamicLayer does
+    (in-place writes would break the graph of earlier forwards).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reserved = 0  # tokens the next allocation makes room for (`reserve`)
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            self._buffers = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        count = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        stop = count + key_states.shape[-2]
+        if not self._continues(key_states, count, stop):
+            capacity = self.reserved if stop <= self.reserved else stop + max(_SPARE_MIN, stop // 4)
+            buffers = []
+            for held, new in ((self.keys, key_states), (self.values, value_states)):
+                buffer = new.new_empty(*new.shape[:2], capacity, new.shape[-1])
+                if count:
+                    buffer[:, :, :count] = held
+                buffers.append(buffer)
+            self._buffers = (buffers[0], buffers[1])
+        key_buffer, value_buffer = self._buffers
+        key_buffer[:, :, count:stop] = key_states
+        value_buffer[:, :, count:stop] = value_states
+        self.keys, self.values = key_buffer[:, :, :stop], value_buffer[:, :, :stop]
+        return self.keys, self.values
+
+    def _continues(self, new: torch.Tensor, count: int, stop: int) -> bool:
+        """Whether `keys`/`values` are still views of the first `count` rows of this layer's buffers, and the
+        buffers can take rows up to `stop` of tensors like `new` (same batch, heads, dtype, device, inference mode)."""
+        if self._buffers is None:
+            return False
+        key_buffer, value_buffer = self._buffers
+        return (key_buffer.shape[2] >= stop and key_buffer.shape[:2] == new.shape[:2]
+                and key_buffer.shape[-1] == new.shape[-1] and key_buffer.dtype == new.dtype
+                and key_buffer.device == new.device
+                and key_buffer.is_inference() == torch.is_inference_mode_enabled()
+                and all(held.dim() == 4 and held.data_ptr() == buffer.data_ptr() and held.shape[2] == count
+                        and held.stride() == buffer.stride()
+                        for held, buffer in ((self.keys, key_buffer), (self.values, value_buffer))))
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty KV cache for `model` whose layers append in place (`GrowingLayer`)."""
+    cache = DynamicCache(config=model.config)
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding windows: not a Llama's
+        return cache
+    cache.layers = [GrowingLayer() for _ in cache.layers]
+    return cache
+
+
+def reserve(cache: DynamicCache, tokens: int) -> None:
+    """Make room for `tokens` tokens in all, when the cache next grows (the prompt plus the longest answer), so
+    that a generation allocates once and holds no spare rows beyond what it may use."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.reserved = tokens
