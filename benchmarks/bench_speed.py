@@ -89,6 +89,15 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     return model
 
 
+def make_cache(model: LlamaForCausalLM, kind: str):
+    """An empty KV cache: gali's, which appends in place (`growing`), or transformers' DynamicCache (`dynamic`)."""
+    from transformers import DynamicCache
+
+    from gali_cli.engine.kv_cache import new_cache
+
+    return new_cache(model) if kind == "growing" else DynamicCache(config=model.config)
+
+
 def peak_memory_mib(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
@@ -182,7 +191,6 @@ def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple
     """All variants in this one process on one loaded model, interleaved forward by forward, `args.rounds` times:
     on a shared machine the load shifts alike for all of them, so their ratios hold. Peak memory per forward (CUDA:
     the allocator's peak; CPU: VmHWM), reset before each."""
-    from transformers import DynamicCache
 
     from gali_cli.engine.seam import with_cache
 
@@ -205,7 +213,7 @@ def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple
                     resettable = reset_peak(args.device)
                     before = peak_mib(args.device)
                     start = time.perf_counter()
-                    cache = DynamicCache(config=model.config)
+                    cache = make_cache(model, args.cache)
                     try:
                         model(ids[:, :length], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
                     except torch.OutOfMemoryError:  # the anchor at long lengths: reported, the others go on
@@ -248,7 +256,7 @@ def worker(args: argparse.Namespace) -> dict:
     pieces = list(zip([0, *ends[:-1]], ends)) if ends else None
 
     def prefill() -> DynamicCache:
-        cache = DynamicCache(config=model.config)
+        cache = make_cache(model, args.cache)
         for first, last in pieces or [(0, length)]:
             model(prompt[:, first:last], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
         return cache
@@ -288,7 +296,8 @@ def run_worker(args: argparse.Namespace, variant: str, train_len: int, factor: i
     """One worker process; None (and its error on stderr) when it fails, e.g. out of memory."""
     command = [sys.executable, __file__, "--worker", variant, "--factors", str(factor), "--decode-tokens",
                str(decode_tokens), "--device", args.device, "--dtype", args.dtype, "--shape", args.shape,
-               "--train-len", str(train_len), "--repeats", str(repeats), "--threads", str(args.threads)]
+               "--train-len", str(train_len), "--repeats", str(repeats), "--threads", str(args.threads),
+               "--cache", args.cache]
     if args.model:
         command += ["--model", args.model] + (["--layers", str(args.layers)] if args.layers else [])
     result = subprocess.run(command, capture_output=True, text=True)
@@ -325,6 +334,8 @@ def main() -> None:
                         "forward by forward (one model load; peak RSS per forward via Linux's VmHWM): the ratios to "
                         "trust on a shared, loaded machine")
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--cache", choices=("growing", "dynamic"), default="growing",
+                        help="the KV cache: gali's, which appends in place (default), or transformers' DynamicCache")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -18,6 +18,7 @@ One concern a file, dependencies pointing down the list:
 - kept_keys.py: rotated keys kept with the KV cache per layer, in the frame they were rotated for.
 - decode.py: GALI's one-token decoding without re-rotating the cache.
 - windowed.py: attention split at a distance (SelfExtend, ReRoPE, Leaky ReRoPE, DPE).
+- kv_cache.py: the KV cache gali generates with (a DynamicCache whose layers append in place).
 - seam.py: how the installed transformers takes the KV cache; SeamError when it is not a way gali knows.
 - hooks.py: the transformers extension points every position-remapping method is installed through.
 - self_check.py: `gali info --check`'s checks of the fast paths.
