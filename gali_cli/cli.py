@@ -249,6 +249,9 @@ def eval_(
                                                                            "the length (official pred.py), or to "
                                                                            "length - answer - 50 (the GALI "
                                                                            "authors').")] = "official",
+    system: Annotated[str | None, typer.Option(metavar="TEXT", help="A system message before each sample that "
+                                                                   "goes through the chat template (the GALI "
+                                                                   "authors' LongBench runs used one).")] = None,
     password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     csv: Annotated[bool, typer.Option("--csv", metavar="", help="Print task,length,method,score rows as CSV.")]
     = False,
@@ -285,7 +288,8 @@ def eval_(
     from .runs.evaluate import Evaluation, evaluate
 
     evaluate(choice, Evaluation(tuple(names), tuple(wanted), samples, seed, haystack, out, json_output, csv, plot,
-                                cache_dir, no_cache, longbench_data, truncation), Reading(password, max_input_size))
+                                cache_dir, no_cache, longbench_data, truncation, system),
+             Reading(password, max_input_size))
 
 
 @app.command(cls=Command)

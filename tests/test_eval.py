@@ -27,8 +27,8 @@ TIMING = {"seconds", "prefill_tokens_per_second", "decode_tokens_per_second", "p
 def _short_answers(monkeypatch):
     """Answers of 8 tokens, not RULER's 128: the tiny model never stops early, and each token costs a forward."""
     real = evaluate.answer_sample
-    monkeypatch.setattr(evaluate, "answer_sample", lambda loaded, method, choice, sample, cache: real(
-        loaded, method, choice, replace(sample, max_new_tokens=8), cache))
+    monkeypatch.setattr(evaluate, "answer_sample", lambda loaded, method, choice, sample, cache, system=None: real(
+        loaded, method, choice, replace(sample, max_new_tokens=8), cache, system))
 
 
 @pytest.fixture
@@ -150,6 +150,35 @@ def test_a_raw_task_is_answered_without_the_chat_template(gali, monkeypatch, tin
     assert json.loads(result.stdout)["results"][0]["score"] == 100.0
     raw_ids = AutoTokenizer.from_pretrained(tiny_model_dir)("Text: the lease ends in March.\nType:").input_ids
     assert _answers(tmp_path / "raw.jsonl")[0]["prompt_tokens"] == len(raw_ids)
+
+
+def test_a_system_message_goes_before_chat_samples_only_and_is_part_of_the_job(gali, monkeypatch, tiny_model_dir,
+                                                                             tmp_path):
+    """--system (the GALI authors' LongBench runs wrapped every chat prompt in one): in the chat samples' prompts,
+    not in the raw ones, recorded with each answer, and a rerun with another message answers again."""
+    def mixed(name, request):
+        return [Sample(task=name, id="chat", context="The lease ends in March.", question="When does it end?",
+                       references=("March",), score=lambda answer: 1.0),
+                Sample(task=name, id="raw", context="Text: the lease ends in March.", question="\nType:",
+                       references=("month",), score=lambda answer: 1.0, chat=False)]
+
+    monkeypatch.setitem(tasks.TASKS, "mixed", mixed)
+    out = tmp_path / "mixed.jsonl"
+    assert gali("mixed", "--method", "original", "--out", str(out)).exit_code == 0
+    pirate = "You are a pirate chatbot who always responds in pirate speak!"
+    result = gali("mixed", "--method", "original", "--out", str(out), "--system", pirate)
+    assert result.exit_code == 0, result.stderr
+    plain, wrapped = _answers(out)[:2], _answers(out)[2:]
+    assert len(wrapped) == 2 and all(record["system"] == pirate for record in wrapped)
+    assert all("system" not in record for record in plain)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    by_id = {record["sample"]: record["prompt_tokens"] for record in wrapped}
+    chat, raw = mixed("mixed", None)
+    assert by_id["chat"] == len(prompt_ids(tokenizer, chat, pirate)) > len(prompt_ids(tokenizer, chat))
+    assert by_id["raw"] == len(prompt_ids(tokenizer, raw, pirate)) == len(prompt_ids(tokenizer, raw))
+    assert pirate in tokenizer.decode(prompt_ids(tokenizer, chat, pirate))
+    again = gali("mixed", "--method", "original", "--out", str(out))  # the first job's answers are still there
+    assert again.exit_code == 0 and "2 answers already in" in again.stderr and len(_answers(out)) == 4
 
 
 LONGBENCH_DATA = Path(__file__).parent / "data" / "longbench"

@@ -42,13 +42,15 @@ class Evaluation:
     no_cache: bool = False
     longbench_data: str | None = None  # --longbench-data DIR
     truncation: str = "official"
+    system: str | None = None  # --system TEXT: a system message before each chat sample (not the raw ones)
 
 
-def prompt_ids(tokenizer, sample: Sample) -> list[int]:
-    """The tokens a sample's answer follows, as `gali ask` builds them (conversation.py), with the answer prefix;
-    without `chat`, the raw text: BOS, the context, a blank line, the question."""
+def prompt_ids(tokenizer, sample: Sample, system: str | None = None) -> list[int]:
+    """The tokens a sample's answer follows, as `gali ask` builds them (conversation.py), with the answer prefix and,
+    for a chat sample, the `system` message; without `chat`, the raw text: BOS, the context, the question."""
     prefix = text_ids(tokenizer, sample.answer_prefix) if sample.answer_prefix else []
-    return conversation_ids(tokenizer, sample.context, [sample.question], [], chat=sample.chat).ids + prefix
+    system = system if sample.chat else None
+    return conversation_ids(tokenizer, sample.context, [sample.question], [], system, chat=sample.chat).ids + prefix
 
 
 def sample_hash(sample: Sample) -> str:
@@ -58,11 +60,12 @@ def sample_hash(sample: Sample) -> str:
     return hashlib.sha256(json.dumps(fields, ensure_ascii=False).encode()).hexdigest()
 
 
-def answer_sample(loaded: LoadedModel, method: str, choice: ModelChoice, sample: Sample, cache) -> dict:
-    """The sample answered greedily through `gali ask`'s conversation (its document cache too), cut at the first
-    stop string, and scored."""
+def answer_sample(loaded: LoadedModel, method: str, choice: ModelChoice, sample: Sample, cache,
+                  system: str | None = None) -> dict:
+    """The sample answered greedily through `gali ask`'s conversation (its document cache too), after the `system`
+    message when the sample is a chat one, cut at the first stop string, and scored."""
     talk = Conversation(loaded, method, choice.settings, sample.context, f"<gali eval {sample.task} {sample.id}>",
-                        None, cache, chat=sample.chat)
+                        system if sample.chat else None, cache, chat=sample.chat)
     text, finished = "", None
     for event in talk.ask(sample.question, make_sampler(), sample.max_new_tokens, answer_prefix=sample.answer_prefix):
         if isinstance(event, Finished):
@@ -92,12 +95,14 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
         with display.status("Building the samples"):
             samples = build_samples(list(evaluation.tasks), Request(
                 evaluation.lengths, evaluation.samples, evaluation.seed,
-                lambda sample: len(prompt_ids(loaded.tokenizer, sample)), haystack, loaded.tokenizer,
+                lambda sample: len(prompt_ids(loaded.tokenizer, sample, evaluation.system)), haystack,
+                loaded.tokenizer,
                 evaluation.longbench_data, evaluation.truncation))
         longbench = any(task.startswith(f"{LONGBENCH}/") for task in evaluation.tasks)
         jobs = {method: batch_job("eval", replace(choice, methods=(method,)), seed=evaluation.seed,
                                   haystack=haystack and hashlib.sha256(haystack.encode()).hexdigest(),
-                                  decoding="greedy", **({"truncation": evaluation.truncation} if longbench else {}))
+                                  decoding="greedy", **({"truncation": evaluation.truncation} if longbench else {}),
+                                  **({"system": evaluation.system} if evaluation.system else {}))
                 for method in choice.methods}
         records = _answer_all(loaded, choice, samples, jobs, results, rank, evaluation)
         if collective is not None:
@@ -143,7 +148,7 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
         for done, (sample, method) in enumerate(todo):
             bar(done, len(todo))
             started = time.perf_counter()
-            answer = answer_sample(loaded, method, choice, sample, cache)
+            answer = answer_sample(loaded, method, choice, sample, cache, evaluation.system)
             record = {"path": f"{sample.task}/{sample.id}", "sha256": keys[sample.task, sample.id],
                       "job": job_keys[method],
                       "status": "ok", **jobs[method], "task": sample.task, "sample": sample.id,
