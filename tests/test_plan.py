@@ -43,6 +43,25 @@ def test_explicit_tiles_are_wider_on_a_gpu():
     assert dense.logits_tile_rows(torch.device("cuda"), 1, 32, 8192) == 128
 
 
+def test_gpu_parts_in_half_precision_run_in_the_models_dtype():
+    # Rotations in float32, rounded once for the tensor cores; float32 models and the CPU keep float32 parts.
+    half = dense.partial_attention(decide("cuda", "bfloat16", True, noise=False))
+    assert half.func is dense.cuda_partial and half.keywords == {"compute_dtype": torch.bfloat16}
+    assert dense.partial_attention(decide("cuda", "float32", True, noise=False)) is dense.cuda_partial
+    assert dense.partial_attention(decide("cpu", "bfloat16", True, noise=False)) is dense.flash_partial
+    assert dense.partial_attention(decide("cuda", "bfloat16", False, noise=False)) is dense.explicit_partial
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_parts_from_float32_rotations_in_bfloat16():
+    query, key, value = qkv(1, 32, 8, 100, 3000, dim=128, device="cuda")
+    got = dense.cuda_partial(query, key, value, 0.09, compute_dtype=torch.bfloat16)
+    expected = dense.explicit_partial(query, key, value, 0.09)
+    assert got.output.dtype == torch.float32
+    assert (got.output - expected.output).abs().max().item() <= 2e-2
+    assert (got.lse - expected.lse).abs().max().item() <= 2e-2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, queries, keys, causal", [

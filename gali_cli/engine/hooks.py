@@ -254,7 +254,8 @@ def _attention(
                                               **kwargs)
     else:
         output = method.attend(rope_forward, module, query, key, value, scaling, dropout, **kwargs)
-    return output.contiguous(), None
+    # Methods merge their parts in float32; the layer's output projection takes the model's dtype.
+    return output.to(value.dtype).contiguous(), None
 
 
 def _check_extent(forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:

@@ -23,7 +23,8 @@ CAUSAL_WORDS = {
     "masked": "a (queries x keys) bool mask",
 }
 # Attention over part of the keys with its log-sum-exp (dense.PARTIAL):
-PARTIAL_WORDS = {"flash": "torch's CPU flash kernel", "cuda": "torch's memory-efficient CUDA kernel",
+PARTIAL_WORDS = {"flash": "torch's CPU flash kernel",
+                 "cuda": "torch's memory-efficient CUDA kernel (in the model's dtype; rotations in float32)",
                  "explicit": "explicit float32 logits, a tile at a time"}
 # Noisy attention over keys every query sees (noisy_attention.NOISY_PARTIAL), for decoding and the CPU's split:
 NOISY_PARTIAL_WORDS = {"native": "the native CPU kernel", "explicit": "explicit float32 logits"}

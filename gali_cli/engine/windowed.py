@@ -22,7 +22,7 @@ Shapes: B batch, H query heads, Hkv key/value heads, q queries (tokens [start, s
 
 import torch
 
-from .dense import PARTIAL, Partial, PartialAttention, merge_partials
+from .dense import Partial, PartialAttention, merge_partials, partial_attention
 from .plan import AttentionPlan, plan_for
 from .rope import RopeTable, rotate
 
@@ -166,7 +166,7 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         plan: the forward's (`plan.plan_for`), decided once per forward; decided here when not given.
     """
     plan = plan or plan_for(query, key, value, dropout)
-    partial = PARTIAL[plan.partial]
+    partial = partial_attention(plan)
     near = near_attention(query, key, value, table, window, start, scale, partial, dropout)
     far = far_attention(far_query, far_key, value, window, start, scale, partial, dropout)
     return (near if far is None else merge_partials([near, far])).output.to(value.dtype)

@@ -12,7 +12,7 @@ while decoding the keys are kept rotated from token to token (engine/kept_keys.p
 import torch
 from torch import nn
 
-from ..engine.dense import PARTIAL, causal_partial, merge_partials
+from ..engine.dense import causal_partial, merge_partials, partial_attention
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate
@@ -46,7 +46,7 @@ class DualChunkAttention(PositionalAttention):
         size, start, stop = self.chunk_size, forward.start, forward.stop
         query_tables = forward.memo(("chunk-llama", query.device, query.dtype),
                                     lambda: self._query_tables(forward, query))
-        partial = PARTIAL[forward.attention_plan(query, key, value, dropout).partial]
+        partial = partial_attention(forward.attention_plan(query, key, value, dropout))
         table = forward.table(query.device, query.dtype)
 
         def key_rotation(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:  # keys at P_k = j mod s

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..engine.dense import PARTIAL, Partial, PartialAttention, causal_partial, merge_partials
+from ..engine.dense import Partial, PartialAttention, causal_partial, merge_partials, partial_attention
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate, rotation
@@ -128,7 +128,7 @@ class LaMPE(PositionalAttention):
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         layout, start, stop = self.layout, forward.start, forward.stop
         scale = scaling * SCALE**2
-        partial = PARTIAL[forward.attention_plan(query, key, value, dropout).partial]
+        partial = partial_attention(forward.attention_plan(query, key, value, dropout))
         if layout.plain:
             key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop,
                                      lambda first, last: self._at(forward, torch.arange(first, last), key.dtype,
