@@ -15,6 +15,8 @@ and ratios to the unpatched model measured in the same run.
         --variants sdpa,gali,gali-noise,gali-noise-torch,self-extend,chunk-llama --decode-factors "" --decode-tokens 16
 
 A worker that fails (out of memory, typically the anchor at long lengths) is reported as such; the others go on.
+The KV cache is gali's, which appends in place (engine/kv_cache.py); figures in docs/performance.md dated before
+2026-11-26's "Decode: the KV cache" used transformers' DynamicCache: `--cache dynamic` measures that again.
 """
 
 import argparse
