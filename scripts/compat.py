@@ -34,7 +34,7 @@ from gali_cli.compat import TESTED_TRANSFORMERS  # the checkout's own range, not
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_compat.py", "tests/test_authors_gali.py", "tests/test_hooks.py", "tests/test_methods.py",
-         "tests/test_generate.py", "tests/test_server.py", "tests/test_gguf.py"]
+         "tests/test_generate.py", "tests/test_server.py", "tests/test_gguf.py", "tests/test_kv_cache.py"]
 TABLE = ROOT / "docs" / "compatibility.md"
 BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
 
