@@ -16,7 +16,7 @@ and ratios to the unpatched model measured in the same run.
 
 A worker that fails (out of memory, typically the anchor at long lengths) is reported as such; the others go on.
 The KV cache is gali's, which appends in place (engine/kv_cache.py); figures in docs/performance.md dated before
-2026-11-26's "Decode: the KV cache" used transformers' DynamicCache: `--cache dynamic` measures that again.
+2026-11-26's "Decode on the CPU" used transformers' DynamicCache: `--cache dynamic` measures that again.
 """
 
 import argparse
