@@ -129,22 +129,27 @@ def flash_partial(
 
     Forward only, no dropout: the plan sends those to `explicit_partial`.
     """
-    batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    per_kv = heads // kv_heads
-    if causal and per_kv > 1:  # the causal flag needs one key head per query head
-        key, value = key.repeat_interleave(per_kv, dim=1), value.repeat_interleave(per_kv, dim=1)
-        per_kv = 1
+    stacked, key, value = _stacked(query, key, value, causal)
     additive = None
     if mask is not None:
-        # Query heads sharing a key head are stacked as rows below: the mask repeats for each of them.
+        # Query heads sharing a key head are stacked as rows: the mask repeats for each of them.
         mask = mask.reshape((1, 1, *mask.shape[-2:])) if mask.dim() == 2 else mask
         additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
-        additive = additive.repeat(1, 1, per_kv, 1)
-    # Query heads sharing a key head, stacked as rows: no copies of the keys.
-    stacked = query.reshape(batch, kv_heads if not causal else heads, -1, dim)
+        additive = additive.repeat(1, 1, query.shape[1] // key.shape[1], 1)
     output, lse = _CPU_FLASH_WITH_LSE(stacked, key, value, 0.0, causal, attn_mask=additive, scale=scale)
-    return Partial(output.reshape(batch, heads, q_len, dim), lse.reshape(batch, heads, q_len))
+    return Partial(output.reshape(query.shape), lse.reshape(query.shape[:3]))
+
+
+def _stacked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value as the fused kernels take them with GQA: the query heads that share a key head stacked
+    as the rows of one head (B, Hkv, H/Hkv * q, D), so no key is copied; for a `causal` call, whose flag needs one
+    key head per query head, the keys and values repeated per query head instead."""
+    batch, heads, _, dim = query.shape
+    if causal and heads != key.shape[1]:
+        per_kv = heads // key.shape[1]
+        key, value = key.repeat_interleave(per_kv, dim=1), value.repeat_interleave(per_kv, dim=1)
+    return query.reshape(batch, key.shape[1], -1, dim), key, value
 
 
 def cuda_partial(
@@ -168,15 +173,10 @@ def cuda_partial(
     if compute_dtype is not None:
         part = cuda_partial(query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype), scale, causal)
         return Partial(part.output.float(), part.lse)
-    batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    if causal and heads != kv_heads:  # the causal flag needs one key head per query head
-        key, value = key.repeat_interleave(heads // kv_heads, dim=1), value.repeat_interleave(heads // kv_heads, dim=1)
-    # Query heads sharing a key head, stacked as rows: no copies of the keys.
-    stacked = query.reshape(batch, key.shape[1], -1, dim)
+    stacked, key, value = _stacked(query, key, value, causal)
     output, lse, _, _ = _CUDA_EFFICIENT_WITH_LSE(stacked, key, value, None, True, 0.0, causal, scale=scale)
     lse = lse[..., : stacked.shape[2]]  # the kernel pads its log-sum-exp rows to a multiple of 32
-    return Partial(output.reshape(batch, heads, q_len, dim), lse.reshape(batch, heads, q_len))
+    return Partial(output.reshape(query.shape), lse.reshape(query.shape[:3]))
 
 
 @functools.cache
