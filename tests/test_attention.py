@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import gali_cli.engine.dense as dense
-from gali_cli.engine.dense import causal_attention, lower_right_causal_attention
+from gali_cli.engine.dense import Partial, causal_attention, lower_right_causal_attention, merge_partials
 from gali_cli.engine.gali_attention import chunk_context, chunk_contexts, gali_attention
 from gali_cli.engine.noise import Noise
 from gali_cli.engine.noisy_attention import add_noise
@@ -183,3 +183,16 @@ def test_causal_attention_matches_the_masked_formulation_with_and_without_gradie
         gradients.append([leaf.grad for leaf in leaves])
     for got, want in zip(*gradients, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_parts_in_different_dtypes_merge_in_float32():
+    """GALI's noisy decode part comes in the model's dtype, a GPU part in float32 (dense.partial_attention)."""
+    generator = torch.Generator().manual_seed(0)
+    first, second = (Partial(torch.randn(1, 2, 3, 4, generator=generator), torch.randn(1, 2, 3, generator=generator))
+                     for _ in range(2))
+    expected = merge_partials([first, second])
+    for parts in ([first._replace(output=first.output.bfloat16()), second],
+                  [first, second._replace(output=second.output.bfloat16())]):
+        merged = merge_partials(parts)
+        assert merged.output.dtype == torch.float32
+        torch.testing.assert_close(merged.output, expected.output, atol=2e-2, rtol=0)

@@ -255,9 +255,12 @@ def merge_partials(parts: Sequence[Partial]) -> Partial:
     """Attention over the union of the parts' (disjoint) key sets, from the parts: exact, see `Partial`.
 
     Two at a time, each in one lerp: out_A + (out_B - out_A) * share_B (a few small elementwise ops, where a stacked
-    log-sum-exp over all parts costs more on the few rows of a decode step)."""
+    log-sum-exp over all parts costs more on the few rows of a decode step). Parts may come in different dtypes (a
+    noisy part in the model's, a CUDA part in float32): when they do, the merge is in float32."""
     merged = parts[0]
     for output, lse in parts[1:]:
+        if output.dtype != merged.output.dtype:
+            merged, output = Partial(merged.output.float(), merged.lse), output.float()
         share = torch.sigmoid(lse - merged.lse).unsqueeze(-1)
         merged = Partial(torch.lerp(merged.output, output, share.to(output.dtype)), torch.logaddexp(merged.lse, lse))
     return merged
