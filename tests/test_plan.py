@@ -45,11 +45,14 @@ def test_explicit_tiles_are_wider_on_a_gpu():
 
 def test_gpu_parts_in_half_precision_run_in_the_models_dtype():
     # Rotations in float32, rounded once for the tensor cores; float32 models and the CPU keep float32 parts.
-    half = dense.partial_attention(decide("cuda", "bfloat16", True, noise=False))
+    # The plan is decided from the queries, which a method may have rotated in float32; the values say the model's.
+    cuda = decide("cuda", "float32", True, noise=False)
+    half = dense.partial_attention(cuda, torch.bfloat16)
     assert half.func is dense.cuda_partial and half.keywords == {"compute_dtype": torch.bfloat16}
-    assert dense.partial_attention(decide("cuda", "float32", True, noise=False)) is dense.cuda_partial
-    assert dense.partial_attention(decide("cpu", "bfloat16", True, noise=False)) is dense.flash_partial
-    assert dense.partial_attention(decide("cuda", "bfloat16", False, noise=False)) is dense.explicit_partial
+    assert dense.partial_attention(cuda, torch.float32) is dense.cuda_partial
+    assert dense.partial_attention(decide("cpu", "float32", True, noise=False), torch.bfloat16) is dense.flash_partial
+    assert dense.partial_attention(decide("cuda", "float32", False, noise=False), torch.bfloat16) is \
+        dense.explicit_partial
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -110,7 +110,7 @@ def decode_attention(
     # Two parts merged by their log-sum-exps: the grouped keys in GALI's frame (with noise), the exact tail in the
     # absolute frame; one softmax over both, as if their logits had been concatenated.
     plan = plan or plan_for(query, key, value, noise=noise is not None)
-    partial = partial_attention(plan)
+    partial = partial_attention(plan, value.dtype)
     in_gali_frame = rotate(query, step.query_cos, step.query_sin)
     grouped_key, grouped_value = rotated[:, :, : step.grouped], value[:, :, : step.grouped]
     if noise is None:

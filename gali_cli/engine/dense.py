@@ -320,14 +320,15 @@ def mask_future(logits: torch.Tensor, query_index: torch.Tensor) -> None:
     logits.masked_fill_(future, float("-inf"))
 
 
-def partial_attention(plan: AttentionPlan) -> PartialAttention:
-    """The plan's route for attention parts. The methods rotate queries and keys for their parts in float32 (positions
-    far past the window need it); on CUDA in half precision the parts are then rounded once to the model's dtype and
-    attended on tensor cores, as the unpatched model attends (in float32 the kernel has none: an H200 took 7.5 s
-    instead of 1.4 s for a 32k-token prefill of ReRoPE), their outputs back in float32 for merging."""
+def partial_attention(plan: AttentionPlan, model_dtype: torch.dtype) -> PartialAttention:
+    """The plan's route for attention parts in a model of `model_dtype` (its values'). The methods rotate queries and
+    keys for their parts in float32 (positions far past the window need it); on CUDA in half precision the parts are
+    then rounded once to the model's dtype and attended on tensor cores, as the unpatched model attends (in float32
+    the kernel has none: an H200 took 7.5 s instead of 1.4 s for a 32k-token prefill of ReRoPE), their outputs back
+    in float32 for merging."""
     route = PARTIAL[plan.partial]
-    if plan.partial == "cuda" and plan.dtype in ("bfloat16", "float16"):
-        return functools.partial(route, compute_dtype=getattr(torch, plan.dtype))
+    if plan.partial == "cuda" and model_dtype in (torch.bfloat16, torch.float16):
+        return functools.partial(route, compute_dtype=model_dtype)
     return route
 
 

@@ -147,8 +147,9 @@ def plan_for(query, key, value, dropout: float = 0.0, noise: bool = False) -> At
     recorded = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value))
     plan = decide(query.device.type, str(query.dtype).removeprefix("torch."), dropout == 0.0 and not recorded,
                   noise, cpu_flash_available())
-    if plan.partial == "cuda" and not (cuda_partial_applies(query) and cuda_partial_verified(query.device,
-                                                                                              query.dtype)):
+    # Parts run in the queries' dtype, or rounded to the values' (dense.partial_attention): both are held to it.
+    if plan.partial == "cuda" and not (cuda_partial_applies(query) and all(
+            cuda_partial_verified(query.device, dtype) for dtype in {query.dtype, value.dtype})):
         plan = dataclasses.replace(plan, partial="explicit")
     return checked(plan, query, key) if noise else plan
 

@@ -166,7 +166,7 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         plan: the forward's (`plan.plan_for`), decided once per forward; decided here when not given.
     """
     plan = plan or plan_for(query, key, value, dropout)
-    partial = partial_attention(plan)
+    partial = partial_attention(plan, value.dtype)
     near = near_attention(query, key, value, table, window, start, scale, partial, dropout)
     far = far_attention(far_query, far_key, value, window, start, scale, partial, dropout)
     return (near if far is None else merge_partials([near, far])).output.to(value.dtype)

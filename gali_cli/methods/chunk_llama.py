@@ -46,7 +46,7 @@ class DualChunkAttention(PositionalAttention):
         size, start, stop = self.chunk_size, forward.start, forward.stop
         query_tables = forward.memo(("chunk-llama", query.device, query.dtype),
                                     lambda: self._query_tables(forward, query))
-        partial = partial_attention(forward.attention_plan(query, key, value, dropout))
+        partial = partial_attention(forward.attention_plan(query, key, value, dropout), value.dtype)
         table = forward.table(query.device, query.dtype)
 
         def key_rotation(first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:  # keys at P_k = j mod s

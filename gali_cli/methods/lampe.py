@@ -128,7 +128,7 @@ class LaMPE(PositionalAttention):
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         layout, start, stop = self.layout, forward.start, forward.stop
         scale = scaling * SCALE**2
-        partial = partial_attention(forward.attention_plan(query, key, value, dropout))
+        partial = partial_attention(forward.attention_plan(query, key, value, dropout), value.dtype)
         if layout.plain:
             key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop,
                                      lambda first, last: self._at(forward, torch.arange(first, last), key.dtype,
