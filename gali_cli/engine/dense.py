@@ -194,8 +194,7 @@ def cuda_partial_verified(device: torch.device, dtype: torch.dtype) -> bool:
                      for call in ((query, key, value), (query, key[:, :, :37], value[:, :, :37]))]
             pairs.append((cuda_partial(query, key[:, :, :37], value[:, :, :37], 0.125, causal=True),
                           explicit_partial(query, key[:, :, :37], value[:, :, :37], 0.125, causal=True)))
-            error = max(max((got.output.float() - expected.output.float()).abs().max().item(),
-                            (got.lse - expected.lse).abs().max().item()) for got, expected in pairs)
+            error = max(partial_difference(got, expected) for got, expected in pairs)
     except Exception as failure:  # a missing kernel, an unsupported dtype or layout on this torch or GPU
         warnings.warn(f"torch's memory-efficient CUDA attention does not run here ({type(failure).__name__}: "
                       f"{failure}); attention parts take explicit logits (slower)", GaliWarning, stacklevel=2)
@@ -205,6 +204,12 @@ def cuda_partial_verified(device: torch.device, dtype: torch.dtype) -> bool:
                       f"{error:.2g}); attention parts take explicit logits (slower)", GaliWarning, stacklevel=2)
         return False
     return True
+
+
+def partial_difference(got: Partial, expected: Partial) -> float:
+    """The largest difference between two answers of one partial attention, outputs and log-sum-exps alike."""
+    return max((got.output.float() - expected.output.float()).abs().max().item(),
+               (got.lse.float() - expected.lse.float()).abs().max().item())
 
 
 def explicit_partial(

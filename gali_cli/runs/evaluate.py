@@ -49,8 +49,13 @@ def prompt_ids(tokenizer, sample: Sample, system: str | None = None) -> list[int
     """The tokens a sample's answer follows, as `gali ask` builds them (conversation.py), with the answer prefix and,
     for a chat sample, the `system` message; without `chat`, the raw text: BOS, the context, the question."""
     prefix = text_ids(tokenizer, sample.answer_prefix) if sample.answer_prefix else []
-    system = system if sample.chat else None
-    return conversation_ids(tokenizer, sample.context, [sample.question], [], system, chat=sample.chat).ids + prefix
+    return conversation_ids(tokenizer, sample.context, [sample.question], [], _system(sample, system),
+                            chat=sample.chat).ids + prefix
+
+
+def _system(sample: Sample, system: str | None) -> str | None:
+    """The system message a sample is asked with: --system's, for samples that take the chat template only."""
+    return system if sample.chat else None
 
 
 def sample_hash(sample: Sample) -> str:
@@ -65,7 +70,7 @@ def answer_sample(loaded: LoadedModel, method: str, choice: ModelChoice, sample:
     """The sample answered greedily through `gali ask`'s conversation (its document cache too), after the `system`
     message when the sample is a chat one, cut at the first stop string, and scored."""
     talk = Conversation(loaded, method, choice.settings, sample.context, f"<gali eval {sample.task} {sample.id}>",
-                        system if sample.chat else None, cache, chat=sample.chat)
+                        _system(sample, system), cache, chat=sample.chat)
     text, finished = "", None
     for event in talk.ask(sample.question, make_sampler(), sample.max_new_tokens, answer_prefix=sample.answer_prefix):
         if isinstance(event, Finished):
