@@ -401,6 +401,23 @@ def test_kept_keys_do_not_outlive_a_cache_cut_back_and_refilled(make_llama, meth
     torch.testing.assert_close(step, model(refilled).logits[0, -1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("method, settings", [
+    ("self-extend", MethodSettings(group_size=5, neighbor_window=4)),
+    ("leaky-rerope", MethodSettings(neighbor_window=6, leaky_factor=7.0)),
+    ("dpe", MethodSettings(neighbor_window=6, dpe_scales=(2, 3))),
+    ("string", MethodSettings(shifted_offset=6, local_window=2)),
+])
+def test_a_longer_forward_after_decoding_continues_the_kept_keys(make_llama, method, settings):
+    """While decoding, the window's keys are kept at their token indices beside the far keys (KeptKeys.split); a
+    longer forward that continues the cache where decoding left it (a chat's next question) must rotate those as far
+    keys, not take them as they are."""
+    model = make_llama(train_len=16, heads=4, kv_heads=2)
+    apply_method(model, method, settings, 60)
+    ids = prompt(50, seed=4)
+    ends = [30, 31, 32, 33, 34, 45, 46, 47, 50]  # a prefill, 4 decoded tokens, a question, 2 decoded, another
+    torch.testing.assert_close(forwards(model, ids, ends), model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 STRING = [  # heads, kv_heads, train_len, shift S, local window W, logit scale, prompt_len
     (4, 2, 16, 5, 2, True, 16),  # the defaults: S = int(0.33 L), W = min(128, S / 2); the whole window
     (4, 1, 32, 10, 3, True, 40),  # within its reach, L + S - W = 39, and one past

@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from ..compat import warn_if_untested
 from ..errors import GaliError, UnsupportedModelError
 from .plan import AttentionPlan, plan_for
-from .rope import RopeTable, rotate
+from .rope import RopeTable, rotate, rotation
 from .seam import cached_tokens, forward_arguments, seam_error
 
 # Rope types whose frequencies do not depend on the sequence length: integer positions index them directly.
@@ -100,6 +100,14 @@ class Forward:
     def table(self, device: torch.device, dtype: torch.dtype) -> RopeTable:
         """The model's own cos/sin at positions 0..rows-1, in `dtype` and in float32."""
         return self.memo(("table", device, dtype), lambda: self._build_table(device, dtype))
+
+    def at_token_index(self, first: int, last: int, device: torch.device,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (last - first, D) of the model's rotary at token indices [first, last), where the unpatched model
+        rotates them (any index, float64 angles: rope.rotation), in `dtype`; built once per forward."""
+        rotary = self.installed.rotary
+        return self.memo(("token-index", device, dtype, first, last), lambda: rotation(
+            torch.arange(first, last, device=device).unsqueeze(-1), rotary.inv_freq, rotary.attention_scaling, dtype))
 
     def _build_table(self, device: torch.device, dtype: torch.dtype) -> RopeTable:
         method = self.installed.method

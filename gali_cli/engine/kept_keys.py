@@ -71,12 +71,35 @@ class KeptKeys:
         if cache is None or torch.is_grad_enabled():  # under autograd every forward's keys stay intact
             cos, sin = rotation(0, stop)
             return rotate_fused(key[:, :, :stop], cos, sin)
-        first = start if self.frame(cache, layer, key, start) is not None else 0
+        first = start if self.frame(cache, layer, key, start) == TOKEN_INDEX else 0
         buffer = self.buffer(cache, layer, key, stop, first)
         if stop > first:
             cos, sin = rotation(first, stop)
             rotate_fused(key[:, :, first:stop], cos, sin, out=buffer[:, :, first:stop])
         self.keep(cache, layer, stop, TOKEN_INDEX, buffer)
+        return buffer[:, :, :stop]
+
+    def split(self, cache: object | None, layer: int, key: torch.Tensor, start: int, stop: int, window: int,
+              far: Rotation, near: Rotation) -> torch.Tensor:
+        """Keys of tokens [0, stop) for a windowed method's decoding step (engine.windowed): those of
+        [0, stop - window) rotated by `far` (where the method places its far keys), the last `window` by `near` (their
+        token index, as the unpatched model rotates them), so that neither part is rotated again per token: from one
+        step to the next one key leaves the window (rotated again, by `far`) and the new token's joins it. key:
+        (B, Hkv, >= stop, D) un-rotated, of a forward over tokens [start, stop) on `cache` (None: nothing is kept).
+        Returns (B, Hkv, stop, D)."""
+        edge = max(0, stop - window)  # rows [0, edge) are far keys now
+        if cache is None or torch.is_grad_enabled():  # under autograd every forward's keys stay intact
+            return torch.cat([rotate_fused(key[:, :, first:last], *rotation(first, last))
+                              for first, last, rotation in ((0, edge, far), (edge, stop, near)) if last > first], dim=2)
+        frame = ("split", window)
+        continued = start if self.frame(cache, layer, key, start) == frame else 0
+        buffer = self.buffer(cache, layer, key, stop, continued)
+        first_far = max(0, continued - window)  # ... of which [0, first_far) were far keys already
+        for first, last, rotation in ((first_far, edge, far), (max(continued, edge), stop, near)):
+            if last > first:
+                cos, sin = rotation(first, last)
+                rotate_fused(key[:, :, first:last], cos, sin, out=buffer[:, :, first:last])
+        self.keep(cache, layer, stop, frame, buffer)
         return buffer[:, :, :stop]
 
     def forget(self, cache: object | None) -> None:

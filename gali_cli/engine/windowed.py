@@ -20,11 +20,17 @@ outside autograd and dropout, else float32 logits a tile of rows at a time.
 Shapes: B batch, H query heads, Hkv key/value heads, q queries (tokens [start, start + q)), D head dim.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .dense import Partial, PartialAttention, merge_partials, partial_attention
+from .kept_keys import KeptKeys, Rotation
 from .plan import AttentionPlan, plan_for
-from .rope import RopeTable, rotate
+from .rope import RopeTable, rotate, rotate_fused
+
+if TYPE_CHECKING:
+    from .hooks import Forward
 
 
 def _rows(part: Partial, index: slice) -> Partial:
@@ -32,9 +38,11 @@ def _rows(part: Partial, index: slice) -> Partial:
 
 
 def near_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RopeTable, window: int,
-                   start: int, scale: float, partial: PartialAttention, dropout: float = 0.0) -> Partial:
+                   start: int, scale: float, partial: PartialAttention, dropout: float = 0.0,
+                   at_token_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial:
     """Attention of query (B, H, q, D), tokens [start, start + q), over its near keys, i - window < j <= i, with RoPE
     at their true distances. key/value: (B, Hkv, >= start + q, D), un-rotated. `table` needs 2 * window rows.
+    `at_token_index`: see `windowed_attention`.
 
     Every row sees at least itself: the result has a finite lse everywhere.
     """
@@ -42,9 +50,15 @@ def near_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if rows == 1 and start >= window - 1:  # decoding: keys start - window + 1 .. start at 0..window-1, the query last
         cos, sin = table.cos32, table.sin32
         near = slice(start - window + 1, start + 1)
+        if at_token_index is not None:  # the same distances, from keys the method keeps rotated
+            rotated_query, rotated_key = at_token_index
+            dtype = torch.promote_types(rotated_query.dtype, rotated_key.dtype)
+            return partial(rotated_query.to(dtype), rotated_key[:, :, near].to(dtype), value[:, :, near].to(dtype),
+                           scale, dropout=dropout)
+        # The window's keys are rotated again every token (they move): in two passes over them (rotate_fused).
         return partial(rotate(query.float(), cos[window - 1 : window], sin[window - 1 : window]),
-                       rotate(key[:, :, near].float(), cos[:window], sin[:window]), value[:, :, near].float(), scale,
-                       dropout=dropout)
+                       rotate_fused(key[:, :, near].float(), cos[:window], sin[:window]), value[:, :, near].float(),
+                       scale, dropout=dropout)
     # Tiles of `window` rows. The full tiles whose earlier keys all exist run as one batch; a first tile too close to
     # token 0 and a last, shorter tile run alone.
     first_full = 0 if start >= window - 1 else 1
@@ -154,7 +168,8 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
 
 def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RopeTable,
                        far_query: torch.Tensor, far_key: torch.Tensor, window: int, start: int, scale: float,
-                       dropout: float = 0.0, plan: AttentionPlan | None = None) -> torch.Tensor:
+                       dropout: float = 0.0, plan: AttentionPlan | None = None,
+                       at_token_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Near keys at true distances, far keys as the method rotated them, merged: (B, H, q, D) in the value's dtype.
 
     Args:
@@ -164,9 +179,30 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         far_query: (B, H, q, D) the queries rotated for their far keys.
         far_key: (B, Hkv, >= start + q - window, D) the keys rotated as far keys.
         plan: the forward's (`plan.plan_for`), decided once per forward; decided here when not given.
+        at_token_index: (query (B, H, 1, D), keys (B, Hkv, >= start + 1, D)) rotated at their token indices, as the
+            unpatched model rotates them, when the method keeps its keys so (STRING's far keys are): a decoding
+            step then reads the window's keys from them instead of rotating the window again (the distances are the
+            same; RoPE sees only distances).
     """
     plan = plan or plan_for(query, key, value, dropout)
     partial = partial_attention(plan, value.dtype)
-    near = near_attention(query, key, value, table, window, start, scale, partial, dropout)
+    near = near_attention(query, key, value, table, window, start, scale, partial, dropout, at_token_index)
     far = far_attention(far_query, far_key, value, window, start, scale, partial, dropout)
     return (near if far is None else merge_partials([near, far])).output.to(value.dtype)
+
+
+def kept_far_keys(kept: KeptKeys, forward: "Forward", layer: int, query: torch.Tensor, key: torch.Tensor, window: int,
+                  far: Rotation) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """A windowed method's far keys, rotated by `far` (a rotation of the token index alone) and kept on the forward's
+    cache, and `windowed_attention`'s `at_token_index`: (far_key, None) for a longer forward; for a decoding step the
+    keys of `KeptKeys.split`, whose window rows are at their token indices, with the query rotated to match, so that
+    the step rotates one or two keys instead of the whole window.
+
+    query: (B, H, 1 or q, D) un-rotated (any scaling applied); key: (B, Hkv, >= stop, D) un-rotated.
+    """
+    start, stop = forward.start, forward.stop
+    if stop - start > 1:
+        return kept.rotated(forward.cache, layer, key, start, stop, far), None
+    keys = kept.split(forward.cache, layer, key, start, stop, window, far,
+                      lambda first, last: forward.at_token_index(first, last, key.device, key.dtype))
+    return keys, (rotate(query.float(), *forward.at_token_index(start, stop, query.device, torch.float32)), keys)

@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate, rotation
-from ..engine.windowed import windowed_attention
+from ..engine.windowed import kept_far_keys, windowed_attention
 from ..errors import ConfigError
 
 # Settings from the official repository's config/dpe_config.yaml (eight equal groups of Llama-3's 64 frequencies,
@@ -102,10 +102,11 @@ class DPE(PositionalAttention):
             return forward.memo(("dpe-key", key.device, key.dtype, first, last), lambda: self._rotation(
                 forward, torch.arange(first, last, device=key.device), False, key.dtype))
 
-        far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
+        far_key, at_token_index = kept_far_keys(self._kept, forward, module.layer_idx, query, key, window,
+                                                key_rotation)
         plan = forward.attention_plan(query, key, value, dropout)
         output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, window,
-                                    start, scaling, dropout, plan)
+                                    start, scaling, dropout, plan, at_token_index)
         return output.transpose(1, 2)
 
     def _rotation(self, forward: Forward, tokens: torch.Tensor, queries: bool,

@@ -19,7 +19,7 @@ from torch import nn
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate, rotation
-from ..engine.windowed import windowed_attention
+from ..engine.windowed import kept_far_keys, windowed_attention
 from ..errors import ConfigError
 
 
@@ -53,7 +53,7 @@ class ReRoPE(PositionalAttention):
             query = query * forward.memo(("logn", query.device), lambda: self._logn(start, stop, query.device))
         if self.factor is None:  # distance w for every far pair: queries at w, keys where they are (un-rotated)
             far_query = rotate(query, table.cos32[window], table.sin32[window])
-            far_key = key[:, :, : max(0, stop - window)]
+            far_key, at_token_index = key[:, :, : max(0, stop - window)], None
         else:
             cos, sin = forward.memo(("leaky-query", query.device), lambda: self._leaky(
                 forward, torch.arange(start, stop, device=query.device), window - window / self.factor, torch.float32))
@@ -63,10 +63,11 @@ class ReRoPE(PositionalAttention):
                 return forward.memo(("leaky-key", key.device, key.dtype, first, last), lambda: self._leaky(
                     forward, torch.arange(first, last, device=key.device), 0.0, key.dtype))
 
-            far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
+            far_key, at_token_index = kept_far_keys(self._kept, forward, module.layer_idx, query, key, window,
+                                                    key_rotation)
         plan = forward.attention_plan(query, key, value, dropout)
         output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, window,
-                                    start, scaling, dropout, plan)
+                                    start, scaling, dropout, plan, at_token_index)
         return output.transpose(1, 2)
 
     def _logn(self, start: int, stop: int, device: torch.device) -> torch.Tensor:

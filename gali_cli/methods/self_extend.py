@@ -4,7 +4,8 @@ A query i and a key j closer than the neighbour window W (i - j < W) attend with
 attend with grouped positions: the key at j // G, the query at i // G + W - W // G, so that grouped distances
 continue where the window ends. Keys are cached without RoPE, like GALI's. Positions depend on (i, j) only, so any
 split of the input into forwards gives the same result; a key's grouped position depends on j alone, so while
-decoding the grouped keys are kept rotated from token to token (engine/kept_keys.py). The attention is
+decoding the grouped keys are kept rotated from token to token, and those of the window at their token indices
+(engine/kept_keys.py, KeptKeys.split). The attention is
 engine/windowed.py's, which ReRoPE and DPE share: neighbours at true distances, farther keys as the method places
 them.
 """
@@ -15,7 +16,7 @@ from torch import nn
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate
-from ..engine.windowed import windowed_attention
+from ..engine.windowed import kept_far_keys, windowed_attention
 from ..errors import ConfigError
 
 
@@ -62,15 +63,16 @@ class SelfExtend(PositionalAttention):
 
             return forward.memo(("grouped-keys", key.device, key.dtype, first_key, last_key), build)
 
-        if stop - start == 1:  # decoding: the grouped keys kept from the previous token, the new one rotated
-            grouped_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, grouped_rotation)
+        if stop - start == 1:  # decoding: the keys kept from the previous token, grouped or in the window
+            grouped_key, at_token_index = kept_far_keys(self._kept, forward, module.layer_idx, query, key, window,
+                                                        grouped_rotation)
         else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
             self._kept.forget(forward.cache)
-            grouped_key = rotate(key[:, :, : stop - window], *grouped_rotation(0, stop - window))
+            grouped_key, at_token_index = rotate(key[:, :, : stop - window], *grouped_rotation(0, stop - window)), None
         # Queries at i // G + W - W // G (the rows of queries without grouped keys are not used), in the model's
         # dtype like the grouped keys: windowed.far_attention then copies neither.
         query_index = torch.arange(start, stop, device=key.device) // size + group_shift(size, window)
         grouped_query = rotate(query, table.cos[query_index], table.sin[query_index])
         output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, grouped_query, grouped_key,
-                                    window, start, scaling, dropout, plan)
+                                    window, start, scaling, dropout, plan, at_token_index)
         return output.transpose(1, 2)

@@ -89,9 +89,14 @@ class StringRoPE(PositionalAttention):
                 forward, torch.arange(first, last, device=key.device), key.dtype))
 
         far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
+        # The far keys sit at their token indices: decoding takes the window's keys from them as they are.
+        at_token_index = None
+        if stop - start == 1:
+            at_token_index = (rotate(query.float(), *forward.at_token_index(start, stop, query.device, torch.float32)),
+                              far_key)
         plan = forward.attention_plan(query, key, value, dropout)
         output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, shift,
-                                    start, scaling * self.logit_scale, dropout, plan)
+                                    start, scaling * self.logit_scale, dropout, plan, at_token_index)
         return output.transpose(1, 2)
 
     @staticmethod
