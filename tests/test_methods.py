@@ -418,6 +418,15 @@ def test_a_longer_forward_after_decoding_continues_the_kept_keys(make_llama, met
     torch.testing.assert_close(forwards(model, ids, ends), model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_chunk_llama_decodes_every_place_in_a_chunk_as_one_forward(make_llama):
+    """A decoded token past the local window attends the previous chunk and the older ones in one call; within it,
+    in two: decoding a whole chunk token by token (every i mod s) gives the logits of one forward."""
+    model = make_llama(train_len=16, heads=4, kv_heads=2)
+    apply_method(model, "chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4), 60)
+    ids = prompt(52, seed=5)
+    torch.testing.assert_close(forwards(model, ids, list(range(36, 53))), model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 STRING = [  # heads, kv_heads, train_len, shift S, local window W, logit scale, prompt_len
     (4, 2, 16, 5, 2, True, 16),  # the defaults: S = int(0.33 L), W = min(128, S / 2); the whole window
     (4, 1, 32, 10, 3, True, 40),  # within its reach, L + S - W = 39, and one past

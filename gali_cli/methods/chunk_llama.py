@@ -61,7 +61,11 @@ class DualChunkAttention(PositionalAttention):
         else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
             self._kept.forget(forward.cache)
             keys = rotate(key[:, :, :stop], *key_rotation(0, stop))  # (B, Hkv, T, D)
-        intra, successive, inter = (rotate(query, cos, sin) for cos, sin in query_tables)
+        # A decoded token past the local window sees the previous chunk at c - 1, as it sees the older ones: one call
+        # over both (the successive-chunk part has no key at an exact distance then).
+        far_together = stop - start == 1 and start % size >= self.local_window
+        intra, inter = rotate(query, *query_tables[0]), rotate(query, *query_tables[2])
+        successive = None if far_together else rotate(query, *query_tables[1])
         outputs = []
         for chunk in range(start // size, (stop - 1) // size + 1):
             first, last = max(start, chunk * size), min(stop, (chunk + 1) * size)  # the chunk's queries in this forward
@@ -69,10 +73,12 @@ class DualChunkAttention(PositionalAttention):
             begin = chunk * size
             parts = [causal_partial(intra[:, :, rows], keys[:, :, begin:last], value[:, :, begin:last], scaling,
                                     partial)]
-            if chunk >= 1:
+            if chunk >= 1 and far_together:
+                parts.append(partial(inter[:, :, rows], keys[:, :, :begin], value[:, :, :begin], scaling))
+            elif chunk >= 1:
                 previous = slice(begin - size, begin)
                 parts.append(partial(successive[:, :, rows], keys[:, :, previous], value[:, :, previous], scaling))
-            if chunk >= 2:
+            if chunk >= 2 and not far_together:
                 parts.append(partial(inter[:, :, rows], keys[:, :, : begin - size], value[:, :, : begin - size],
                                      scaling))
             outputs.append(merge_partials(parts).output)
