@@ -5,9 +5,8 @@ attend with grouped positions: the key at j // G, the query at i // G + W - W //
 continue where the window ends. Keys are cached without RoPE, like GALI's. Positions depend on (i, j) only, so any
 split of the input into forwards gives the same result; a key's grouped position depends on j alone, so while
 decoding the grouped keys are kept rotated from token to token, and those of the window at their token indices
-(engine/kept_keys.py, KeptKeys.split). The attention is
-engine/windowed.py's, which ReRoPE and DPE share: neighbours at true distances, farther keys as the method places
-them.
+(engine/kept_keys.py, KeptKeys.split). The attention is engine/windowed.py's, which ReRoPE and DPE share: neighbours
+at true distances, farther keys as the method places them.
 """
 
 import torch
