@@ -418,6 +418,25 @@ def test_a_longer_forward_after_decoding_continues_the_kept_keys(make_llama, met
     torch.testing.assert_close(forwards(model, ids, ends), model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("method, settings", [
+    ("self-extend", MethodSettings(group_size=5, neighbor_window=4)),
+    ("leaky-rerope", MethodSettings(neighbor_window=6, leaky_factor=7.0)),
+    ("dpe", MethodSettings(neighbor_window=6, dpe_scales=(2, 3))),
+    ("string", MethodSettings(shifted_offset=6, local_window=2)),
+    ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4)),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decoding_in_half_precision_stays_close_to_float32(make_llama, method, settings, dtype):
+    """Decoded token by token in the model's half precision (kept keys in it, the window's at their token indices),
+    the logits stay within rounding of one float32 forward's (a query one position off is 0.07 away here)."""
+    model = make_llama(train_len=16, heads=4, kv_heads=2)
+    apply_method(model, method, settings, 60)
+    ids = prompt(44, seed=6)
+    reference = model(ids).logits[0].double()
+    logits = forwards(model.to(dtype), ids, [30, *range(31, 45)])[0].double()
+    assert (logits - reference).norm() / reference.norm() < 0.03
+
+
 def test_chunk_llama_decodes_every_place_in_a_chunk_as_one_forward(make_llama):
     """A decoded token past the local window attends the previous chunk and the older ones in one call; within it,
     in two: decoding a whole chunk token by token (every i mod s) gives the logits of one forward."""
