@@ -205,4 +205,12 @@ def kept_far_keys(kept: KeptKeys, forward: "Forward", layer: int, query: torch.T
         return kept.rotated(forward.cache, layer, key, start, stop, far), None
     keys = kept.split(forward.cache, layer, key, start, stop, window, far,
                       lambda first, last: forward.at_token_index(first, last, key.device, key.dtype))
-    return keys, (rotate(query.float(), *forward.at_token_index(start, stop, query.device, torch.float32)), keys)
+    return keys, decoding_at_token_index(forward, query, keys)
+
+
+def decoding_at_token_index(forward: "Forward", query: torch.Tensor,
+                            keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`windowed_attention`'s `at_token_index` for a decoding step whose window's keys `keys` (B, Hkv, >= stop, D)
+    are kept at their token indices: the query (B, H, 1, D) rotated to its own token index, in float32."""
+    cos, sin = forward.at_token_index(forward.start, forward.stop, query.device, torch.float32)
+    return rotate(query.float(), cos, sin), keys

@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate, rotation
-from ..engine.windowed import windowed_attention
+from ..engine.windowed import decoding_at_token_index, windowed_attention
 from ..errors import ConfigError
 from .dpe import llama3_8b
 
@@ -90,10 +90,7 @@ class StringRoPE(PositionalAttention):
 
         far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
         # The far keys sit at their token indices: decoding takes the window's keys from them as they are.
-        at_token_index = None
-        if stop - start == 1:
-            at_token_index = (rotate(query.float(), *forward.at_token_index(start, stop, query.device, torch.float32)),
-                              far_key)
+        at_token_index = decoding_at_token_index(forward, query, far_key) if stop - start == 1 else None
         plan = forward.attention_plan(query, key, value, dropout)
         output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, shift,
                                     start, scaling * self.logit_scale, dropout, plan, at_token_index)
