@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .engine.kv_cache import new_cache, reserve
 from .engine.seam import with_cache
+from .engine.static_decode import static_decoder
 from .errors import ConfigError
 
 Sampler = Callable[[torch.Tensor], int]
@@ -132,13 +133,27 @@ def decode(
 ) -> Iterator[int]:
     """Sample from `logits`, then one token per forward; yields token ids, stop tokens included."""
     device, given = model.get_input_embeddings().weight.device, with_cache(model, cache)
+    static = static_decoder(model, cache)  # a CUDA graph of the step on a GPU (engine/static_decode.py)
+
+    def forward(token: int) -> torch.Tensor:
+        step_ids = torch.tensor([[token]], device=device)
+        return model(input_ids=step_ids, **given, use_cache=True).logits[0, -1].float()
+
     for step in range(max_new_tokens):
         token = sampler(logits)
         yield token
         if token in stop_ids or step == max_new_tokens - 1:
             return
-        step_ids = torch.tensor([[token]], device=device)
-        logits = model(input_ids=step_ids, **given, use_cache=True).logits[0, -1].float()
+        index = cache.get_seq_length()
+        if static is not None and index >= static.capacity:  # past the rows reserved: the cache grows eagerly
+            static = None
+        if static is None:
+            logits = forward(token)
+        elif static.checked:
+            logits = static.step(token, index)
+        else:  # held to the model's own forward first; eager from here on if they differ
+            logits = static.first_step(token, index, lambda: forward(token))  # noqa: B023
+            static = static if static.checked else None
 
 
 class RepetitionGuard:

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ from ..errors import GaliError, UnsupportedModelError
 from .plan import AttentionPlan, plan_for
 from .rope import RopeTable, rotate, rotation
 from .seam import cached_tokens, forward_arguments, seam_error
+
+if TYPE_CHECKING:
+    from .static_decode import Placement
 
 # Rope types whose frequencies do not depend on the sequence length: integer positions index them directly.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -57,6 +60,13 @@ class PositionalAttention(ABC):
     def attend(self, forward: "Forward", module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         """Attention of the forward's queries (B, H, q, D) over keys/values (B, Hkv, >= stop, D): (B, q, H, D)."""
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> "Placement":
+        """Where one decoded query, at the token index `query` (a 0-d int64 tensor), places the keys of token indices
+        `keys` (C,), for the static decoding step (static_decode.py): tensor operations only, nothing that reads
+        `query` in Python, so that a CUDA graph replays it for any index. A method that does not say decodes
+        eagerly."""
+        raise NotImplementedError
 
 
 @dataclass

@@ -73,6 +73,22 @@ class GrowingLayer(DynamicLayer):
                         and held.stride() == buffer.stride()
                         for held, buffer in ((self.keys, key_buffer), (self.values, value_buffer))))
 
+    def capacity(self) -> int:
+        """Rows the buffers hold, 0 unless `keys`/`values` are views of their first rows (what a step writing its
+        own rows continues from)."""
+        count = self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
+        return self._buffers[0].shape[2] if count and self._continues(self.keys, count, count) else 0
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers (B, Hkv, capacity, D), for a step that writes its row itself
+        (static_decode.StaticDecoder) and then calls `extend`."""
+        return self._buffers
+
+    def extend(self, stop: int) -> None:
+        """Make `keys`/`values` the buffers' first `stop` rows (a step wrote the rows past them)."""
+        key_buffer, value_buffer = self._buffers
+        self.keys, self.values = key_buffer[:, :, :stop], value_buffer[:, :, :stop]
+
     def reset(self) -> None:
         self._buffers = None
         super().reset()

@@ -16,6 +16,7 @@ from ..engine.dense import causal_partial, merge_partials, partial_attention
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate
+from ..engine.static_decode import Placement
 from ..errors import ConfigError
 
 
@@ -38,6 +39,16 @@ class DualChunkAttention(PositionalAttention):
 
     def table_rows(self, start: int, stop: int) -> int:
         return self.max_position + 1
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
+        """Keys at j mod s; the query at i mod s for its own chunk, at s + i mod s (within the local window) or c - 1
+        for the previous one, at c - 1 for older ones."""
+        size, top = self.chunk_size, self.max_position
+        within = query % size
+        successive = torch.where(within < self.local_window, size + within, top)
+        chunk = keys // size - query // size  # 0: the query's own chunk, -1: the previous one
+        at = torch.where(chunk == 0, within, torch.where(chunk == -1, successive, top))
+        return Placement((keys % size - at).double())
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate, rotation
+from ..engine.static_decode import Placement
 from ..engine.windowed import kept_far_keys, windowed_attention
 from ..errors import ConfigError
 
@@ -85,10 +86,20 @@ class DPE(PositionalAttention):
         self.scales, self.window, self.train_len = tuple(scales), window, train_len
         self.exact_until = window  # every distance below the window: plain RoPE
         self._per_frequency = torch.tensor(scales).repeat_interleave(half // len(scales))  # (D/2,)
+        self._on_device: dict[torch.device, torch.Tensor] = {}
         self._kept = KeptKeys()
 
     def table_rows(self, start: int, stop: int) -> int:
         return 2 * self.window  # near keys are rotated relative to their tile
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
+        """SelfExtend's placement with a group size per frequency: offsets (C, D/2)."""
+        if keys.device not in self._on_device:  # made before a graph is recorded (its warm-up step), reused in it
+            self._on_device[keys.device] = self._per_frequency.to(keys.device)
+        scales, window = self._on_device[keys.device], self.window
+        grouped = keys.unsqueeze(-1) // scales - (query // scales + window - window // scales)
+        near = (query - keys < window).unsqueeze(-1)
+        return Placement(torch.where(near, (keys - query).unsqueeze(-1), grouped).double())
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

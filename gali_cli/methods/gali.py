@@ -12,6 +12,7 @@ from ..engine.kept_keys import KeptKeys
 from ..engine.noise import Noise
 from ..engine.positions import chunk_plan
 from ..engine.rope import absolute_table
+from ..engine.static_decode import Placement
 from ..errors import GaliError
 
 
@@ -61,6 +62,26 @@ class Gali(PositionalAttention):
     def table_rows(self, start: int, stop: int) -> int:
         # Positions reach train_len - 1, or train_len itself when there is no local window (Alg. 2's edge).
         return min(stop, self.config.train_len + (self.config.local_window == 0))
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
+        """Alg. 2 for query + 1 keys, on tensors (positions.interpolate's closed form): grouped keys at j / g between
+        ceil and floor, the exact tail at j - (T - L), the query where its own key sits; noise on the fractional
+        keys, sigma = (i - j) / T."""
+        train_len, window = self.config.train_len, self.config.local_window
+        total = query + 1
+        group = torch.where(total <= train_len, 1, -((window - total) // (train_len - window)))  # ceil division
+        blocks = -((train_len - total) // (group - 1).clamp(min=1))
+        grouped = torch.where(group > 1, total - train_len + blocks, 0)
+        remainder = keys % group
+        fractional = (keys < grouped) & (remainder > 0)
+        floor = torch.where(keys < grouped, keys // group, keys - (total - train_len).clamp(min=0))
+        ceil = floor + fractional
+        sigma = None
+        if self.config.noise:
+            sigma = torch.where(fractional, (query - keys).float() * self.config.noise_scale / total.float(), 0.0)
+        at = ceil.gather(0, query.view(1))  # the query's own position (gather: no index read on the host)
+        weight = torch.where(fractional, (group - remainder) / group, 0.0).double()
+        return Placement((ceil - at).double(), weight, sigma)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ..engine.dense import Partial, PartialAttention, causal_partial, merge_part
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate, rotation
+from ..engine.static_decode import Placement
 from ..engine.windowed import far_attention, near_attention
 from ..errors import ConfigError
 from .dpe import published_settings as llama3_match
@@ -62,7 +63,7 @@ def mapping(tokens: torch.Tensor, count: int, length: int) -> torch.Tensor:
     """m(x) = floor(x * U / (N - 1)) for token indices x < N, as the official code computes it: U divided by a
     long tensor (float32, which torch rounds differently from U / (N - 1) in float32 or float64), times the long
     token indices. The rounding decides where m steps, and whether m(N - 1) is U or U - 1."""
-    ratio = length / torch.tensor(count - 1, device=tokens.device)
+    ratio = length / torch.tensor(count - 1)  # a float32 scalar on the host: a decoding graph reads it as a constant
     return torch.floor(ratio * tokens.long()).long()
 
 
@@ -123,6 +124,16 @@ class LaMPE(PositionalAttention):
 
     def table_rows(self, start: int, stop: int) -> int:
         return 2 * self.layout.head  # head keys are rotated relative to their tile (engine.windowed)
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
+        """The head window at true distances; the tail (j <= i - (N - R)) against the query at i - b2; the middle
+        at m(j) against m(i) + b1 (both clamped to the input's map)."""
+        layout, distance = self.layout, (keys - query)
+        if layout.plain:
+            return Placement(distance.double(), query_scale=SCALE**2)
+        middle = layout.middle(keys) - (layout.middle(query) + layout.head_shift)
+        far = torch.where(keys <= query - (layout.tokens - layout.tail_end), distance + layout.tail_shift, middle)
+        return Placement(torch.where(query - keys < layout.head, distance, far).double(), query_scale=SCALE**2)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate, rotation
+from ..engine.static_decode import Placement
 from ..engine.windowed import kept_far_keys, windowed_attention
 from ..errors import ConfigError
 
@@ -43,6 +44,17 @@ class ReRoPE(PositionalAttention):
 
     def table_rows(self, start: int, stop: int) -> int:
         return 2 * self.window  # near keys are rotated relative to their tile; ReRoPE's far queries sit at w
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
+        window, distance = self.window, (keys - query).double()
+        if self.factor is None:
+            far = torch.full_like(distance, -window)
+        else:  # keys at j / k, the query at i / k + w - w / k
+            far = distance / self.factor - window + window / self.factor
+        scale = 1.0
+        if self.logn:  # as _logn: max(1, log(i + 1) / log(train_len)), float64 rounded to float32
+            scale = ((query + 1).double().log() / math.log(self.train_len)).clamp(min=1).float()
+        return Placement(torch.where(query - keys < window, distance, far), query_scale=scale)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

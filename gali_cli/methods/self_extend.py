@@ -15,6 +15,7 @@ from torch import nn
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate
+from ..engine.static_decode import Placement
 from ..engine.windowed import kept_far_keys, windowed_attention
 from ..errors import ConfigError
 
@@ -46,6 +47,11 @@ class SelfExtend(PositionalAttention):
     def table_rows(self, start: int, stop: int) -> int:
         grouped = (stop - 1) // self.group_size + group_shift(self.group_size, self.neighbor_window) + 1
         return max(grouped, 2 * self.neighbor_window)  # neighbour positions are relative to a tile (engine.windowed)
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
+        size, window = self.group_size, self.neighbor_window
+        grouped = keys // size - (query // size + group_shift(size, window))
+        return Placement(torch.where(query - keys < window, keys - query, grouped).double())
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

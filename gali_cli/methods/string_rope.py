@@ -26,6 +26,7 @@ from transformers import PretrainedConfig
 from ..engine.hooks import Forward, PositionalAttention
 from ..engine.kept_keys import KeptKeys
 from ..engine.rope import rotate, rotation
+from ..engine.static_decode import Placement
 from ..engine.windowed import decoding_at_token_index, windowed_attention
 from ..errors import ConfigError
 from .dpe import llama3_8b
@@ -75,6 +76,11 @@ class StringRoPE(PositionalAttention):
 
     def table_rows(self, start: int, stop: int) -> int:
         return 2 * self.shift  # near keys are rotated relative to their tile of S queries
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
+        far = keys - (query - self.shift + self.window)  # the query at i - S + W, far keys where they are
+        return Placement(torch.where(query - keys < self.shift, keys - query, far).double(),
+                         query_scale=self.logit_scale)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

@@ -1,0 +1,250 @@
+"""A decoding step with static shapes, for CUDA graphs (docs/engine.md, "Decoding on a GPU: one graph a token").
+
+On a GPU the eager decoding step is bound by dispatch, not by memory: an 8B model whose weights an H200 reads in
+3.5 ms took 56 ms a token, most of it Python and kernel launches. A CUDA graph replays a step's kernels with one
+launch, but only a step whose kernels read everything that changes from token to token from the same tensors:
+here the token id and its index are two one-element tensors, the KV cache is the rows `kv_cache.reserve` made room
+for, and every key is attended with a mask past the newest one. Nothing in the step depends on the index in Python.
+
+Each method says where a decoded query places each key relative to itself (`Placement`, from its
+`decode_placement`, a function of tensors): RoPE sees only the difference of positions, so the query stays
+un-rotated and each key is rotated by its offset, recomputed every step from the un-rotated keys the cache holds
+(O(T) per layer, which a GPU reads at memory speed; the CPU keeps its incremental eager step, engine/decode.py and
+kept_keys.py). The unpatched model and the rope-scaling methods cache rotated keys as transformers does: the step
+rotates the new query and key with the model's own rotary at the token's index.
+
+The step is the Llama layer written out over the model's own modules (norms, projections, MLP), as gpt-fast
+writes it; `generate.decode` holds its first step to the model's own forward before any graph is captured, and
+one that differs decodes eagerly. Shapes: B batch, H query heads, Hkv key/value heads, C the cache's rows, D head
+dim.
+"""
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from ..errors import ConfigError, GaliWarning
+from .hooks import PositionalAttention, installed_method, llama_model
+from .kv_cache import GrowingLayer
+from .noise import Noise, standard_normal
+from .rope import rotate, rotate_fused
+
+DECODE_CHOICES = ("auto", "eager", "static")
+# The first step's logits against the model's own forward: max difference / largest logit. In half precision the
+# two round differently, and random weights amplify it layer after layer: measured 0.008-0.013 on a 4-layer random
+# model and 0.04-0.077 on a random 32-layer Llama-3-8B in bfloat16 on an H200, every method alike, the unpatched
+# model too (docs/performance.md); a step that places keys wrongly or misses a part of the layer is off by O(1).
+CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+HALF_TOLERANCE = 0.15
+
+
+class Placement(NamedTuple):
+    """Where one decoded query places each of the cache's keys, as tensors (no Python value depends on the query's
+    index), the same for every layer.
+
+    `offset`: the key's position minus the query's, float64, (C,) or (C, D/2) for a position per frequency (DPE).
+    `weight`: GALI's interpolation: key j is rotated by (1 - c) R(offset) + c R(offset - 1), c = weight[j] (None: 0).
+    `noise_sigma`: GALI's noise strength per key (float32, 0 where c = 0); each layer draws its own normals.
+    `query_scale`: multiplies the query (ReRoPE's log n, STRING's and LaMPE's logit scale).
+    """
+
+    offset: torch.Tensor
+    weight: torch.Tensor | None = None
+    noise_sigma: torch.Tensor | None = None
+    query_scale: torch.Tensor | float = 1.0
+
+
+def decode_choice() -> str:
+    """$GALI_DECODE (auto, eager or static; auto when unset), checked. auto: a CUDA graph of the static step on a
+    GPU, the eager step elsewhere; static: the static step everywhere (graphed on a GPU), eager: never."""
+    choice = os.environ.get("GALI_DECODE", "auto").strip().lower() or "auto"
+    if choice not in DECODE_CHOICES:
+        raise ConfigError(f"GALI_DECODE must be one of {', '.join(DECODE_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
+    """Why `model` cannot decode on `cache` with the static step (None: it can)."""
+    base = llama_model(model)
+    if type(model).__name__ != "LlamaForCausalLM" or any(type(layer).__name__ != "LlamaDecoderLayer"
+                                                         for layer in base.layers):
+        return f"{type(model).__name__} is not a plain LlamaForCausalLM"
+    devices = {parameter.device for parameter in model.parameters()}
+    if len(devices) != 1:
+        return "the model is spread over several devices"
+    if not all(isinstance(layer, GrowingLayer) and layer.capacity() for layer in cache.layers):
+        return "the KV cache is not gali's, with rows reserved"
+    method = installed_method(model)
+    if method is None:
+        rotary = getattr(base.rotary_emb, "rescaled", base.rotary_emb)
+        if "dynamic" in getattr(rotary, "rope_type", "default"):
+            return "dynamic NTK changes its frequencies with the length"
+        return None
+    if type(method).decode_placement is PositionalAttention.decode_placement:
+        return f"{method.name} has no static decoding step"
+    return None
+
+
+def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecoder | None":
+    """The static step for decoding `model` on `cache` where GALI_DECODE asks for it (auto: on a GPU) and the
+    model and cache allow it (`why_not_static`), else None: decode eagerly."""
+    choice = decode_choice()
+    device = model.get_input_embeddings().weight.device
+    if choice == "eager" or (choice == "auto" and device.type != "cuda") or why_not_static(model, cache):
+        return None
+    return StaticDecoder(model, cache)
+
+
+class StaticDecoder:
+    """One decoding step of `model` on `cache` as a function of two one-element tensors (the token, its index),
+    over the cache's reserved rows; replayed as a CUDA graph on a GPU once captured (`capture`)."""
+
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache) -> None:
+        self.model, self.cache = model, cache
+        self.base = llama_model(model)
+        self.method = installed_method(model)
+        self.layers = cache.layers
+        self.capacity = min(layer.capacity() for layer in self.layers)
+        for layer in self.layers:  # rows not written yet hold whatever the allocator left, NaN included: the step
+            count = layer.keys.shape[-2]  # attends over them masked, and NaN times 0 is NaN, so they are zeroed
+            for buffer in layer.storage():
+                buffer[:, :, count:].zero_()
+        embedding = model.get_input_embeddings().weight
+        self.device, self.dtype = embedding.device, embedding.dtype
+        batch = self.layers[0].keys.shape[0]
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.index = torch.zeros((), dtype=torch.long, device=self.device)
+        self.keys = torch.arange(self.capacity, device=self.device)
+        installed = getattr(self.base, "_positional", None)
+        rotary = installed.rotary if installed is not None else None
+        if rotary is not None:
+            self.inv_freq = rotary.inv_freq.to(self.device, torch.float64)
+            self.scaling = float(rotary.attention_scaling) ** 2  # on the query and the key: RoPE's m times m
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # the graph's output
+        self.checked = False  # the first step agreed with the model's own forward (`first_step`)
+        self.difference: float | None = None
+        self.capture_seconds = 0.0
+
+    def step(self, token: int, index: int) -> torch.Tensor:
+        """The logits (vocab,) float32 after token `token` at token index `index` (the cache holds tokens [0,
+        index) and afterwards [0, index]); a view the next step overwrites when graphed."""
+        if index >= self.capacity:
+            raise ValueError(f"token index {index} is past the {self.capacity} rows reserved")
+        self.token.fill_(token)
+        self.index.fill_(index)
+        if self.graph is not None:
+            self.graph.replay()
+            logits = self.logits
+        else:
+            logits = self._step()
+        for layer in self.layers:  # the cache's views now end after this token, as an eager forward leaves them
+            layer.extend(index + 1)
+        return logits[0, -1]
+
+    def first_step(self, token: int, index: int, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The first step, held to the model's own forward (`eager`, which appends the token to the cache): returns
+        the eager logits, and sets `checked` when the static step's agree with them within rounding. On a GPU it then
+        records the step as a CUDA graph (this step was its warm-up; recording runs no kernel), which later `step`s
+        replay. A step that disagrees, or a graph that cannot be recorded, warns once: decoding stays eager."""
+        static = self.step(token, index).clone()
+        for layer in self.layers:
+            layer.extend(index)  # the eager forward appends the same row again
+        logits = eager()
+        self.difference = difference(static, logits)
+        if not agrees(self.dtype, self.difference):
+            warnings.warn(f"the static decoding step differs from the model's own forward here (relative "
+                          f"difference {self.difference:.2g}); decoding eagerly", GaliWarning, stacklevel=2)
+            return logits
+        if self.device.type == "cuda":
+            started = time.perf_counter()
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.logits = self._step()
+            except RuntimeError as failure:
+                warnings.warn(f"the decoding step cannot be recorded as a CUDA graph here ({failure}); decoding "
+                              f"eagerly", GaliWarning, stacklevel=2)
+                return logits
+            self.graph, self.capture_seconds = graph, time.perf_counter() - started
+        self.checked = True
+        return logits
+
+    def _step(self) -> torch.Tensor:
+        """The step itself: (B, 1, vocab) float32 logits. Every tensor it reads that changes from token to token is
+        `self.token`, `self.index` or the cache's buffers."""
+        placement = None if self.method is None else self._tables(self.method.decode_placement(self.index, self.keys))
+        mask = torch.zeros(self.capacity, dtype=self.dtype, device=self.device).masked_fill_(
+            self.keys > self.index, float("-inf")).view(1, 1, 1, self.capacity)
+        hidden = self.base.embed_tokens(self.token)
+        for number, decoder_layer in enumerate(self.base.layers):
+            attention = decoder_layer.self_attn
+            residual = hidden
+            hidden = decoder_layer.input_layernorm(hidden)
+            shape = (hidden.shape[0], 1, -1, attention.head_dim)
+            query = attention.q_proj(hidden).view(shape).transpose(1, 2)  # (B, H, 1, D)
+            key = attention.k_proj(hidden).view(shape).transpose(1, 2)  # (B, Hkv, 1, D)
+            value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+            output = self._attend(number, attention.scaling, query, key, value, placement, mask)
+            hidden = residual + attention.o_proj(output.transpose(1, 2).reshape(hidden.shape[0], 1, -1))
+            hidden = hidden + decoder_layer.mlp(decoder_layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(self.base.norm(hidden)).float()
+
+    def _tables(self, placement: Placement) -> tuple[torch.Tensor, torch.Tensor, Placement]:
+        """cos/sin (C, D) in the model's dtype rotating each key by its offset (float64 angles, as the methods'
+        far rotations), shared by the layers."""
+        offset = placement.offset if placement.offset.dim() == 2 else placement.offset.unsqueeze(-1)
+        angles = offset * self.inv_freq
+        cos, sin = angles.cos(), angles.sin()
+        if placement.weight is not None:  # GALI: (1 - c) R(p) + c R(p - 1)
+            below = angles - self.inv_freq
+            weight = placement.weight.unsqueeze(-1)
+            cos, sin = torch.lerp(cos, below.cos(), weight), torch.lerp(sin, below.sin(), weight)
+        cos, sin = (torch.cat((x, x), dim=-1).mul_(self.scaling).to(self.dtype) for x in (cos, sin))
+        return cos, sin, placement
+
+    def _attend(self, number: int, scaling: float, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                placement: tuple | None, mask: torch.Tensor) -> torch.Tensor:
+        """The layer's attention of the one query over the cache's rows, its key and value written at the index."""
+        key_buffer, value_buffer = self.layers[number].storage()
+        if placement is None:  # the cache holds keys rotated at their token indices, as transformers rotates them
+            cos, sin = self.base.rotary_emb(value, self.index.view(1, 1).expand(value.shape[0], 1))
+            query, key = rotate(query, cos.unsqueeze(1), sin.unsqueeze(1)), rotate(key, cos.unsqueeze(1),
+                                                                                   sin.unsqueeze(1))
+        key_buffer.index_copy_(2, self.index.view(1), key.to(key_buffer.dtype))
+        value_buffer.index_copy_(2, self.index.view(1), value.to(value_buffer.dtype))
+        keys, values = key_buffer[:, :, : self.capacity], value_buffer[:, :, : self.capacity]
+        bias = mask
+        if placement is not None:
+            cos, sin, where = placement
+            keys = rotate_fused(keys, cos, sin)
+            query = query * where.query_scale
+            if where.noise_sigma is not None:
+                config = self.method.config
+                noise = Noise(config.seed, number, config.noise_scale)
+                draws = standard_normal(noise, query.shape[0], query.shape[1], self.index.view(1), self.capacity)
+                bias = (draws * where.noise_sigma).to(self.dtype) + mask  # (B, H, 1, C), on the scaled logits
+        batch, heads, _, dim = query.shape
+        kv_heads = keys.shape[1]
+        rows = query.to(keys.dtype).view(batch, kv_heads, heads // kv_heads, dim)  # heads sharing a key head as rows
+        if bias.shape[1] > 1:
+            bias = bias.view(batch, kv_heads, heads // kv_heads, self.capacity)
+        output = F.scaled_dot_product_attention(rows, keys, values, attn_mask=bias, scale=scaling)
+        return output.view(batch, heads, 1, dim)
+
+
+def difference(static: torch.Tensor, eager: torch.Tensor) -> float:
+    """How far the static step's logits are from the model's own forward's for the same token, relative to the
+    largest logit."""
+    return float((static.float() - eager.float()).abs().max() / eager.float().abs().max().clamp(min=1e-6))
+
+
+def agrees(dtype: torch.dtype, relative_difference: float) -> bool:
+    """Whether a `difference` is within the rounding of `dtype` (a step that placed a key wrongly is far off)."""
+    return relative_difference <= CHECK_TOLERANCE.get(dtype, HALF_TOLERANCE)

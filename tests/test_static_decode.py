@@ -1,0 +1,135 @@
+"""The static decoding step (engine/static_decode.py), which a GPU records as a CUDA graph: on the CPU it runs eagerly
+and is held here to the model's own forward, token by token, for every method it serves."""
+
+import warnings
+
+import pytest
+import torch
+
+from gali_cli.config import MethodSettings
+from gali_cli.engine import static_decode
+from gali_cli.engine.kv_cache import new_cache
+from gali_cli.engine.seam import with_cache
+from gali_cli.engine.static_decode import StaticDecoder, why_not_static
+from gali_cli.errors import ConfigError, GaliWarning
+from gali_cli.generate import decode, prefill
+from gali_cli.methods import METHODS, apply_method, prefill_spans
+
+STATIC = [name for name in sorted(METHODS) if name != "dynamic-ntk"]
+SETTINGS = {"gali-noise": MethodSettings(train_len=32, noise=True), "gali-window-0": MethodSettings(
+    train_len=32, local_window=0, chunk_size=8), "leaky-rerope": MethodSettings(train_len=32, leaky_factor=4),
+    "dpe": MethodSettings(train_len=32, dpe_scales=(1, 2, 4, 8))}
+
+
+def prefilled(make_llama, method: str, prompt: int, answer: int, dtype=torch.float32, **llama):
+    """A tiny Llama with `method` applied, a cache holding `prompt` random tokens with room for `answer` more,
+    and the tokens to decode."""
+    torch.manual_seed(0)
+    model = make_llama(train_len=32, **llama).to(dtype)
+    name = method.split("-noise")[0].split("-window")[0]
+    apply_method(model, name, SETTINGS.get(method, MethodSettings(train_len=32)), prompt + answer)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt + answer))
+    cache = new_cache(model)
+    from gali_cli.engine.kv_cache import reserve
+
+    reserve(cache, prompt + answer)
+    prefill(model, ids[:, :prompt], cache, prefill_spans(model, name, 0, prompt, step=24))
+    return model, cache, ids[0, prompt:].tolist()
+
+
+@pytest.mark.parametrize("method", [*STATIC, "gali-noise", "gali-window-0"])
+def test_every_step_equals_the_models_own_forward(make_llama, method):
+    """From a 40-token prompt (past the 32-token window), 60 tokens decoded: the static step's logits equal the
+    eager forward's at every index, on the same cache (GALI's group size changes several times on the way)."""
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(make_llama, method, 40, 60)
+        assert why_not_static(model, cache) is None
+        decoder, given = StaticDecoder(model, cache), with_cache(model, cache)
+        worst = 0.0
+        for index, token in enumerate(tokens, start=40):
+            static = decoder.step(token, index).clone()
+            assert cache.get_seq_length() == index + 1
+            for layer in cache.layers:
+                layer.extend(index)
+            eager = model(input_ids=torch.tensor([[token]]), **given, use_cache=True).logits[0, -1].float()
+            worst = max(worst, (static - eager).abs().max().item())
+    assert worst < 2e-5, worst
+
+
+@pytest.mark.parametrize("method", ["gali", "self-extend", "original"])
+def test_decode_takes_the_static_step_and_leaves_the_cache_as_eager_decoding_does(make_llama, method, monkeypatch):
+    """GALI_DECODE=static: `decode` checks the first step against the model's forward, then steps statically; the
+    tokens, and the cache afterwards (its length, keys and values), are those of eager decoding."""
+    runs = {}
+    for choice in ("eager", "static"):
+        monkeypatch.setenv("GALI_DECODE", choice)
+        calls = []
+        with torch.inference_mode():
+            model, cache, _ = prefilled(make_llama, method, 40, 30)
+            model.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+            logits = model(input_ids=torch.tensor([[5]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
+            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 25, set()))
+        runs[choice] = tokens, cache, len(calls)
+    (eager_tokens, eager_cache, eager_calls), (tokens, cache, calls) = runs["eager"], runs["static"]
+    assert tokens == eager_tokens and cache.get_seq_length() == eager_cache.get_seq_length() == 40 + 1 + 24
+    assert eager_calls == 25 and calls == 2  # the one forward before decoding, and the checked first step
+    for layer, eager_layer in zip(cache.layers, eager_cache.layers, strict=True):
+        torch.testing.assert_close(layer.keys, eager_layer.keys)
+        torch.testing.assert_close(layer.values, eager_layer.values)
+
+
+def test_a_step_that_differs_from_the_forward_warns_and_decodes_eagerly(make_llama, monkeypatch):
+    """A static step placing keys wrongly is caught by the first-step check: a warning, then eager decoding with
+    the same tokens as eager decoding from the start."""
+    monkeypatch.setenv("GALI_DECODE", "static")
+    with torch.inference_mode():
+        model, cache, _ = prefilled(make_llama, "self-extend", 40, 20)
+        method = model.model._positional.method
+        monkeypatch.setattr(type(method), "decode_placement", lambda self, query, keys: static_decode.Placement(
+            (keys - query).double()))  # plain RoPE: wrong past the window
+        logits = model(input_ids=torch.tensor([[5]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
+        with pytest.warns(GaliWarning, match="differs from the model's own forward"):
+            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 10, set()))
+        monkeypatch.undo()
+        model2, cache2, _ = prefilled(make_llama, "self-extend", 40, 20)
+        logits = model2(input_ids=torch.tensor([[5]]), **with_cache(model2, cache2), use_cache=True).logits[0, -1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert tokens == list(decode(model2, cache2, logits.float(), lambda x: int(x.argmax()), 10, set()))
+
+
+def test_rows_not_written_yet_cannot_reach_the_answer(make_llama):
+    """The reserved rows past the cache hold whatever the allocator left; attended under a mask, NaN there would
+    still make NaN logits (NaN times 0): the decoder zeroes them first."""
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(make_llama, "gali", 40, 10)
+        for layer in cache.layers:
+            for buffer in layer.storage():
+                buffer[:, :, 40:] = float("nan")
+        assert torch.isfinite(StaticDecoder(model, cache).step(tokens[0], 40)).all()
+
+
+def test_bfloat16_steps_stay_within_rounding_of_float32(make_llama):
+    """The static step in bfloat16 against float32's eager forward, after GALI's window (the relative rotations
+    round differently from the eager ones; both stay within bfloat16's rounding)."""
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(make_llama, "gali", 40, 10)
+        model16, cache16, _ = prefilled(make_llama, "gali", 40, 10, dtype=torch.bfloat16)
+        decoder, given = StaticDecoder(model16, cache16), with_cache(model, cache)
+        for index, token in enumerate(tokens, start=40):
+            static = decoder.step(token, index)
+            eager = model(input_ids=torch.tensor([[token]]), **given, use_cache=True).logits[0, -1]
+            assert static_decode.difference(static, eager) < static_decode.HALF_TOLERANCE
+
+
+def test_what_cannot_decode_statically_says_why(make_llama, monkeypatch):
+    with torch.inference_mode():
+        model, cache, _ = prefilled(make_llama, "original", 40, 10)
+        apply_method(model, "dynamic-ntk", MethodSettings(train_len=32), 50)
+        assert "dynamic NTK" in why_not_static(model, cache)
+        assert "reserved" in why_not_static(model, new_cache(model))
+    monkeypatch.setenv("GALI_DECODE", "graph")
+    with pytest.raises(ConfigError, match="GALI_DECODE must be one of auto, eager, static"):
+        static_decode.decode_choice()
+    monkeypatch.setenv("GALI_DECODE", "auto")  # auto on a CPU: eager
+    assert static_decode.static_decoder(model, cache) is None
