@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speed import SHAPES, build_model
+from bench_speed import SHAPES, build_model, synchronize
 
 from gali_cli.config import MethodSettings
 from gali_cli.engine.kv_cache import new_cache, reserve
@@ -34,12 +34,11 @@ from gali_cli.methods import METHODS, apply_method, prefill_spans
 
 
 def timed(run, device: torch.device) -> tuple[float, object]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """ms that `run()` took, the device's queued work waited for on both sides, and what it returned."""
+    synchronize(device.type)
     start = time.perf_counter()
     result = run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device.type)
     return 1000 * (time.perf_counter() - start), result
 
 

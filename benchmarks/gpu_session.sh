@@ -23,6 +23,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__)"
 step "gali info --check"
 timeout "$(cap 180)" python3 -m gali_cli info --check 2>&1 | tee "$OUT/info-check.log"
+step "decoding as a CUDA graph: every graph step held to the forward (small shape), then speed (Llama-3-8B shape)"
+timeout "$(cap 90)" python3 benchmarks/bench_graph_decode.py --shape small --dtype float32 --train-len 256 \
+  --lengths 300,1100 --tokens 24 --verify 2>&1 | grep -E "^\||Warn"
+timeout "$(cap 150)" python3 benchmarks/bench_graph_decode.py --shape llama3-8b --dtype bfloat16 --train-len 8192 \
+  --lengths 8192,32768 --tokens 16 --json "$OUT/graph-8b.json" 2>&1 | grep -E "^\||Warn" | tee "$OUT/graph-8b.md"
 step "the kernel's and the plan's tests, compiled"
 TRITON_INTERPRET=0 timeout "$(cap 120)" python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_attention.py \
   tests/test_plan.py 2>&1 | tail -30

@@ -188,6 +188,13 @@ def installed_method(model: PreTrainedModel) -> PositionalAttention | None:
     return None if installed is None else installed.method
 
 
+def original_rotary(model: PreTrainedModel) -> nn.Module | None:
+    """The model's own rotary embedding that an installed method set aside (its frequencies and attention scaling
+    are what the method rotates by), or None when no method is installed."""
+    installed = getattr(llama_model(model), "_positional", None)
+    return None if installed is None else installed.rotary
+
+
 def _replace_config(model: nn.Module, old: Any, new: Any) -> None:
     """Every module of `model` that holds the config object `old` (the model, its layers, attention, rotary) gets
     `new` instead."""

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from ..errors import ConfigError, GaliWarning
-from .hooks import PositionalAttention, installed_method, llama_model
+from .hooks import PositionalAttention, installed_method, llama_model, original_rotary
 from .kv_cache import GrowingLayer
 from .noise import Noise, standard_normal
 from .rope import rotate, rotate_fused
@@ -42,6 +42,16 @@ DECODE_CHOICES = ("auto", "eager", "static")
 # model too (docs/performance.md); a step that places keys wrongly or misses a part of the layer is off by O(1).
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 HALF_TOLERANCE = 0.15
+
+
+class _Rotation(NamedTuple):
+    """What a step's layers share: with `placement` None, cos/sin (B, 1, 1, D) of the token's index, rotating the new
+    query and key (the cache holds keys rotated as transformers rotates them); else cos/sin (C, D) rotating each
+    cached key by its offset from the un-rotated query, with the rest of the method's `placement`."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    placement: "Placement | None"
 
 
 class Placement(NamedTuple):
@@ -103,10 +113,11 @@ def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecode
 
 class StaticDecoder:
     """One decoding step of `model` on `cache` as a function of two one-element tensors (the token, its index),
-    over the cache's reserved rows; replayed as a CUDA graph on a GPU once captured (`capture`)."""
+    over the cache's reserved rows; replayed as a CUDA graph on a GPU once its first step is checked
+    (`first_step`)."""
 
     def __init__(self, model: PreTrainedModel, cache: DynamicCache) -> None:
-        self.model, self.cache = model, cache
+        self.model = model
         self.base = llama_model(model)
         self.method = installed_method(model)
         self.layers = cache.layers
@@ -121,8 +132,7 @@ class StaticDecoder:
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.index = torch.zeros((), dtype=torch.long, device=self.device)
         self.keys = torch.arange(self.capacity, device=self.device)
-        installed = getattr(self.base, "_positional", None)
-        rotary = installed.rotary if installed is not None else None
+        rotary = original_rotary(model)
         if rotary is not None:
             self.inv_freq = rotary.inv_freq.to(self.device, torch.float64)
             self.scaling = float(rotary.attention_scaling) ** 2  # on the query and the key: RoPE's m times m
@@ -179,10 +189,14 @@ class StaticDecoder:
     def _step(self) -> torch.Tensor:
         """The step itself: (B, 1, vocab) float32 logits. Every tensor it reads that changes from token to token is
         `self.token`, `self.index` or the cache's buffers."""
-        placement = None if self.method is None else self._tables(self.method.decode_placement(self.index, self.keys))
         mask = torch.zeros(self.capacity, dtype=self.dtype, device=self.device).masked_fill_(
             self.keys > self.index, float("-inf")).view(1, 1, 1, self.capacity)
         hidden = self.base.embed_tokens(self.token)
+        if self.method is None:  # the token's own rotation, shared by the layers (in the hidden states' dtype)
+            cos, sin = self.base.rotary_emb(hidden, self.index.view(1, 1).expand(self.token.shape[0], 1))
+            rotation = _Rotation(cos.unsqueeze(1), sin.unsqueeze(1), None)
+        else:
+            rotation = self._key_rotation(self.method.decode_placement(self.index, self.keys))
         for number, decoder_layer in enumerate(self.base.layers):
             attention = decoder_layer.self_attn
             residual = hidden
@@ -191,12 +205,12 @@ class StaticDecoder:
             query = attention.q_proj(hidden).view(shape).transpose(1, 2)  # (B, H, 1, D)
             key = attention.k_proj(hidden).view(shape).transpose(1, 2)  # (B, Hkv, 1, D)
             value = attention.v_proj(hidden).view(shape).transpose(1, 2)
-            output = self._attend(number, attention.scaling, query, key, value, placement, mask)
+            output = self._attend(number, attention.scaling, query, key, value, rotation, mask)
             hidden = residual + attention.o_proj(output.transpose(1, 2).reshape(hidden.shape[0], 1, -1))
             hidden = hidden + decoder_layer.mlp(decoder_layer.post_attention_layernorm(hidden))
         return self.model.lm_head(self.base.norm(hidden)).float()
 
-    def _tables(self, placement: Placement) -> tuple[torch.Tensor, torch.Tensor, Placement]:
+    def _key_rotation(self, placement: Placement) -> _Rotation:
         """cos/sin (C, D) in the model's dtype rotating each key by its offset (float64 angles, as the methods'
         far rotations), shared by the layers."""
         offset = placement.offset if placement.offset.dim() == 2 else placement.offset.unsqueeze(-1)
@@ -207,23 +221,21 @@ class StaticDecoder:
             weight = placement.weight.unsqueeze(-1)
             cos, sin = torch.lerp(cos, below.cos(), weight), torch.lerp(sin, below.sin(), weight)
         cos, sin = (torch.cat((x, x), dim=-1).mul_(self.scaling).to(self.dtype) for x in (cos, sin))
-        return cos, sin, placement
+        return _Rotation(cos, sin, placement)
 
     def _attend(self, number: int, scaling: float, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                placement: tuple | None, mask: torch.Tensor) -> torch.Tensor:
+                rotation: _Rotation, mask: torch.Tensor) -> torch.Tensor:
         """The layer's attention of the one query over the cache's rows, its key and value written at the index."""
         key_buffer, value_buffer = self.layers[number].storage()
-        if placement is None:  # the cache holds keys rotated at their token indices, as transformers rotates them
-            cos, sin = self.base.rotary_emb(value, self.index.view(1, 1).expand(value.shape[0], 1))
-            query, key = rotate(query, cos.unsqueeze(1), sin.unsqueeze(1)), rotate(key, cos.unsqueeze(1),
-                                                                                   sin.unsqueeze(1))
+        where = rotation.placement
+        if where is None:  # the cache holds keys rotated at their token indices, as transformers rotates them
+            query, key = rotate(query, rotation.cos, rotation.sin), rotate(key, rotation.cos, rotation.sin)
         key_buffer.index_copy_(2, self.index.view(1), key.to(key_buffer.dtype))
         value_buffer.index_copy_(2, self.index.view(1), value.to(value_buffer.dtype))
         keys, values = key_buffer[:, :, : self.capacity], value_buffer[:, :, : self.capacity]
         bias = mask
-        if placement is not None:
-            cos, sin, where = placement
-            keys = rotate_fused(keys, cos, sin)
+        if where is not None:
+            keys = rotate_fused(keys, rotation.cos, rotation.sin)
             query = query * where.query_scale
             if where.noise_sigma is not None:
                 config = self.method.config
