@@ -131,5 +131,9 @@ def test_what_cannot_decode_statically_says_why(make_llama, monkeypatch):
     monkeypatch.setenv("GALI_DECODE", "graph")
     with pytest.raises(ConfigError, match="GALI_DECODE must be one of auto, eager, static"):
         static_decode.decode_choice()
-    monkeypatch.setenv("GALI_DECODE", "auto")  # auto on a CPU: eager
-    assert static_decode.static_decoder(model, cache) is None
+    monkeypatch.setenv("GALI_DECODE", "auto")  # auto on a CPU: the static step for the unpatched model only
+    with torch.inference_mode():
+        model, cache, _ = prefilled(make_llama, "original", 40, 10)
+        assert isinstance(static_decode.static_decoder(model, cache), StaticDecoder)
+        model, cache, _ = prefilled(make_llama, "gali", 40, 10)
+        assert static_decode.static_decoder(model, cache) is None

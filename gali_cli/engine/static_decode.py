@@ -71,8 +71,8 @@ class Placement(NamedTuple):
 
 
 def decode_choice() -> str:
-    """$GALI_DECODE (auto, eager or static; auto when unset), checked. auto: a CUDA graph of the static step on a
-    GPU, the eager step elsewhere; static: the static step everywhere (graphed on a GPU), eager: never."""
+    """$GALI_DECODE (auto, eager or static; auto when unset), checked. auto: the static step where it pays
+    (`static_decoder`); static: wherever it can run (graphed on a GPU); eager: never."""
     choice = os.environ.get("GALI_DECODE", "auto").strip().lower() or "auto"
     if choice not in DECODE_CHOICES:
         raise ConfigError(f"GALI_DECODE must be one of {', '.join(DECODE_CHOICES)}, got {choice!r}")
@@ -102,11 +102,17 @@ def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
 
 
 def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecoder | None":
-    """The static step for decoding `model` on `cache` where GALI_DECODE asks for it (auto: on a GPU) and the
-    model and cache allow it (`why_not_static`), else None: decode eagerly."""
+    """The static step for decoding `model` on `cache` where GALI_DECODE asks for it and the model and cache allow
+    it (`why_not_static`), else None: decode eagerly.
+
+    auto takes it where it was measured to pay (docs/performance.md): on a GPU for every method (a graph replay); on
+    a CPU, where nothing is graphed, for the models whose cache holds rotated keys (the unpatched model, NTK, YaRN:
+    1.0-1.3x the eager step on SmolLM2), not for the position-remapping methods, whose eager step keeps its rotated
+    keys from token to token and is faster past a few thousand tokens (0.9x at 4k for the static step)."""
     choice = decode_choice()
     device = model.get_input_embeddings().weight.device
-    if choice == "eager" or (choice == "auto" and device.type != "cuda") or why_not_static(model, cache):
+    pays = device.type == "cuda" or installed_method(model) is None
+    if choice == "eager" or (choice == "auto" and not pays) or why_not_static(model, cache):
         return None
     return StaticDecoder(model, cache)
 
