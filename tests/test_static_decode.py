@@ -56,6 +56,28 @@ def test_every_step_equals_the_models_own_forward(make_llama, method):
     assert worst < 2e-5, worst
 
 
+@pytest.mark.parametrize("method", ["gali-noise", "chunk-llama", "original"])
+def test_keys_cut_into_blocks_give_the_same_steps(make_llama, method, monkeypatch):
+    """The step's attention cut into blocks of 16 keys (on a GPU: 256), with a last partial block and blocks wholly
+    past the index, equals the forward as one block does."""
+    monkeypatch.setattr(static_decode, "KEY_BLOCK", {"cpu": 16})
+    test_every_step_equals_the_models_own_forward(make_llama, method)
+
+
+@pytest.mark.parametrize("block", [7, 16, 200, None])
+def test_split_key_attention_is_one_softmax(block):
+    """Blocks merged by their log-sum-exps are one softmax over all keys, whatever the block size; keys at the
+    mask's bias (a whole block of them, too) weigh nothing."""
+    torch.manual_seed(0)
+    rows, keys, values = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 100, 8), torch.randn(2, 3, 100, 8)
+    bias = torch.randn(2, 3, 4, 100)
+    bias[..., 60:] = torch.finfo(torch.float32).min
+    got = static_decode.split_key_attention(rows, keys, values, bias, 0.3, block)
+    logits = (rows.double() @ keys.double().transpose(-1, -2)) * 0.3 + bias.double()
+    expected = torch.softmax(logits, dim=-1) @ values.double()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["gali", "self-extend", "original"])
 def test_decode_takes_the_static_step_and_leaves_the_cache_as_eager_decoding_does(make_llama, method, monkeypatch):
     """GALI_DECODE=static: `decode` checks the first step against the model's forward, then steps statically; the

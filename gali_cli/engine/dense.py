@@ -179,6 +179,22 @@ def cuda_partial(
     return Partial(output.reshape(query.shape), lse.reshape(query.shape[:3]))
 
 
+def biased_partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                   scale: float) -> Partial:
+    """Attention of queries (B, H, q, D) over keys/values (B, H, n, D), head for head (no GQA), under an additive
+    float `bias` (B, H, q, n) in the queries' dtype, with its log-sum-exp: torch's flash kernel on the CPU, its
+    memory-efficient kernel on CUDA (which wants the bias's rows 16-aligned: padded here). Keys and values may be
+    any strided views with contiguous rows. Every query must see a key at a finite bias."""
+    if query.device.type == "cuda":
+        width = -(-bias.shape[-1] // 16) * 16
+        padded = bias.new_empty(*bias.shape[:-1], width)[..., : bias.shape[-1]]
+        padded.copy_(bias)
+        output, lse, _, _ = _CUDA_EFFICIENT_WITH_LSE(query, key, value, padded, True, 0.0, False, scale=scale)
+        return Partial(output, lse[..., : query.shape[2]])
+    output, lse = _CPU_FLASH_WITH_LSE(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    return Partial(output, lse)
+
+
 @functools.cache
 def cuda_partial_verified(device: torch.device, dtype: torch.dtype) -> bool:
     """Run `cuda_partial` once on small problems (keys seen in full, grouped heads; a causal square) and compare it,
