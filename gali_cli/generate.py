@@ -133,7 +133,7 @@ def decode(
 ) -> Iterator[int]:
     """Sample from `logits`, then one token per forward; yields token ids, stop tokens included."""
     device, given = model.get_input_embeddings().weight.device, with_cache(model, cache)
-    static = static_decoder(model, cache)  # a CUDA graph of the step on a GPU (engine/static_decode.py)
+    static = static_decoder(model, cache)  # the static step where it pays, a CUDA graph on a GPU (static_decode.py)
 
     def forward(token: int) -> torch.Tensor:
         step_ids = torch.tensor([[token]], device=device)
