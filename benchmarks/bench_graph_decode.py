@@ -28,7 +28,7 @@ from bench_speed import SHAPES, build_model, synchronize
 from gali_cli.config import MethodSettings
 from gali_cli.engine.kv_cache import new_cache, reserve
 from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder, difference, why_not_static
+from gali_cli.engine.static_decode import StaticDecoder, difference, kernel_applies, why_not_static
 from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, prefill_spans
 
@@ -42,7 +42,8 @@ def timed(run, device: torch.device) -> tuple[float, object]:
     return 1000 * (time.perf_counter() - start), result
 
 
-def measure(model, method: str, length: int, tokens: int, train_len: int, verify: bool) -> dict:
+def measure(model, method: str, length: int, tokens: int, train_len: int, verify: bool,
+            routes: list[str]) -> list[dict]:
     device = model.get_input_embeddings().weight.device
     name, noise = method.removesuffix("-noise"), method.endswith("-noise")  # gali-noise: GALI with its noise on
     apply_method(model, name, MethodSettings(train_len=train_len, noise=noise), length + tokens)
@@ -66,8 +67,19 @@ def measure(model, method: str, length: int, tokens: int, train_len: int, verify
     truncate_cache(cache, length)
     why = why_not_static(model, cache)
     if why:
-        return {**row, "static": why}
-    decoder = StaticDecoder(model, cache)
+        return [{**row, "static": why}]
+    rows = []
+    for route in routes:
+        truncate_cache(cache, length)
+        rows.append(static_steps(model, cache, ids, {**row, "route": route}, forward, tokens, verify))
+    return rows
+
+
+def static_steps(model, cache, ids: torch.Tensor, row: dict, forward, tokens: int, verify: bool) -> dict:
+    """`row` with the static step's figures on `cache` (prefilled to row["length"]), attending by row["route"]:
+    triton_decode's kernel, or the keys rotated in PyTorch first (torch)."""
+    device, length = ids.device, row["length"]
+    decoder = StaticDecoder(model, cache, kernel=row["route"] == "kernel")
     differences = []
     ms, _ = timed(lambda: decoder.first_step(int(ids[0, length]), length, lambda: forward(length)), device)
     row.update(first_step_ms=ms, capture_s=decoder.capture_seconds, first_difference=decoder.difference,
@@ -99,28 +111,35 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--methods", default=",".join([*sorted(METHODS), "gali-noise"]))
     parser.add_argument("--verify", action="store_true", help="hold every graph step to the forward")
+    parser.add_argument("--routes", default=None, help="the step's attention: kernel (triton_decode's, keys rotated "
+                        "as read), torch (rotated first); default both on CUDA with triton, torch elsewhere")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build_model(args)
+    embedding = model.get_input_embeddings().weight
+    routes = args.routes.split(",") if args.routes else (["torch", "kernel"] if kernel_applies(
+        embedding.device, embedding.dtype, model.config.hidden_size // model.config.num_attention_heads) else ["torch"])
     rows = []
-    print("| method | length | eager ms/token | graph ms/token | speed-up | recorded in | difference (first, "
-          "last) |\n|---|---|---|---|---|---|---|", flush=True)
+    print("| method | length | eager ms/token | step's attention | graph ms/token | speed-up | recorded in | "
+          "difference (first, last) |\n|---|---|---|---|---|---|---|---|", flush=True)
     with torch.inference_mode():
         for length in (int(length) for length in args.lengths.split(",")):
             for method in args.methods.split(","):
                 try:
-                    row = measure(model, method, length, args.tokens, args.train_len, args.verify)
+                    measured = measure(model, method, length, args.tokens, args.train_len, args.verify, routes)
                 except torch.OutOfMemoryError as error:
-                    row = {"method": method, "length": length, "error": str(error).split("\n")[0]}
+                    measured = [{"method": method, "length": length, "error": str(error).split("\n")[0]}]
                     torch.cuda.empty_cache()
-                rows.append(row)
-                if "static_ms" in row:
-                    print(f"| {method} | {length} | {row['eager_ms']:.1f} | {row['static_ms']:.2f} | "
-                          f"{row['speedup']:.1f}x | {row['capture_s']:.2f} s | {row['first_difference']:.1e}, "
-                          f"{row['difference']:.1e} |", flush=True)
-                else:
-                    print(f"| {method} | {length} | {row.get('eager_ms', float('nan')):.1f} | - | - | - | "
-                          f"{row.get('static') or row.get('error') or row.get('first_difference')} |", flush=True)
+                rows.extend(measured)
+                for row in measured:
+                    if "static_ms" in row:
+                        print(f"| {method} | {length} | {row['eager_ms']:.1f} | {row['route']} | "
+                              f"{row['static_ms']:.2f} | {row['speedup']:.1f}x | {row['capture_s']:.2f} s | "
+                              f"{row['first_difference']:.1e}, {row['difference']:.1e} |", flush=True)
+                    else:
+                        print(f"| {method} | {length} | {row.get('eager_ms', float('nan')):.1f} | "
+                              f"{row.get('route', '-')} | - | - | - | "
+                              f"{row.get('static') or row.get('error') or row.get('first_difference')} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -30,7 +30,7 @@ timeout "$(cap 150)" python3 benchmarks/bench_graph_decode.py --shape llama3-8b 
   --lengths 8192,32768 --tokens 16 --json "$OUT/graph-8b.json" 2>&1 | grep -E "^\||Warn" | tee "$OUT/graph-8b.md"
 step "the kernel's and the plan's tests, compiled"
 TRITON_INTERPRET=0 timeout "$(cap 120)" python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_attention.py \
-  tests/test_plan.py 2>&1 | tail -30
+  tests/test_triton_decode.py tests/test_plan.py 2>&1 | tail -30
 step "prefill and decode: Llama-3-8B shape, bfloat16, every method, 8k and 32k"
 timeout "$(cap 200)" python3 benchmarks/bench_speed.py --device cuda --dtype bfloat16 --shape llama3-8b \
   --train-len 8192 --factors 1,4 --one-process --rounds 1 --decode-tokens 16 --decode-factors "" \

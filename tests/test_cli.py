@@ -634,8 +634,10 @@ def test_info_check_runs_the_triton_kernel_interpreted_when_asked(gali, small_se
     """conftest sets TRITON_INTERPRET=1 before torch loads triton: the kernel's code runs in NumPy on the CPU."""
     result = gali("info", "--check", env={"TRITON_INTERPRET": "1"})
     assert result.exit_code == 0, result.stdout + result.stderr
-    assert "the Triton kernel under TRITON_INTERPRET=1" in result.stderr
-    assert sum(line.startswith("ok   noisy attention, Triton vs PyTorch") for line in result.stdout.splitlines()) == 4
+    assert "the Triton kernels under TRITON_INTERPRET=1" in result.stderr
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("ok   noisy attention, Triton vs PyTorch") for line in lines) == 4
+    assert sum(line.startswith("ok   a decoding step's attention, Triton vs PyTorch") for line in lines) == 2
 
 
 def test_cache_list_says_what_sets_alike_entries_apart(gali, doc, tmp_path):

@@ -4,8 +4,8 @@ PyTorch path at real head dims, head groupings, dtypes and lengths, and GALI hel
 On a GPU it checks the fused Triton kernel (first passed on an H200 on 2026-11-26: docs/performance.md) and the CUDA
 route of attention parts with their log-sum-exp; it is what a user with another GPU runs to tell whether they hold
 there (the first-use checks, `kernel_verified` and `cuda_partial_verified`, are smaller versions of the same
-comparisons). On a CPU it checks the native kernel; the Triton kernel only under TRITON_INTERPRET=1 (slow: small
-problems).
+comparisons). On a GPU it also holds the decoding step's Triton kernel (triton_decode.py) to the step's PyTorch route.
+On a CPU it checks the native kernel; the Triton kernels only under TRITON_INTERPRET=1 (slow: small problems).
 """
 
 import time
@@ -68,6 +68,10 @@ def self_check(device: torch.device, triton_interpreted: bool = False) -> Iterat
         for head_dim, heads, kv_heads in HEAD_SHAPES[:2]:
             for dtype in (torch.float32, torch.bfloat16):
                 yield _partial_check(device, dtype, head_dim, heads, kv_heads, 4096)
+    if cuda or triton_interpreted:  # the static decoding step's attention there
+        for head_dim, heads, kv_heads in HEAD_SHAPES[:2]:
+            for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
+                yield _decode_check(device, dtype, head_dim, heads, kv_heads, 8192 if cuda else 700)
 
 
 def _noisy_kernels(device: torch.device, triton_interpreted: bool) -> dict[str, Callable]:
@@ -155,6 +159,47 @@ def _partial_check(device: torch.device, dtype: torch.dtype, head_dim: int, head
         expected, reference = _timed(explicit_partial, (query, key, value, head_dim**-0.5), device)
     tolerance = max(_tolerance(dtype, expected.output), _tolerance(dtype, expected.lse))
     return Check(name, partial_difference(got, expected), tolerance, {"CUDA": fast, "explicit": reference})
+
+
+def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int,
+                  keys: int) -> Check:
+    """One decoded query over a cache of `keys` rows, its token three quarters of the way in: triton_decode's
+    kernel (keys rotated as read, GALI's noise drawn in it, rows past the token unread) against the PyTorch route of
+    the static step (keys rotated first, the noise and the mask as a bias, blocks merged by log-sum-exps)."""
+    from .noise import head_streams, standard_normal
+    from .rope import rotate_fused
+    from .static_decode import split_key_attention
+
+    generator = torch.Generator().manual_seed(keys + head_dim)
+    group = heads // kv_heads
+    shapes = ((1, kv_heads, group, head_dim), (1, kv_heads, keys, head_dim), (1, kv_heads, keys, head_dim))
+    rows, key, value = (torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
+    angles = torch.rand(keys, head_dim // 2, generator=generator, dtype=torch.float64).to(device) * keys
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    index, noise = 3 * keys // 4, Noise(seed=4, layer=1, scale=1.0)
+    sigma = torch.rand(keys, generator=generator).to(device)
+    streams, scale = head_streams(noise, 1, heads, device), head_dim**-0.5
+    name = (f"a decoding step's attention, Triton vs PyTorch: head dim {head_dim}, {heads}/{kv_heads} heads, "
+            f"{str(dtype).removeprefix('torch.')}, {keys} keys, noise on")
+
+    def torch_route() -> torch.Tensor:
+        draws = standard_normal(noise, 1, heads, torch.tensor([index], device=device), keys) * sigma
+        draws[..., index + 1 :] = torch.finfo(dtype).min
+        bias = draws.to(dtype).view(1, kv_heads, group, keys)
+        return split_key_attention(rows, rotate_fused(key, cos, sin), value, bias, scale, 256)
+
+    with torch.inference_mode():
+        try:
+            from .triton_decode import rotating_decode_attention
+
+            at = torch.tensor(index, device=device)
+            got, fast = _timed(lambda: rotating_decode_attention(rows, key, value, at, scale, cos, sin, sigma,
+                                                                 streams), (), device)
+        except Exception as error:  # a missing triton, a compile or launch failure is this check's finding
+            return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:160]})", float("nan"),
+                         0.0, {})
+        expected, reference = _timed(torch_route, (), device)
+    return Check(name, _difference(got, expected), _tolerance(dtype, expected), {"Triton": fast, "PyTorch": reference})
 
 
 def _timed(function: Callable, arguments: tuple, device: torch.device) -> tuple[Any, float]:

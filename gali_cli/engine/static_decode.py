@@ -31,8 +31,9 @@ from transformers import DynamicCache, PreTrainedModel
 from ..errors import ConfigError, GaliWarning
 from .dense import Partial, biased_partial, merge_partials
 from .hooks import PositionalAttention, installed_method, llama_model, original_rotary
+from .kernel_choice import kernel_choice, triton_installed
 from .kv_cache import GrowingLayer
-from .noise import Noise, standard_normal
+from .noise import Noise, head_streams, standard_normal
 from .rope import rotate, rotate_fused
 
 DECODE_CHOICES = ("auto", "eager", "static")
@@ -45,6 +46,7 @@ HALF_TOLERANCE = 0.15
 # Keys per block of a decoding step's attention, per device type (`split_key_attention`): a GPU needs blocks to be
 # busy; on a CPU (2 threads) one call was faster (SmolLM2: 34 against 38 ms a token after 1k tokens).
 KEY_BLOCK = {"cuda": 256}
+KERNEL_BLOCK = 256  # keys per program of triton_decode's kernel where KEY_BLOCK names none (tests on the CPU)
 
 
 class _Rotation(NamedTuple):
@@ -104,6 +106,15 @@ def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
     return None
 
 
+def kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a static step on `device` attends through triton_decode's kernel, which rotates each key as it reads
+    it: on CUDA, with triton installed, GALI_KERNEL auto or triton, a power-of-two head dim of 32..256. Elsewhere
+    the step rotates the keys in PyTorch and attends with `split_key_attention`."""
+    return (device.type == "cuda" and kernel_choice() in ("auto", "triton") and triton_installed()
+            and 32 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+            and dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
 def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecoder | None":
     """The static step for decoding `model` on `cache` where GALI_DECODE asks for it and the model and cache allow
     it (`why_not_static`), else None: decode eagerly.
@@ -123,9 +134,9 @@ def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecode
 class StaticDecoder:
     """One decoding step of `model` on `cache` as a function of two one-element tensors (the token, its index),
     over the cache's reserved rows; replayed as a CUDA graph on a GPU once its first step is checked
-    (`first_step`)."""
+    (`first_step`). `kernel`: attend through triton_decode's kernel (None: where `kernel_applies`)."""
 
-    def __init__(self, model: PreTrainedModel, cache: DynamicCache) -> None:
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache, kernel: bool | None = None) -> None:
         self.model = model
         self.base = llama_model(model)
         self.method = installed_method(model)
@@ -138,6 +149,9 @@ class StaticDecoder:
         embedding = model.get_input_embeddings().weight
         self.device, self.dtype = embedding.device, embedding.dtype
         self.key_block = KEY_BLOCK.get(self.device.type)
+        head_dim = self.base.layers[0].self_attn.head_dim
+        self.kernel = kernel_applies(self.device, self.dtype, head_dim) if kernel is None else kernel
+        self.streams: dict[int, torch.Tensor] = {}  # each layer's noise streams, for the kernel
         batch = self.layers[0].keys.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.index = torch.zeros((), dtype=torch.long, device=self.device)
@@ -172,12 +186,20 @@ class StaticDecoder:
         """The first step, held to the model's own forward (`eager`, which appends the token to the cache): returns
         the eager logits, and sets `checked` when the static step's agree with them within rounding. On a GPU it then
         records the step as a CUDA graph (this step was its warm-up; recording runs no kernel), which later `step`s
-        replay. A step that disagrees, or a graph that cannot be recorded, warns once: decoding stays eager."""
-        static = self.step(token, index).clone()
+        replay. A step that disagrees, or a graph that cannot be recorded, warns once: decoding stays eager. Through
+        the kernel (`kernel`), a step that fails or disagrees is taken again with the keys rotated in PyTorch, and
+        held to the forward in turn."""
+        static = self._first_static(token, index)
         for layer in self.layers:
             layer.extend(index)  # the eager forward appends the same row again
         logits = eager()
         self.difference = difference(static, logits)
+        if self.kernel and not agrees(self.dtype, self.difference):
+            kernel_difference, self.kernel = self.difference, False
+            self.difference = difference(self.step(token, index), logits)  # the row at the index written again
+            if agrees(self.dtype, self.difference):
+                warnings.warn(f"the decoding kernel differs from the model's own forward here (relative difference "
+                              f"{kernel_difference:.2g}); attending in PyTorch", GaliWarning, stacklevel=2)
         if not agrees(self.dtype, self.difference):
             warnings.warn(f"the static decoding step differs from the model's own forward here (relative "
                           f"difference {self.difference:.2g}); decoding eagerly", GaliWarning, stacklevel=2)
@@ -196,12 +218,27 @@ class StaticDecoder:
         self.checked = True
         return logits
 
+    def _first_static(self, token: int, index: int) -> torch.Tensor:
+        """The first static step's logits (a copy); a kernel that cannot be built or launched here (Triton's
+        compiler, the GPU's resources) warns and leaves the attention to PyTorch."""
+        if not self.kernel:
+            return self.step(token, index).clone()
+        try:
+            return self.step(token, index).clone()
+        except Exception as failure:  # whatever Triton raises compiling or launching is this check's finding
+            warnings.warn(f"the decoding kernel cannot run here ({type(failure).__name__}: "
+                          f"{' '.join(str(failure).split())[:160]}); attending in PyTorch", GaliWarning, stacklevel=3)
+            self.kernel = False
+            return self.step(token, index).clone()
+
     def _step(self) -> torch.Tensor:
         """The step itself: (B, 1, vocab) float32 logits. Every tensor it reads that changes from token to token is
         `self.token`, `self.index` or the cache's buffers."""
-        mask = torch.zeros(self.capacity, dtype=self.dtype, device=self.device).masked_fill_(
-            self.keys > self.index, torch.finfo(self.dtype).min).view(1, 1, 1, self.capacity)  # finite: a block of
-        # keys all past the index then has a finite log-sum-exp, and weighs nothing in the merge
+        mask = None  # the kernel reads the index itself, and no key past it
+        if not self.kernel:
+            mask = torch.zeros(self.capacity, dtype=self.dtype, device=self.device).masked_fill_(
+                self.keys > self.index, torch.finfo(self.dtype).min).view(1, 1, 1, self.capacity)  # finite: a
+            # block of keys all past the index then has a finite log-sum-exp, and weighs nothing in the merge
         hidden = self.base.embed_tokens(self.token)
         if self.method is None:  # the token's own rotation, shared by the layers (in the hidden states' dtype)
             cos, sin = self.base.rotary_emb(hidden, self.index.view(1, 1).expand(self.token.shape[0], 1))
@@ -235,7 +272,7 @@ class StaticDecoder:
         return _Rotation(cos, sin, placement)
 
     def _attend(self, number: int, scaling: float, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                rotation: _Rotation, mask: torch.Tensor) -> torch.Tensor:
+                rotation: _Rotation, mask: torch.Tensor | None) -> torch.Tensor:
         """The layer's attention of the one query over the cache's rows, its key and value written at the index."""
         key_buffer, value_buffer = self.layers[number].storage()
         where = rotation.placement
@@ -244,6 +281,8 @@ class StaticDecoder:
         key_buffer.index_copy_(2, self.index.view(1), key.to(key_buffer.dtype))
         value_buffer.index_copy_(2, self.index.view(1), value.to(value_buffer.dtype))
         keys, values = key_buffer[:, :, : self.capacity], value_buffer[:, :, : self.capacity]
+        if self.kernel:
+            return self._kernel_attend(number, scaling, query, keys, values, rotation)
         bias = mask
         if where is not None:
             keys = rotate_fused(keys, rotation.cos, rotation.sin)
@@ -259,6 +298,29 @@ class StaticDecoder:
         if bias.shape[1] > 1:
             bias = bias.view(batch, kv_heads, heads // kv_heads, self.capacity)
         output = split_key_attention(rows, keys, values, bias, scaling, self.key_block)
+        return output.view(batch, heads, 1, dim).to(values.dtype)
+
+    def _kernel_attend(self, number: int, scaling: float, query: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, rotation: _Rotation) -> torch.Tensor:
+        """`_attend` through triton_decode's kernel: the keys rotated as they are read, GALI's noise drawn in it."""
+        from .triton_decode import rotating_decode_attention
+
+        where = rotation.placement
+        cos = sin = sigma = streams = None
+        if where is not None:
+            cos, sin = rotation.cos, rotation.sin
+            query = query * where.query_scale
+            if where.noise_sigma is not None:
+                sigma = where.noise_sigma
+                if number not in self.streams:  # made on the first step, before any graph is recorded
+                    config = self.method.config
+                    self.streams[number] = head_streams(Noise(config.seed, number, config.noise_scale),
+                                                        query.shape[0], query.shape[1], self.device)
+                streams = self.streams[number]
+        batch, heads, _, dim = query.shape
+        rows = query.to(keys.dtype).view(batch, keys.shape[1], heads // keys.shape[1], dim)
+        output = rotating_decode_attention(rows, keys, values, self.index, scaling, cos, sin, sigma, streams,
+                                           self.key_block or KERNEL_BLOCK)
         return output.view(batch, heads, 1, dim).to(values.dtype)
 
 

@@ -66,8 +66,8 @@ def run_self_check(device, json_output: bool) -> list:
 
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     if not json_output:
-        where = ("no GPU here: checking the CPU paths" + (", and the Triton kernel under TRITON_INTERPRET=1 (slow)"
-                 if interpreted else " (TRITON_INTERPRET=1 adds the Triton kernel, interpreted)")
+        where = ("no GPU here: checking the CPU paths" + (", and the Triton kernels under TRITON_INTERPRET=1 (slow)"
+                 if interpreted else " (TRITON_INTERPRET=1 adds the Triton kernels, interpreted)")
                  if device.type == "cpu" else f"checking the GPU paths on {device}")
         say(f"self-check: {where}")
     checks = []

@@ -1,0 +1,176 @@
+"""triton_decode's kernel (one decoded query over the cache, each key rotated as it is read) against float64
+attention, and the static decoding step through it against the model's own forward: on the CPU through Triton's
+interpreter (conftest sets TRITON_INTERPRET=1), or compiled on a GPU with TRITON_INTERPRET=0. The interpreter's tl.dot
+mishandles bfloat16, so bfloat16 is left to the GPU (where the decoder's first step is held to the forward)."""
+
+import importlib
+import os
+
+import pytest
+import torch
+from test_static_decode import prefilled
+
+from gali_cli.engine import static_decode
+from gali_cli.engine.noise import Noise, head_streams, standard_normal
+from gali_cli.engine.seam import with_cache
+from gali_cli.engine.static_decode import StaticDecoder, kernel_applies
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 needs a CUDA device")
+    return importlib.import_module("gali_cli.engine.triton_decode")
+
+
+@pytest.fixture
+def device():
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def expected_attention(rows, keys, values, index, scale, cos=None, sin=None, noise=None, sigma=None):
+    """The same attention in float64 from its definition: keys rotated as rope.rotate does, noise.standard_normal's
+    draws times sigma added after scaling, keys past `index` left out."""
+    rows, keys, values = rows.double(), keys.double(), values.double()
+    batch, kv_heads, group, _ = rows.shape
+    if cos is not None:
+        half = keys.shape[-1] // 2
+        turned = torch.cat((-keys[..., half:], keys[..., :half]), dim=-1)
+        keys = keys * cos.double() + turned * sin.double()
+    logits = torch.einsum("bhgd,bhcd->bhgc", rows, keys) * scale
+    if noise is not None:
+        draws = standard_normal(noise, batch, kv_heads * group, torch.tensor([index]), keys.shape[2])
+        logits = logits + (draws.double() * sigma.double()).view(batch, kv_heads, group, -1)
+    logits[..., index + 1 :] = float("-inf")
+    return torch.einsum("bhgc,bhcd->bhgd", logits.softmax(-1), values)
+
+
+def tables(count: int, dim: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (C, D) of random angles, halves equal, as the static step makes them."""
+    angles = torch.rand(count, dim // 2, dtype=torch.float64) * 200.0
+    return (torch.cat((f(angles), f(angles)), dim=-1).to(device, dtype) for f in (torch.cos, torch.sin))
+
+
+CASES = [  # batch, kv heads, heads per kv head, head dim, cache rows, keys per program, token indices
+    (1, 2, 3, 64, 300, 128, [0, 127, 128, 200, 299]),  # a group of 3 (rows padded to 16); blocks past the index
+    (2, 1, 4, 32, 130, 64, [63, 64, 129]),  # batch 2, the last block one key
+    (1, 2, 1, 128, 70, 256, [5, 69]),  # one head per key head, one block longer than the cache
+]
+
+
+@pytest.mark.parametrize("batch, kv_heads, group, dim, count, block, indices", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("variant", ["rotated-noisy", "rotated", "as-cached"])
+def test_kernel_equals_attention_from_its_definition(kernel, device, batch, kv_heads, group, dim, count, block,
+                                                     indices, dtype, variant):
+    torch.manual_seed(0)
+    rows = torch.randn(batch, kv_heads, group, dim).to(device, dtype)
+    keys, values = (torch.randn(batch, kv_heads, count, dim).to(device, dtype) for _ in range(2))
+    cos, sin = tables(count, dim, dtype, device) if variant != "as-cached" else (None, None)
+    noise = sigma = streams = None
+    if variant == "rotated-noisy":
+        noise, sigma = Noise(seed=11, layer=2, scale=1.0), (torch.rand(count) * 2.0).to(device)
+        sigma[::3] = 0.0  # the keys where c = 0 get none
+        streams = head_streams(noise, batch, kv_heads * group, device)
+    for index in indices:
+        got = kernel.rotating_decode_attention(rows, keys, values, torch.tensor(index, device=device), 0.2, cos, sin,
+                                               sigma, streams, block)
+        expected = expected_attention(rows.cpu(), keys.cpu(), values.cpu(), index, 0.2,
+                                      *(None if x is None else x.cpu() for x in (cos, sin)), noise,
+                                      None if sigma is None else sigma.cpu())
+        assert got.dtype == torch.float32 and got.shape == rows.shape
+        torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-4, atol=1e-4 if dtype == torch.float32
+                                   else 2e-3)
+
+
+def test_keys_past_the_index_are_never_read(kernel, device):
+    """NaN in every row after the index (rows a CUDA graph has not written yet) cannot reach the output: the kernel
+    stops at the index instead of masking."""
+    torch.manual_seed(0)
+    rows, keys, values = torch.randn(1, 1, 2, 32), torch.randn(1, 1, 200, 32), torch.randn(1, 1, 200, 32)
+    keys[:, :, 71:], values[:, :, 71:] = float("nan"), float("nan")
+    got = kernel.rotating_decode_attention(*(x.to(device) for x in (rows, keys, values)),
+                                           torch.tensor(70, device=device), 0.3, block=64)
+    torch.testing.assert_close(got.cpu().double(), expected_attention(rows, keys[:, :, :71], values[:, :, :71], 70,
+                                                                      0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_are_refused(kernel):
+    rows, keys = torch.randn(1, 1, 2, 32), torch.randn(1, 1, 10, 32)
+    cos = torch.ones(10, 32)
+    for arguments in ({"cos": cos}, {"sigma": torch.zeros(10)}, {"block": 100}):
+        with pytest.raises(ValueError):
+            kernel.rotating_decode_attention(rows, keys, keys, torch.tensor(3), 1.0, **arguments)
+
+
+KERNEL_METHODS = ["original", "gali", "gali-noise", "self-extend", "chunk-llama", "leaky-rerope", "dpe", "string",
+                  "lampe", "yarn"]
+
+
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+def test_the_static_step_through_the_kernel_equals_the_forward(kernel, method, monkeypatch):
+    """Past a 32-token window (a 70-token prompt), 24 tokens decoded by the static step attending through the
+    kernel (programs of 64 keys: several blocks, some wholly past the index) equal the model's own forward at every
+    index; head dim 32 and 3 query heads per key head, the shapes the kernel serves."""
+    from gali_cli.seam_check import tiny_llama
+
+    monkeypatch.setattr(static_decode, "KEY_BLOCK", {})
+    monkeypatch.setattr(static_decode, "KERNEL_BLOCK", 64)
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(lambda **kw: tiny_llama(**kw, heads=6, kv_heads=2, hidden=192), method,
+                                         70, 24)
+        decoder, given = StaticDecoder(model, cache, kernel=True), with_cache(model, cache)
+        assert decoder.kernel
+        worst = 0.0
+        for index, token in enumerate(tokens, start=70):
+            static = decoder.step(token, index).clone()
+            for layer in cache.layers:
+                layer.extend(index)
+            eager = model(input_ids=torch.tensor([[token]]), **given, use_cache=True).logits[0, -1].float()
+            worst = max(worst, ((static - eager).abs().max() / eager.abs().max()).item())
+    assert worst < 2e-5, worst
+
+
+def test_the_kernel_is_chosen_on_cuda_only_and_as_gali_kernel_allows(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(static_decode, "triton_installed", lambda: True)
+    assert kernel_applies(cuda, torch.bfloat16, 128) and kernel_applies(cuda, torch.float32, 64)
+    assert not kernel_applies(cpu, torch.float32, 64)
+    assert not kernel_applies(cuda, torch.bfloat16, 96) and not kernel_applies(cuda, torch.bfloat16, 16)
+    for choice, expected in (("torch", False), ("native", False), ("triton", True)):
+        monkeypatch.setenv("GALI_KERNEL", choice)
+        assert kernel_applies(cuda, torch.bfloat16, 128) is expected
+    monkeypatch.setenv("GALI_KERNEL", "auto")
+    monkeypatch.setattr(static_decode, "triton_installed", lambda: False)
+    assert not kernel_applies(cuda, torch.bfloat16, 128)
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong"])
+def test_a_kernel_that_fails_or_differs_leaves_the_attention_to_pytorch(kernel, failure, monkeypatch):
+    """The decoder's first step through a kernel that cannot run here (a compile error) or computes wrongly warns
+    once and takes the keys-rotated-in-PyTorch route, held to the forward in turn: the tokens are eager decoding's."""
+    from gali_cli.generate import decode
+    from gali_cli.seam_check import tiny_llama
+
+    def broken(rows, *arguments):
+        if failure == "raises":
+            raise RuntimeError("no kernel image is available")
+        return torch.zeros(rows.shape)
+
+    monkeypatch.setattr(kernel, "rotating_decode_attention", broken)
+    monkeypatch.setattr(static_decode, "kernel_applies", lambda *arguments: True)
+    answers = {}
+    for choice in ("eager", "static"):
+        monkeypatch.setenv("GALI_DECODE", choice)
+        with torch.inference_mode():
+            model, cache, _ = prefilled(lambda **kw: tiny_llama(**kw, heads=6, kv_heads=2, hidden=192), "gali", 40, 12)
+            logits = model(input_ids=torch.tensor([[5]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
+            if choice == "static":
+                match = "cannot run here" if failure == "raises" else "kernel differs from the model's own forward"
+                with pytest.warns(static_decode.GaliWarning, match=match) as warned:
+                    answers[choice] = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 10, set()))
+                assert len(warned) == 1  # not "decoding eagerly": the PyTorch route agreed
+            else:
+                answers[choice] = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 10, set()))
+    assert answers["static"] == answers["eager"]
