@@ -46,12 +46,11 @@ HALF_TOLERANCE = 0.15
 # Keys per block of a decoding step's attention, per device type (`split_key_attention`): a GPU needs blocks to be
 # busy; on a CPU (2 threads) one call was faster (SmolLM2: 34 against 38 ms a token after 1k tokens).
 KEY_BLOCK = {"cuda": 256}
-KERNEL_BLOCK = 256  # keys per program of triton_decode's kernel where KEY_BLOCK names none (tests on the CPU)
 
 
 class _Rotation(NamedTuple):
     """What a step's layers share: with `placement` None, cos/sin (B, 1, 1, D) of the token's index, rotating the new
-    query and key (the cache holds keys rotated as transformers rotates them); else cos/sin (C, D) rotating each
+    query and key (the cache holds keys rotated as transformers rotates them); else cos/sin (C, D or D/2) rotating each
     cached key by its offset from the un-rotated query, with the rest of the method's `placement`."""
 
     cos: torch.Tensor
@@ -108,11 +107,13 @@ def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
 
 def kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a static step on `device` attends through triton_decode's kernel, which rotates each key as it reads
-    it: on CUDA, with triton installed, GALI_KERNEL auto or triton, a power-of-two head dim of 32..256. Elsewhere
-    the step rotates the keys in PyTorch and attends with `split_key_attention`."""
-    return (device.type == "cuda" and kernel_choice() in ("auto", "triton") and triton_installed()
-            and 32 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-            and dtype in (torch.float16, torch.bfloat16, torch.float32))
+    it: on CUDA, with triton installed, GALI_KERNEL auto or triton, heads it has a variant for (`supports`).
+    Elsewhere the step rotates the keys in PyTorch and attends with `split_key_attention`."""
+    if device.type != "cuda" or kernel_choice() not in ("auto", "triton") or not triton_installed():
+        return False
+    from .triton_decode import supports
+
+    return supports(dtype, head_dim)
 
 
 def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecoder | None":
@@ -152,6 +153,7 @@ class StaticDecoder:
         head_dim = self.base.layers[0].self_attn.head_dim
         self.kernel = kernel_applies(self.device, self.dtype, head_dim) if kernel is None else kernel
         self.streams: dict[int, torch.Tensor] = {}  # each layer's noise streams, for the kernel
+        self.kernel_splits: int | None = None  # programs per key head (None: triton_decode.decode_splits)
         batch = self.layers[0].keys.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.index = torch.zeros((), dtype=torch.long, device=self.device)
@@ -260,7 +262,7 @@ class StaticDecoder:
 
     def _key_rotation(self, placement: Placement) -> _Rotation:
         """cos/sin (C, D) in the model's dtype rotating each key by its offset (float64 angles, as the methods'
-        far rotations), shared by the layers."""
+        far rotations), shared by the layers; (C, D/2) for the kernel, which needs one of the equal halves."""
         offset = placement.offset if placement.offset.dim() == 2 else placement.offset.unsqueeze(-1)
         angles = offset * self.inv_freq
         cos, sin = angles.cos(), angles.sin()
@@ -268,7 +270,9 @@ class StaticDecoder:
             below = angles - self.inv_freq
             weight = placement.weight.unsqueeze(-1)
             cos, sin = torch.lerp(cos, below.cos(), weight), torch.lerp(sin, below.sin(), weight)
-        cos, sin = (torch.cat((x, x), dim=-1).mul_(self.scaling).to(self.dtype) for x in (cos, sin))
+        if not self.kernel:  # the kernel reads the first half of a table whose halves are equal
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        cos, sin = (x.mul(self.scaling).to(self.dtype) for x in (cos, sin))
         return _Rotation(cos, sin, placement)
 
     def _attend(self, number: int, scaling: float, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -320,7 +324,7 @@ class StaticDecoder:
         batch, heads, _, dim = query.shape
         rows = query.to(keys.dtype).view(batch, keys.shape[1], heads // keys.shape[1], dim)
         output = rotating_decode_attention(rows, keys, values, self.index, scaling, cos, sin, sigma, streams,
-                                           self.key_block or KERNEL_BLOCK)
+                                           self.kernel_splits)
         return output.view(batch, heads, 1, dim).to(values.dtype)
 
 

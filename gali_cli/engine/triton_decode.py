@@ -4,15 +4,15 @@ The static decoding step (static_decode.py) places every cached key anew each to
 the text grows (GALI's Alg. 2, SelfExtend's groups), so the un-rotated keys the cache holds are rotated by each
 key's offset from the query. In PyTorch that is a pass that reads the keys and writes rotated copies, which the
 attention then reads again: three passes over the keys where the unpatched model makes one (measured on an H200
-after 32k tokens: 18.2 ms a token for the methods against 11.8 unpatched). Here each program loads a block of raw
+after 32k tokens: 18.2 ms a token for the methods against 11.8 unpatched). Here each program loads tiles of raw
 keys and their cos/sin rows, rotates them in registers and attends, so the keys are read once; GALI's noise is
 computed in the kernel from the counter-based hash of noise.py (the very numbers of `standard_normal`), and keys past
 the token's index are neither read nor masked: the index is read from a tensor, so a CUDA graph replays the same
 launch for every token.
 
-Flash-decoding: each program owns `block` keys of one (batch, key head) and the heads sharing that key head as rows;
-the blocks' partial softmaxes are merged by their log-sum-exps in PyTorch (exact). Shapes: B batch, Hkv key/value
-heads, g query heads per key head, C the cache's rows, D head dim.
+Flash-decoding: a fixed number of programs per (batch, key head), the heads sharing that key head as rows of each,
+cut the keys up to the index into runs of whole tiles; the runs' partial softmaxes are merged by their log-sum-exps
+in PyTorch (exact). Shapes: B batch, Hkv key/value heads, g query heads per key head, C the cache's rows, D head dim.
 
 Importing this module needs triton; static_decode.py imports it only where the kernel is used. Tests run it on the CPU
 through Triton's interpreter (TRITON_INTERPRET=1).
@@ -27,22 +27,22 @@ import triton.language as tl
 from .triton_attention import _GOLDEN, _LOG2E, _TURN, _UNIT, _mix32
 
 _LN2 = tl.constexpr(0.6931471805599453)
-KEYS_PER_TILE = 64  # keys loaded at once inside a program's block
 
 
 @triton.jit(do_not_specialize=["kv_heads", "group", "heads"])
-def _decode_blocks(
+def _decode_splits(
     rows, key, value, cos, sin, index_at, sigma, streams, out, lse,
     stride_rb, stride_rh, stride_rg, stride_rd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_cn, stride_cd,
-    stride_ob, stride_oc, stride_og, stride_od,
+    stride_ob, stride_os, stride_og, stride_od,
     kv_heads, group, heads, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     ROTATE: tl.constexpr, NOISE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    block = tl.program_id(0)
+    split = tl.program_id(0)
+    splits = tl.num_programs(0)
     pair = tl.program_id(1)  # b * kv_heads + key head
     batch = (pair // kv_heads).to(tl.int64)  # 64-bit offsets: a long context's cache passes 2**31 elements
     kv_head = (pair % kv_heads).to(tl.int64)
@@ -58,12 +58,15 @@ def _decode_blocks(
     key_base = key + batch * stride_kb + kv_head * stride_kh
     value_base = value + batch * stride_vb + kv_head * stride_vh
 
-    index = tl.load(index_at)  # the decoded token's index: keys after it are not read
-    start = block * KEYS
-    end = tl.minimum(start + KEYS, index + 1)
+    # The keys up to the token's index, cut into `splits` runs of whole tiles (even starts: noise pairs stay whole);
+    # the runs past the last key are empty. Nothing after the index is read.
+    count = tl.load(index_at) + 1
+    per_split = tl.cdiv(tl.cdiv(count, splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, count)
     if NOISE:  # heads kv_head * g + r, numbered b * heads + h as noise.head_streams numbers them
         stream = tl.load(streams + batch * heads + kv_head * group + heads_here, mask=real, other=0).to(tl.uint32)
-        row_hash = _mix32(stream ^ _mix32(index.to(tl.uint32)))
+        row_hash = _mix32(stream ^ _mix32((count - 1).to(tl.uint32)))
 
     running_max = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     running_sum = tl.zeros((BLOCK_G,), tl.float32)
@@ -83,10 +86,11 @@ def _decode_blocks(
         logits += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
         logits *= scale
         if NOISE:  # keys 2m and 2m + 1 share a hashed pair of uniforms: Box-Muller's cosine and sine branches
-            bits = _mix32(row_hash[:, None] ^ _mix32((cols // 2).to(tl.uint32) ^ _GOLDEN)[None, :])
+            pairs = _mix32((first // 2 + tl.arange(0, BLOCK_N // 2)).to(tl.uint32) ^ _GOLDEN)
+            bits = _mix32(row_hash[:, None] ^ pairs[None, :])
             radius = tl.sqrt_rn(-2.0 * tl.log(((bits >> 8).to(tl.float32) + 0.5) * _UNIT))
             angle = (_mix32(bits ^ _GOLDEN) >> 8).to(tl.float32) * _TURN
-            normal = tl.where((cols % 2 == 0)[None, :], radius * tl.cos(angle), radius * tl.sin(angle))
+            normal = tl.interleave(radius * tl.cos(angle), radius * tl.sin(angle))
             logits += normal * tl.load(sigma + cols, mask=live, other=0.0)[None, :]
         logits = tl.where(live[None, :], logits * _LOG2E, float("-inf"))
 
@@ -99,13 +103,13 @@ def _decode_blocks(
         accumulator = accumulator * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
         running_max = new_max
 
-    # A block wholly past the index read nothing: output 0 and log-sum-exp -inf, which weigh nothing in the merge.
+    # An empty run read nothing: output 0 and log-sum-exp -inf, which weigh nothing in the merge.
     seen = running_sum > 0
     result = accumulator / tl.where(seen, running_sum, 1.0)[:, None]
-    block_lse = tl.where(seen, (running_max + tl.log2(tl.where(seen, running_sum, 1.0))) * _LN2, float("-inf"))
-    out_rows = pair * stride_ob + block * stride_oc + heads_here * stride_og
+    run_lse = tl.where(seen, (running_max + tl.log2(tl.where(seen, running_sum, 1.0))) * _LN2, float("-inf"))
+    out_rows = pair * stride_ob + split * stride_os + heads_here * stride_og
     tl.store(out + out_rows[:, None] + dims[None, :] * stride_od, result, mask=real[:, None])
-    tl.store(lse + (pair * tl.num_programs(0) + block) * group + heads_here, block_lse, mask=real)
+    tl.store(lse + (pair * splits + split) * group + heads_here, run_lse, mask=real)
 
 
 def rotating_decode_attention(
@@ -118,48 +122,60 @@ def rotating_decode_attention(
     sin: torch.Tensor | None = None,
     sigma: torch.Tensor | None = None,
     streams: torch.Tensor | None = None,
-    block: int = 256,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """One query's attention, its heads sharing a key head stacked as `rows` (B, Hkv, g, D), over the cache's keys
     and values (B, Hkv, C, D) up to the token index `index` (a one-element tensor), the rest never read.
 
     Args:
-        cos, sin: (C, D) tables whose halves are equal, rotating each key as rope.rotate_fused does before it is
-            attended (None: the keys are attended as they are).
+        cos, sin: (C, D/2), or (C, D) with equal halves (the first D/2 columns are read), rotating each key as
+            rope.rotate_fused does before it is attended (None: the keys are attended as they are).
         sigma: GALI's noise strength per key, float32 (C,), added after scaling to the logit of key j with
             noise.standard_normal's draw for (stream, index, j); `streams`: the layer's noise.head_streams (B * H,).
-        block: keys per program (flash-decoding); a multiple of the kernel's 64-key tile.
+        splits: programs per (batch, key head), each attending a run of the keys up to the index (flash-decoding;
+            None: `decode_splits`).
 
     Returns:
         (B, Hkv, g, D) float32.
     """
     batch, kv_heads, group, dim = rows.shape
-    count = keys.shape[2]
-    if (cos is None) != (sin is None) or (sigma is None) != (streams is None) or block % KEYS_PER_TILE:
-        raise ValueError("cos and sin, sigma and streams go together; block must be a multiple of 64")
+    if (cos is None) != (sin is None) or (sigma is None) != (streams is None):
+        raise ValueError("cos and sin go together, and so do sigma and streams")
     if cos is not None and cos.stride() != sin.stride():
         raise ValueError("cos and sin must have the same layout")
-    blocks = triton.cdiv(count, block)
-    out = torch.empty(batch * kv_heads, blocks, group, dim, dtype=torch.float32, device=rows.device)
-    lse = torch.empty(batch * kv_heads, blocks, group, dtype=torch.float32, device=rows.device)
+    splits = splits or decode_splits(rows.device, batch * kv_heads, keys.shape[2])
+    out = torch.empty(batch * kv_heads, splits, group, dim, dtype=torch.float32, device=rows.device)
+    lse = torch.empty(batch * kv_heads, splits, group, dtype=torch.float32, device=rows.device)
     table = cos if cos is not None else keys  # unused pointers when not rotating / without noise
-    precision = "ieee" if rows.dtype == torch.float32 else "tf32"
+    noise = sigma is not None
+    # Narrower tiles where registers run short: with the noise's arithmetic, float32 operands, or wide heads.
+    tile = 32 if noise or rows.dtype == torch.float32 or dim > 128 else 64
     with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():
-        _decode_blocks[(blocks, batch * kv_heads)](
+        _decode_splits[(splits, batch * kv_heads)](
             rows, keys, values, table, sin if sin is not None else keys, index,
-            sigma if sigma is not None else lse, streams if streams is not None else lse, out, lse,
+            sigma if noise else lse, streams if noise else lse, out, lse,
             *rows.stride(), *keys.stride(), *values.stride(), *table.stride()[-2:], *out.stride(),
             kv_heads, group, group * kv_heads, scale,
-            HEAD_DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=KEYS_PER_TILE, KEYS=block,
-            ROTATE=cos is not None, NOISE=sigma is not None, PRECISION=precision, num_warps=4, num_stages=2,
+            HEAD_DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tile, ROTATE=cos is not None,
+            NOISE=noise, PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
         )
-    lse = lse.view(batch, kv_heads, blocks, group)
-    total = torch.logsumexp(lse, dim=2, keepdim=True)  # block 0 holds key 0, seen by every token: finite
+    lse = lse.view(batch, kv_heads, splits, group)
+    total = torch.logsumexp(lse, dim=2, keepdim=True)  # the first run holds key 0, seen by every token: finite
     share = torch.exp(lse - total).unsqueeze(-1)
-    return (out.view(batch, kv_heads, blocks, group, dim) * share).sum(2)
+    return (out.view(batch, kv_heads, splits, group, dim) * share).sum(2)
 
 
-def supports(rows: torch.Tensor) -> bool:
-    """Whether the kernel takes these heads: a power-of-two head dim of 32..256, float16/bfloat16/float32."""
-    dim = rows.shape[-1]
-    return 32 <= dim <= 256 and dim & (dim - 1) == 0 and rows.dtype in (torch.float16, torch.bfloat16, torch.float32)
+def decode_splits(device: torch.device, pairs: int, capacity: int) -> int:
+    """Programs per (batch, key head): enough for two per multiprocessor, none with fewer than 256 of the cache's
+    rows. Fixed for a cache (a CUDA graph replays one launch), so the partial results to merge stay few whatever
+    the capacity (sized by the capacity they cost the merge 1.5-3.5 ms a token on an 8B model's 128k cache)."""
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return max(1, min(triton.cdiv(capacity, 256), triton.cdiv(2 * processors, pairs)))
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel takes these heads: a power-of-two head dim of 32..256 in float16/bfloat16, up to 128 in
+    float32 (whose 256-wide tiles want more shared memory than an H100 gives a block)."""
+    widest = 128 if dtype == torch.float32 else 256
+    return 32 <= head_dim <= widest and head_dim & (head_dim - 1) == 0 and dtype in (
+        torch.float16, torch.bfloat16, torch.float32)
