@@ -28,7 +28,7 @@ from bench_speed import SHAPES, build_model, synchronize
 from gali_cli.config import MethodSettings
 from gali_cli.engine.kv_cache import new_cache, reserve
 from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder, difference, kernel_applies, why_not_static
+from gali_cli.engine.static_decode import StaticDecoder, difference, model_route, why_not_static
 from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, prefill_spans
 
@@ -77,9 +77,10 @@ def measure(model, method: str, length: int, tokens: int, train_len: int, verify
 
 def static_steps(model, cache, ids: torch.Tensor, row: dict, forward, tokens: int, verify: bool) -> dict:
     """`row` with the static step's figures on `cache` (prefilled to row["length"]), attending by row["route"]:
-    triton_decode's kernel, or the keys rotated in PyTorch first (torch)."""
+    a kernel rotating keys as it reads them (triton on CUDA, native on the CPU), or the keys rotated in PyTorch
+    first (torch)."""
     device, length = ids.device, row["length"]
-    decoder = StaticDecoder(model, cache, kernel=row["route"] == "kernel")
+    decoder = StaticDecoder(model, cache, route=row["route"])
     differences = []
     ms, _ = timed(lambda: decoder.first_step(int(ids[0, length]), length, lambda: forward(length)), device)
     row.update(first_step_ms=ms, capture_s=decoder.capture_seconds, first_difference=decoder.difference,
@@ -111,14 +112,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--methods", default=",".join([*sorted(METHODS), "gali-noise"]))
     parser.add_argument("--verify", action="store_true", help="hold every graph step to the forward")
-    parser.add_argument("--routes", default=None, help="the step's attention: kernel (triton_decode's, keys rotated "
-                        "as read), torch (rotated first); default both on CUDA with triton, torch elsewhere")
+    parser.add_argument("--routes", default=None, help="the step's attention: triton or native (a kernel rotating "
+                        "keys as it reads them), torch (rotated first); default torch and the device's kernel")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build_model(args)
-    embedding = model.get_input_embeddings().weight
-    routes = args.routes.split(",") if args.routes else (["torch", "kernel"] if kernel_applies(
-        embedding.device, embedding.dtype, model.config.hidden_size // model.config.num_attention_heads) else ["torch"])
+    kernel = model_route(model)
+    routes = args.routes.split(",") if args.routes else sorted({"torch", kernel}, key=["torch", kernel].index)
     rows = []
     print("| method | length | eager ms/token | step's attention | graph ms/token | speed-up | recorded in | "
           "difference (first, last) |\n|---|---|---|---|---|---|---|---|", flush=True)

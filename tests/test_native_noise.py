@@ -1,5 +1,6 @@
 """The native CPU noise kernel (engine/native_noise.py) against the PyTorch path: the same noise, the same attention."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -121,7 +122,7 @@ def test_a_kernel_without_openmp_shares_rows_through_a_thread_pool(monkeypatch):
     """A compiler without OpenMP (Apple's) builds a kernel that does the rows it is given: the rows are then shared
     by a thread pool, with the same result as one call."""
     kernel = native_noise.load_kernel()
-    monkeypatch.setattr(native_noise, "load_kernel", lambda: native_noise.Kernel(kernel.function, threaded=False))
+    monkeypatch.setattr(native_noise, "load_kernel", lambda: dataclasses.replace(kernel, threaded=False))
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:

@@ -153,9 +153,17 @@ def test_what_cannot_decode_statically_says_why(make_llama, monkeypatch):
     monkeypatch.setenv("GALI_DECODE", "graph")
     with pytest.raises(ConfigError, match="GALI_DECODE must be one of auto, eager, static"):
         static_decode.decode_choice()
-    monkeypatch.setenv("GALI_DECODE", "auto")  # auto on a CPU: the static step for the unpatched model only
+    # auto on a CPU: every method where the native kernel attends (float32, head dim a multiple of 16), else the
+    # static step for the unpatched model only
+    monkeypatch.setenv("GALI_DECODE", "auto")
     with torch.inference_mode():
-        model, cache, _ = prefilled(make_llama, "original", 40, 10)
+        model, cache, _ = prefilled(make_llama, "original", 40, 10)  # head dim 8: the PyTorch route
         assert isinstance(static_decode.static_decoder(model, cache), StaticDecoder)
         model, cache, _ = prefilled(make_llama, "gali", 40, 10)
         assert static_decode.static_decoder(model, cache) is None
+        model, cache, _ = prefilled(lambda **kw: make_llama(**kw, heads=4, kv_heads=2, hidden=128), "gali", 40, 10)
+        assert static_decode.static_decoder(model, cache).route == "native"
+        monkeypatch.setenv("GALI_KERNEL", "torch")
+        assert static_decode.static_decoder(model, cache) is None
+        monkeypatch.setenv("GALI_DECODE", "static")
+        assert static_decode.static_decoder(model, cache).route == "torch"

@@ -13,7 +13,7 @@ from test_static_decode import prefilled
 from gali_cli.engine import static_decode
 from gali_cli.engine.noise import Noise, head_streams, standard_normal
 from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder, kernel_applies
+from gali_cli.engine.static_decode import StaticDecoder
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_the_static_step_through_the_kernel_equals_the_forward(kernel, device, m
     with torch.inference_mode():
         model, cache, tokens = prefilled(lambda **kw: tiny_llama(**kw, heads=6, kv_heads=2, hidden=192), method,
                                          70, 24)
-        decoder, given = StaticDecoder(model, cache, kernel=True), with_cache(model, cache)
+        decoder, given = StaticDecoder(model, cache, route="triton"), with_cache(model, cache)
         decoder.kernel_splits = 3
         worst = 0.0
         for index, token in enumerate(tokens, start=70):
@@ -135,19 +135,24 @@ def test_the_static_step_through_the_kernel_equals_the_forward(kernel, device, m
     assert worst < 2e-5, worst
 
 
-def test_the_kernel_is_chosen_on_cuda_only_and_as_gali_kernel_allows(monkeypatch):
+def test_the_route_follows_the_device_and_gali_kernel(monkeypatch):
+    """CUDA with triton: the Triton kernel for heads it has a variant for; the CPU in float32: the native kernel;
+    GALI_KERNEL=torch (or a kernel of the other device): the PyTorch route."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    route = static_decode.attention_route
     monkeypatch.setattr(static_decode, "triton_installed", lambda: True)
-    assert kernel_applies(cuda, torch.bfloat16, 128) and kernel_applies(cuda, torch.float32, 64)
-    assert kernel_applies(cuda, torch.float16, 256) and not kernel_applies(cuda, torch.float32, 256)
-    assert not kernel_applies(cpu, torch.float32, 64)
-    assert not kernel_applies(cuda, torch.bfloat16, 96) and not kernel_applies(cuda, torch.bfloat16, 16)
-    for choice, expected in (("torch", False), ("native", False), ("triton", True)):
+    assert route(cuda, torch.bfloat16, 128, 4) == route(cuda, torch.float32, 64, 3) == "triton"
+    assert route(cuda, torch.float16, 256, 4) == "triton" and route(cuda, torch.float32, 256, 4) == "torch"
+    assert route(cuda, torch.bfloat16, 96, 4) == route(cuda, torch.bfloat16, 16, 4) == "torch"
+    assert route(cpu, torch.float32, 64, 3) == "native"
+    assert route(cpu, torch.bfloat16, 64, 3) == route(cpu, torch.float32, 64, 32) == "torch"
+    for choice, on_cuda, on_cpu in (("torch", "torch", "torch"), ("native", "torch", "native"),
+                                    ("triton", "triton", "torch")):
         monkeypatch.setenv("GALI_KERNEL", choice)
-        assert kernel_applies(cuda, torch.bfloat16, 128) is expected
+        assert (route(cuda, torch.bfloat16, 128, 4), route(cpu, torch.float32, 64, 3)) == (on_cuda, on_cpu)
     monkeypatch.setenv("GALI_KERNEL", "auto")
     monkeypatch.setattr(static_decode, "triton_installed", lambda: False)
-    assert not kernel_applies(cuda, torch.bfloat16, 128)
+    assert route(cuda, torch.bfloat16, 128, 4) == "torch"
 
 
 @pytest.mark.parametrize("failure", ["raises", "wrong"])
@@ -163,7 +168,7 @@ def test_a_kernel_that_fails_or_differs_leaves_the_attention_to_pytorch(kernel, 
         return torch.zeros(rows.shape)
 
     monkeypatch.setattr(kernel, "rotating_decode_attention", broken)
-    monkeypatch.setattr(static_decode, "kernel_applies", lambda *arguments: True)
+    monkeypatch.setattr(static_decode, "attention_route", lambda *arguments: "triton")
     answers = {}
     for choice in ("eager", "static"):
         monkeypatch.setenv("GALI_DECODE", choice)

@@ -13,10 +13,13 @@ One concern a file, dependencies pointing down the list:
 - noisy_attention.py: GALI's logit noise, its three paths (PyTorch, the fused kernel, the native CPU kernel) and the
   kernels' first-use checks.
 - triton_attention.py: the fused Triton kernel (imported only when it runs).
-- native_noise.py, noise_kernel.c: the CPU's noise kernel, built on first use.
+- native_noise.py, native_kernels.c: the CPU's native kernels (noise; decoding, called by native_decode.py), built
+  on first use.
 - gali_attention.py: GALI's prefill attention, chunk by chunk (Algorithm 3).
 - kept_keys.py: rotated keys kept with the KV cache per layer, in the frame they were rotated for.
 - decode.py: GALI's one-token decoding without re-rotating the cache.
+- static_decode.py: the decoding step with static shapes (a CUDA graph on a GPU) and how it attends;
+  triton_decode.py, native_decode.py: its attention as a kernel rotating each key as it reads it (GPU, CPU).
 - windowed.py: attention split at a distance (SelfExtend, ReRoPE, Leaky ReRoPE, DPE).
 - kv_cache.py: the KV cache gali generates with (a DynamicCache whose layers append in place).
 - seam.py: how the installed transformers takes the KV cache; SeamError when it is not a way gali knows.

@@ -287,6 +287,14 @@ def merge_partials(parts: Sequence[Partial]) -> Partial:
     return merged
 
 
+def merge_runs(output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """A decoding step's attention from its runs of keys (flash-decoding, triton_decode and native_decode): outputs
+    (B, Hkv, runs, g, D) and log-sum-exps (B, Hkv, runs, g), float32, merged over the runs into (B, Hkv, g, D). An
+    empty run has -inf and weighs nothing; the first run holds key 0, seen by every token, so the total is finite."""
+    total = torch.logsumexp(lse, dim=2, keepdim=True)
+    return (output * torch.exp(lse - total).unsqueeze(-1)).sum(2)
+
+
 def lower_right_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, dropout: float = 0.0
 ) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Noisy GALI attention on the CPU with the noise made by a small native kernel (noise_kernel.c).
+"""Noisy GALI attention on the CPU with the noise made by a small native kernel (native_kernels.c), and the loading
+of that library, whose decoding kernel native_decode.py calls.
 
 The PyTorch path (noisy_attention.explicit_noisy_partial) makes noise.py's normals in about twenty elementwise
 passes over every logit, each a round trip through memory: on a CPU that costs several times the attention itself.
@@ -36,7 +37,7 @@ from .dense import Partial
 from .kernel_choice import compiler
 from .noise import GOLDEN, Noise, head_streams, mix32
 
-SOURCE = Path(__file__).with_name("noise_kernel.c")
+SOURCE = Path(__file__).with_name("native_kernels.c")
 # -fno-math-errno, -fno-trapping-math: sqrt and comparisons become plain vector instructions (no errno, no traps).
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 # Tried in this order, first with OpenMP: a library that uses it links the OpenMP runtime torch has loaded (libgomp,
@@ -58,10 +59,13 @@ def kernel_directory() -> Path:
 
 @dataclass(frozen=True)
 class Kernel:
-    """The loaded C function `gali_noisy_softmax`, and whether it shares rows among threads itself (OpenMP)."""
+    """The loaded C functions `gali_noisy_softmax` and `gali_decode_attention`, and whether they share their work
+    among threads themselves (OpenMP)."""
 
     function: ctypes._CFuncPtr
     threaded: bool
+    decode: ctypes._CFuncPtr
+    merge_runs: ctypes._CFuncPtr
 
 
 @functools.cache
@@ -76,6 +80,7 @@ def load_kernel() -> Kernel:
     try:
         loaded = ctypes.CDLL(str(library))
         function, threaded = loaded.gali_noisy_softmax, loaded.gali_noisy_softmax_threaded
+        decode, merge_runs = loaded.gali_decode_attention, loaded.gali_merge_runs
     except (OSError, AttributeError) as error:
         raise KernelBuildError(f"cannot load {library}: {error}") from error
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -83,8 +88,14 @@ def load_kernel() -> Kernel:
     function.argtypes = [pointer, size, size, ctypes.c_float, pointer, size, size, size, pointer, int32, int32,
                          ctypes.c_float, size, size, pointer, pointer, ctypes.c_int]
     function.restype = None
+    decode.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size, pointer,
+                       pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, size, size, size,
+                       pointer, pointer, ctypes.c_int]
+    decode.restype = None
+    merge_runs.argtypes = [pointer, pointer, size, size, size, size, pointer]
+    merge_runs.restype = None
     threaded.restype = ctypes.c_int
-    return Kernel(function, bool(threaded()))
+    return Kernel(function, bool(threaded()), decode, merge_runs)
 
 
 def _build(command: list[str], library: Path) -> None:
@@ -117,8 +128,8 @@ def _cpu_identity() -> str:
 
 
 @functools.cache
-def _workers(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gali-noise")
+def workers(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gali-native")
 
 
 @dataclass(frozen=True)
@@ -164,7 +175,7 @@ def noisy_softmax_(
         return top, total
     bounds = [rows * part // threads for part in range(threads + 1)]
     spans = list(itertools.pairwise(bounds))
-    pending = [_workers(threads - 1).submit(run, *span) for span in spans[1:]]
+    pending = [workers(threads - 1).submit(run, *span) for span in spans[1:]]
     run(*spans[0])
     for job in pending:
         job.result()
@@ -219,7 +230,7 @@ def noisy_partial(
 @functools.lru_cache(maxsize=64)
 def _head_streams(noise: Noise, batch: int, heads: int) -> torch.Tensor:
     """noise.head_streams as int32 on the CPU, kept for the layer's next chunks."""
-    return _int32(head_streams(noise, batch, heads, torch.device("cpu")))
+    return int32_bits(head_streams(noise, batch, heads, torch.device("cpu")))
 
 
 _pair_hashes = torch.empty(0, dtype=torch.int32)
@@ -230,7 +241,7 @@ def pair_hashes(pairs: int) -> torch.Tensor:
     chunk, layer and seed)."""
     global _pair_hashes
     if len(_pair_hashes) < pairs:
-        _pair_hashes = _int32(mix32(torch.arange(max(pairs, 2 * len(_pair_hashes), 4096)) ^ GOLDEN))
+        _pair_hashes = int32_bits(mix32(torch.arange(max(pairs, 2 * len(_pair_hashes), 4096)) ^ GOLDEN))
     return _pair_hashes[:pairs]
 
 
@@ -248,6 +259,6 @@ def _scratch(rows: int, columns: int) -> torch.Tensor:
     return buffers[inference][:size].view(rows, columns)
 
 
-def _int32(values: torch.Tensor) -> torch.Tensor:
+def int32_bits(values: torch.Tensor) -> torch.Tensor:
     """32-bit values held in int64 (noise.py's convention) as int32 with the same bits."""
     return torch.where(values > 0x7FFFFFFF, values - (1 << 32), values).to(torch.int32)

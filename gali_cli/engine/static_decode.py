@@ -19,6 +19,7 @@ one that differs decodes eagerly. Shapes: B batch, H query heads, Hkv key/value 
 dim.
 """
 
+import functools
 import os
 import time
 import warnings
@@ -105,15 +106,37 @@ def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
     return None
 
 
-def kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether a static step on `device` attends through triton_decode's kernel, which rotates each key as it reads
-    it: on CUDA, with triton installed, GALI_KERNEL auto or triton, heads it has a variant for (`supports`).
-    Elsewhere the step rotates the keys in PyTorch and attends with `split_key_attention`."""
-    if device.type != "cuda" or kernel_choice() not in ("auto", "triton") or not triton_installed():
-        return False
-    from .triton_decode import supports
+def attention_route(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> str:
+    """How a static step on `device` attends over the cache: "triton" (triton_decode's kernel, on CUDA with triton
+    installed) or "native" (native_decode's, on the CPU in float32), each rotating every key as it reads it, where
+    GALI_KERNEL is auto or names it and the heads fit the kernel; else "torch" (the keys rotated first, then
+    `split_key_attention`)."""
+    choice = kernel_choice()
+    if device.type == "cuda" and choice in ("auto", "triton") and triton_installed():
+        from .triton_decode import supports
 
-    return supports(dtype, head_dim)
+        return "triton" if supports(dtype, head_dim) else "torch"
+    if device.type == "cpu" and choice in ("auto", "native"):
+        from .native_decode import supports
+
+        return "native" if supports(dtype, head_dim, group) and native_decode_available() else "torch"
+    return "torch"
+
+
+@functools.cache
+def native_decode_available() -> bool:
+    """Build (once per machine) and load the native kernels; a machine whose C compiler is missing or fails decodes
+    with the PyTorch route, after one warning."""
+    from .native_noise import load_kernel
+
+    try:
+        load_kernel()
+    except Exception as failure:  # no compiler, a compiler error, a library that does not load
+        message = " ".join(str(failure).split())[:200]
+        warnings.warn(f"the native decoding kernel cannot be built here ({type(failure).__name__}: {message}); "
+                      f"the decoding step rotates its keys in PyTorch", GaliWarning, stacklevel=2)
+        return False
+    return True
 
 
 def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecoder | None":
@@ -121,23 +144,34 @@ def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecode
     it (`why_not_static`), else None: decode eagerly.
 
     auto takes it where it was measured to pay (docs/performance.md): on a GPU for every method (a graph replay); on
-    a CPU, where nothing is graphed, for the models whose cache holds rotated keys (the unpatched model, NTK, YaRN:
-    1.0-1.3x the eager step on SmolLM2), not for the position-remapping methods, whose eager step keeps its rotated
-    keys from token to token and is faster past a few thousand tokens (0.9x at 4k for the static step)."""
+    a CPU, where nothing is graphed, for every method where the native kernel attends (float32: 1.2-1.35x the eager
+    step of SelfExtend and GALI on SmolLM2, as fast as the unpatched step), else for the models whose cache holds
+    rotated keys (the unpatched model, NTK, YaRN: 1.0-1.3x), not for the position-remapping methods, whose eager step
+    keeps its rotated keys from token to token and beats rotating them all in PyTorch past a few thousand tokens."""
     choice = decode_choice()
-    device = model.get_input_embeddings().weight.device
-    pays = device.type == "cuda" or installed_method(model) is None
-    if choice == "eager" or (choice == "auto" and not pays) or why_not_static(model, cache):
+    if choice == "eager" or why_not_static(model, cache):
         return None
-    return StaticDecoder(model, cache)
+    route = model_route(model)
+    device = model.get_input_embeddings().weight.device
+    pays = device.type == "cuda" or route == "native" or installed_method(model) is None
+    return StaticDecoder(model, cache, route) if choice == "static" or pays else None
+
+
+def model_route(model: PreTrainedModel) -> str:
+    """`attention_route` for `model`'s device, dtype and heads."""
+    embedding, config = model.get_input_embeddings().weight, model.config
+    head_dim = llama_model(model).layers[0].self_attn.head_dim
+    return attention_route(embedding.device, embedding.dtype, head_dim,
+                           config.num_attention_heads // config.num_key_value_heads)
 
 
 class StaticDecoder:
     """One decoding step of `model` on `cache` as a function of two one-element tensors (the token, its index),
     over the cache's reserved rows; replayed as a CUDA graph on a GPU once its first step is checked
-    (`first_step`). `kernel`: attend through triton_decode's kernel (None: where `kernel_applies`)."""
+    (`first_step`). `route`: how it attends over the cache ("triton", "native" or "torch"; None: `model_route`).
+    """
 
-    def __init__(self, model: PreTrainedModel, cache: DynamicCache, kernel: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache, route: str | None = None) -> None:
         self.model = model
         self.base = llama_model(model)
         self.method = installed_method(model)
@@ -150,10 +184,9 @@ class StaticDecoder:
         embedding = model.get_input_embeddings().weight
         self.device, self.dtype = embedding.device, embedding.dtype
         self.key_block = KEY_BLOCK.get(self.device.type)
-        head_dim = self.base.layers[0].self_attn.head_dim
-        self.kernel = kernel_applies(self.device, self.dtype, head_dim) if kernel is None else kernel
-        self.streams: dict[int, torch.Tensor] = {}  # each layer's noise streams, for the kernel
-        self.kernel_splits: int | None = None  # programs per key head (None: triton_decode.decode_splits)
+        self.route = route or model_route(model)
+        self.streams: dict[int, torch.Tensor] = {}  # each layer's noise streams, for the kernels
+        self.kernel_splits: int | None = None  # runs per key head (None: the kernel's own choice)
         batch = self.layers[0].keys.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.index = torch.zeros((), dtype=torch.long, device=self.device)
@@ -189,15 +222,15 @@ class StaticDecoder:
         the eager logits, and sets `checked` when the static step's agree with them within rounding. On a GPU it then
         records the step as a CUDA graph (this step was its warm-up; recording runs no kernel), which later `step`s
         replay. A step that disagrees, or a graph that cannot be recorded, warns once: decoding stays eager. Through
-        the kernel (`kernel`), a step that fails or disagrees is taken again with the keys rotated in PyTorch, and
-        held to the forward in turn."""
+        a kernel (`route` triton or native), a step that fails or disagrees is taken again with the keys rotated in
+        PyTorch, and held to the forward in turn."""
         static = self._first_static(token, index)
         for layer in self.layers:
             layer.extend(index)  # the eager forward appends the same row again
         logits = eager()
         self.difference = difference(static, logits)
-        if self.kernel and not agrees(self.dtype, self.difference):
-            kernel_difference, self.kernel = self.difference, False
+        if self.route != "torch" and not agrees(self.dtype, self.difference):
+            kernel_difference, self.route = self.difference, "torch"
             self.difference = difference(self.step(token, index), logits)  # the row at the index written again
             if agrees(self.dtype, self.difference):
                 warnings.warn(f"the decoding kernel differs from the model's own forward here (relative difference "
@@ -223,21 +256,21 @@ class StaticDecoder:
     def _first_static(self, token: int, index: int) -> torch.Tensor:
         """The first static step's logits (a copy); a kernel that cannot be built or launched here (Triton's
         compiler, the GPU's resources) warns and leaves the attention to PyTorch."""
-        if not self.kernel:
+        if self.route == "torch":
             return self.step(token, index).clone()
         try:
             return self.step(token, index).clone()
         except Exception as failure:  # whatever Triton raises compiling or launching is this check's finding
             warnings.warn(f"the decoding kernel cannot run here ({type(failure).__name__}: "
                           f"{' '.join(str(failure).split())[:160]}); attending in PyTorch", GaliWarning, stacklevel=3)
-            self.kernel = False
+            self.route = "torch"
             return self.step(token, index).clone()
 
     def _step(self) -> torch.Tensor:
         """The step itself: (B, 1, vocab) float32 logits. Every tensor it reads that changes from token to token is
         `self.token`, `self.index` or the cache's buffers."""
-        mask = None  # the kernel reads the index itself, and no key past it
-        if not self.kernel:
+        mask = None  # the kernels read the index themselves, and no key past it
+        if self.route == "torch":
             mask = torch.zeros(self.capacity, dtype=self.dtype, device=self.device).masked_fill_(
                 self.keys > self.index, torch.finfo(self.dtype).min).view(1, 1, 1, self.capacity)  # finite: a
             # block of keys all past the index then has a finite log-sum-exp, and weighs nothing in the merge
@@ -270,7 +303,7 @@ class StaticDecoder:
             below = angles - self.inv_freq
             weight = placement.weight.unsqueeze(-1)
             cos, sin = torch.lerp(cos, below.cos(), weight), torch.lerp(sin, below.sin(), weight)
-        if not self.kernel:  # the kernel reads the first half of a table whose halves are equal
+        if self.route == "torch":  # the kernels read the first half of a table whose halves are equal
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         cos, sin = (x.mul(self.scaling).to(self.dtype) for x in (cos, sin))
         return _Rotation(cos, sin, placement)
@@ -285,7 +318,7 @@ class StaticDecoder:
         key_buffer.index_copy_(2, self.index.view(1), key.to(key_buffer.dtype))
         value_buffer.index_copy_(2, self.index.view(1), value.to(value_buffer.dtype))
         keys, values = key_buffer[:, :, : self.capacity], value_buffer[:, :, : self.capacity]
-        if self.kernel:
+        if self.route != "torch":
             return self._kernel_attend(number, scaling, query, keys, values, rotation)
         bias = mask
         if where is not None:
@@ -306,26 +339,41 @@ class StaticDecoder:
 
     def _kernel_attend(self, number: int, scaling: float, query: torch.Tensor, keys: torch.Tensor,
                        values: torch.Tensor, rotation: _Rotation) -> torch.Tensor:
-        """`_attend` through triton_decode's kernel: the keys rotated as they are read, GALI's noise drawn in it."""
-        from .triton_decode import rotating_decode_attention
-
+        """`_attend` through the route's kernel (triton_decode's or native_decode's): the keys rotated as they are
+        read, GALI's noise drawn in it, nothing past the index read."""
         where = rotation.placement
         cos = sin = sigma = streams = None
         if where is not None:
             cos, sin = rotation.cos, rotation.sin
             query = query * where.query_scale
             if where.noise_sigma is not None:
-                sigma = where.noise_sigma
-                if number not in self.streams:  # made on the first step, before any graph is recorded
-                    config = self.method.config
-                    self.streams[number] = head_streams(Noise(config.seed, number, config.noise_scale),
-                                                        query.shape[0], query.shape[1], self.device)
-                streams = self.streams[number]
+                sigma, streams = where.noise_sigma, self._noise_streams(number, query.shape[0], query.shape[1])
         batch, heads, _, dim = query.shape
         rows = query.to(keys.dtype).view(batch, keys.shape[1], heads // keys.shape[1], dim)
-        output = rotating_decode_attention(rows, keys, values, self.index, scaling, cos, sin, sigma, streams,
-                                           self.kernel_splits)
+        if self.route == "triton":
+            from .triton_decode import rotating_decode_attention
+
+            output = rotating_decode_attention(rows, keys, values, self.index, scaling, cos, sin, sigma, streams,
+                                               self.kernel_splits)
+        else:  # nothing is graphed on a CPU: the index is read here
+            from .native_decode import native_decode_attention
+
+            output = native_decode_attention(rows, keys, values, int(self.index), scaling, cos, sin, sigma, streams,
+                                             self.kernel_splits)
         return output.view(batch, heads, 1, dim).to(values.dtype)
+
+    def _noise_streams(self, number: int, batch: int, heads: int) -> torch.Tensor:
+        """Layer `number`'s noise.head_streams in the kernel's format (int64 for Triton, int32 for the native
+        kernel), made on the first step, before any graph is recorded."""
+        if number not in self.streams:
+            config = self.method.config
+            streams = head_streams(Noise(config.seed, number, config.noise_scale), batch, heads, self.device)
+            if self.route == "native":
+                from .native_noise import int32_bits
+
+                streams = int32_bits(streams)
+            self.streams[number] = streams
+        return self.streams[number]
 
 
 def split_key_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,

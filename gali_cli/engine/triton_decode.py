@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dense import merge_runs
 from .triton_attention import _GOLDEN, _LOG2E, _TURN, _UNIT, _mix32
 
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -159,10 +160,7 @@ def rotating_decode_attention(
             HEAD_DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tile, ROTATE=cos is not None,
             NOISE=noise, PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
         )
-    lse = lse.view(batch, kv_heads, splits, group)
-    total = torch.logsumexp(lse, dim=2, keepdim=True)  # the first run holds key 0, seen by every token: finite
-    share = torch.exp(lse - total).unsqueeze(-1)
-    return (out.view(batch, kv_heads, splits, group, dim) * share).sum(2)
+    return merge_runs(out.view(batch, kv_heads, splits, group, dim), lse.view(batch, kv_heads, splits, group))
 
 
 def decode_splits(device: torch.device, pairs: int, capacity: int) -> int:

@@ -1,4 +1,6 @@
-/* GALI's logit noise added to a tile of logits, and the softmax numerators, in two sweeps over each row.
+/* The CPU's native kernels: GALI's logit noise added to a tile of logits with the softmax numerators, in two sweeps
+ * over each row (gali_noisy_softmax, for prefill); and one decoded query's attention over the KV cache, each key
+ * rotated as it is read, GALI's noise drawn as it goes (gali_decode_attention, for the static decoding step).
  *
  * Built at first use by native_noise.py (the system C compiler, -O3, OpenMP where it has it; the loops are written
  * so that it vectorises them) and held to the PyTorch path (noise.py) before it is used. Keys 2m and 2m + 1 share
@@ -7,6 +9,7 @@
  * and exp are short polynomials after exact range reduction, so the normals agree with noise.py's to float32
  * rounding.
  */
+#include <math.h>
 #include <stdint.h>
 
 #define LANES 16
@@ -193,4 +196,160 @@ int gali_noisy_softmax_threaded(void) {
 #else
     return 0;
 #endif
+}
+
+/* ---- One decoded query's attention over the KV cache (native_decode.py) ---- */
+
+#define TILE 64        /* keys whose logits are held at once */
+#define MAX_GROUP 16   /* query heads per key head */
+#define MAX_DIM 256    /* head dim, a multiple of LANES */
+
+/* a . b over dim floats: an OpenMP simd reduction where the compiler has OpenMP (faster on a 2-core AVX-512 VM),
+ * else LANES partial sums, which compilers vectorise without it */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t dim) {
+    float sum = 0.0f;
+#ifdef _OPENMP
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < dim; d++) sum += a[d] * b[d];
+#else
+    float part[LANES] = {0};
+    for (int64_t d = 0; d < dim; d += LANES)
+        for (int lane = 0; lane < LANES; lane++) part[lane] += a[d + lane] * b[d + lane];
+    for (int lane = 0; lane < LANES; lane++) sum += part[lane];
+#endif
+    return sum;
+}
+
+/* Keys [start, end) of one key head for its `group` query rows (row r at q + r * q_stride): an online softmax over
+ * tiles of TILE keys, each key rotated first where cos/sin are given ([k1, k2] -> [k1 c - k2 s, k2 c + k1 s], c and
+ * s the key's row of `half` values), GALI's noise added after scaling where sigma is given (the draw of
+ * noise.standard_normal for the row's hash and key j, times sigma[j]). Writes the rows' normalised outputs and
+ * log-sum-exps (-inf for an empty run). */
+static void decode_run(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                       int64_t v_stride, const float *cos, const float *sin, int64_t table_stride,
+                       const float *sigma, const uint32_t *row_hash, int64_t group, int64_t dim, int64_t start,
+                       int64_t end, float scale, float *out, float *lse) {
+    const int64_t half = dim / 2;
+    float acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
+    float logits[MAX_GROUP][TILE], turned[MAX_DIM], strength[TILE];
+    for (int64_t r = 0; r < group; r++) {
+        top[r] = -__builtin_inff();
+        total[r] = 0.0f;
+        for (int64_t d = 0; d < dim; d++) acc[r][d] = 0.0f;
+    }
+    for (int64_t first = start; first < end; first += TILE) {
+        int64_t n = end - first < TILE ? end - first : TILE;
+        for (int64_t t = 0; t < n; t++) {
+            const float *key = k + (first + t) * k_stride;
+            if (cos) {
+                const float *c = cos + (first + t) * table_stride, *s = sin + (first + t) * table_stride;
+                for (int64_t d = 0; d < half; d++) {
+                    turned[d] = key[d] * c[d] - key[d + half] * s[d];
+                    turned[d + half] = key[d + half] * c[d] + key[d] * s[d];
+                }
+                key = turned;
+            }
+            for (int64_t r = 0; r < group; r++) logits[r][t] = dot(q + r * q_stride, key, dim) * scale;
+        }
+        for (int64_t r = 0; r < group; r++)
+            for (int64_t t = n; t < TILE; t++) logits[r][t] = -__builtin_inff(); /* padding: weighs nothing */
+        if (sigma) { /* keys 2m, 2m + 1 share one hashed pair of uniforms: Box-Muller's cosine and sine branches */
+            for (int64_t t = 0; t < TILE; t++) strength[t] = t < n ? sigma[first + t] : 0.0f;
+            for (int64_t r = 0; r < group; r++) {
+                for (int64_t pair = 0; pair < TILE / 2; pair++) {
+                    float cosine, sine;
+                    uint32_t m = (uint32_t)((first >> 1) + pair); /* first is even: runs start on whole pairs */
+                    box_muller(mix32(row_hash[r] ^ mix32(m ^ 0x9E3779B9u)), &cosine, &sine);
+                    logits[r][2 * pair] += cosine * strength[2 * pair];
+                    logits[r][2 * pair + 1] += sine * strength[2 * pair + 1];
+                }
+            }
+        }
+        for (int64_t r = 0; r < group; r++) {
+            float lane_max[LANES], lane_sum[LANES];
+            for (int lane = 0; lane < LANES; lane++) lane_max[lane] = top[r], lane_sum[lane] = 0.0f;
+            for (int64_t t = 0; t < TILE; t += LANES)
+                for (int lane = 0; lane < LANES; lane++)
+                    lane_max[lane] = logits[r][t + lane] > lane_max[lane] ? logits[r][t + lane] : lane_max[lane];
+            float maximum = lane_max[0];
+            for (int lane = 1; lane < LANES; lane++) maximum = lane_max[lane] > maximum ? lane_max[lane] : maximum;
+            for (int64_t t = 0; t < TILE; t += LANES)
+                for (int lane = 0; lane < LANES; lane++) {
+                    float numerator = exp_nonpositive(logits[r][t + lane] - maximum);
+                    logits[r][t + lane] = numerator;
+                    lane_sum[lane] += numerator;
+                }
+            float rescale = exp_nonpositive(top[r] - maximum), sum = 0.0f; /* top[r] = -inf at first: 0 */
+            for (int lane = 0; lane < LANES; lane++) sum += lane_sum[lane];
+            total[r] = total[r] * rescale + sum;
+            for (int64_t d = 0; d < dim; d++) acc[r][d] *= rescale;
+            top[r] = maximum;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *value = v + (first + t) * v_stride;
+            for (int64_t r = 0; r < group; r++) {
+                float weight = logits[r][t];
+                for (int64_t d = 0; d < dim; d++) acc[r][d] += weight * value[d];
+            }
+        }
+    }
+    for (int64_t r = 0; r < group; r++) {
+        float inverse = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+        for (int64_t d = 0; d < dim; d++) out[r * dim + d] = acc[r][d] * inverse;
+        lse[r] = total[r] > 0.0f ? top[r] + logf(total[r]) : -__builtin_inff();
+    }
+}
+
+/* The runs' partial outputs (pairs, runs, group, dim) and log-sum-exps (pairs, runs, group) of gali_decode_attention
+ * merged into out (pairs, group, dim): each run weighted by exp(lse - log-sum-exp over the runs); an empty run
+ * (-inf) weighs nothing, and the first run holds key 0, which every token sees. */
+void gali_merge_runs(const float *partial, const float *lse, int64_t pairs, int64_t runs, int64_t group,
+                     int64_t dim, float *out) {
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        for (int64_t r = 0; r < group; r++) {
+            float top = -__builtin_inff(), total = 0.0f, *row = out + (pair * group + r) * dim;
+            for (int64_t run = 0; run < runs; run++) {
+                float value = lse[(pair * runs + run) * group + r];
+                top = value > top ? value : top;
+            }
+            for (int64_t d = 0; d < dim; d++) row[d] = 0.0f;
+            for (int64_t run = 0; run < runs; run++) {
+                float weight = exp_nonpositive(lse[(pair * runs + run) * group + r] - top);
+                const float *part = partial + ((pair * runs + run) * group + r) * dim;
+                total += weight;
+                for (int64_t d = 0; d < dim; d++) row[d] += weight * part[d];
+            }
+            for (int64_t d = 0; d < dim; d++) row[d] /= total;
+        }
+    }
+}
+
+/* A decoded query's attention over keys 0..index of a float32 KV cache, as work items [item_begin, item_end) of
+ * (batch, key head, run): each key head's keys up to the index are cut into `runs` runs of whole pairs, and item
+ * w = (b * kv_heads + h) * runs + run writes its rows' partial output (group, dim) at out + w * group * dim and their
+ * log-sum-exps at lse + w * group, merged by the caller. rows (B, Hkv, group, dim), keys and values (B, Hkv, C, dim)
+ * have contiguous last dims (strides in elements); cos/sin (C, >= dim / 2) rotate each key (NULL: attended as they
+ * are); sigma (C,) and head_stream (B * H,) add GALI's noise (NULL: none). Items are shared among `threads` threads
+ * as gali_noisy_softmax shares its rows. */
+void gali_decode_attention(const float *rows, int64_t row_b, int64_t row_h, int64_t row_g, const float *keys,
+                           int64_t key_b, int64_t key_h, int64_t key_n, const float *values, int64_t value_b,
+                           int64_t value_h, int64_t value_n, const float *cos, const float *sin, int64_t table_n,
+                           const float *sigma, const int32_t *head_stream, int64_t kv_heads, int64_t group,
+                           int64_t dim, int64_t index, float scale, int64_t runs, int64_t item_begin,
+                           int64_t item_end, float *out, float *lse, int threads) {
+    int64_t count = index + 1, per_run = (count + runs - 1) / runs;
+    per_run += per_run % 2;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t item = item_begin; item < item_end; item++) {
+        int64_t pair = item / runs, run = item % runs, b = pair / kv_heads, h = pair % kv_heads;
+        int64_t start = run * per_run, end = start + per_run < count ? start + per_run : count;
+        uint32_t row_hash[MAX_GROUP];
+        for (int64_t r = 0; sigma && r < group; r++) /* noise.py's `rows` for query head h * group + r */
+            row_hash[r] = mix32((uint32_t)head_stream[b * kv_heads * group + h * group + r] ^ mix32((uint32_t)index));
+        decode_run(rows + b * row_b + h * row_h, row_g, keys + b * key_b + h * key_h, key_n,
+                   values + b * value_b + h * value_h, value_n, cos, sin, table_n, sigma, row_hash, group, dim,
+                   start, start < end ? end : start, scale, out + item * group * dim, lse + item * group);
+    }
 }

@@ -1,0 +1,83 @@
+"""One decoded query's attention over the KV cache on the CPU, each key rotated as it is read: native_kernels.c's
+gali_decode_attention, for the static decoding step (static_decode.py).
+
+The static step places every cached key anew each token (a method's positions move as the text grows), so in
+PyTorch it rotates all keys into a new tensor and then attends over it: on SmolLM2 after 4,096 tokens that made the
+step 1.2-1.4x the unpatched model's. The kernel reads each key once, rotates it in registers with its row of the
+step's cos/sin table, adds GALI's noise (noise.py's draws, to float32 rounding) and keeps an online softmax, the
+keys cut into runs shared among torch's threads; the runs' partial softmaxes are merged by their log-sum-exps
+(in C too: a few small torch operations per layer would cost more than the merge).
+Float32 only (a CPU model computes in float32 unless it has AMX), head dims that are multiples of 16 up to 256, up
+to 16 query heads per key head. Shapes: B batch, Hkv key/value heads, g query heads per key head, C the cache's
+rows, D head dim.
+"""
+
+import itertools
+
+import torch
+
+from .native_noise import load_kernel, workers
+
+MAX_GROUP, MAX_DIM, LANES = 16, 256, 16  # as native_kernels.c defines them
+KEYS_PER_RUN = 256  # no run shorter: a run's setup and merge are then small beside its keys
+
+
+def supports(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether the kernel takes these heads (float32, D a multiple of 16 up to 256, g up to 16)."""
+    return dtype == torch.float32 and head_dim % LANES == 0 and 0 < head_dim <= MAX_DIM and 0 < group <= MAX_GROUP
+
+
+def native_decode_attention(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: int,
+    scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    sigma: torch.Tensor | None = None,
+    streams: torch.Tensor | None = None,
+    runs: int | None = None,
+) -> torch.Tensor:
+    """triton_decode.rotating_decode_attention on the CPU: `rows` (B, Hkv, g, D) over keys/values (B, Hkv, C, D) up
+    to token `index` (an int: nothing is graphed on a CPU), cos/sin (C, >= D/2) rotating each key (None: as they
+    are), GALI's noise from `sigma` (C,) float32 and `streams` (B * H,) int32 (native_noise.int32_bits of
+    noise.head_streams). `runs`: runs per key head (None: enough to share among torch's threads). Returns (B, Hkv,
+    g, D) float32."""
+    batch, kv_heads, group, dim = rows.shape
+    if (cos is None) != (sin is None) or (sigma is None) != (streams is None):
+        raise ValueError("cos and sin go together, and so do sigma and streams")
+    tensors = [rows, keys, values, *(x for x in (cos, sin, sigma, streams) if x is not None)]
+    if any(x.device.type != "cpu" or x.stride(-1) != 1 for x in tensors) or not supports(rows.dtype, dim, group):
+        raise ValueError("the native decoding kernel takes float32 CPU tensors with contiguous rows")
+    if keys.dtype != torch.float32 or values.dtype != torch.float32 or (cos is not None and (
+            cos.dtype != torch.float32 or cos.stride() != sin.stride())) or (sigma is not None and (
+            sigma.dtype != torch.float32 or streams.dtype != torch.int32)):
+        raise ValueError("the native decoding kernel takes float32 keys, values, tables and sigma, int32 streams")
+    kernel = load_kernel()
+    threads = max(1, torch.get_num_threads())
+    count = index + 1
+    runs = runs or max(1, min(-(-count // KEYS_PER_RUN), -(-2 * threads // (batch * kv_heads))))
+    items = batch * kv_heads * runs
+    out = torch.empty(items, group, dim)
+    lse = torch.empty(items, group)
+    arguments = (rows.data_ptr(), *rows.stride()[:3], keys.data_ptr(), *keys.stride()[:3], values.data_ptr(),
+                 *values.stride()[:3], *(None if x is None else x.data_ptr() for x in (cos, sin)),
+                 0 if cos is None else cos.stride(0), *(None if x is None else x.data_ptr() for x in (sigma, streams)),
+                 kv_heads, group, dim, index, scale, runs)
+
+    def run(begin: int, end: int, threads: int = 1) -> None:
+        kernel.decode(*arguments, begin, end, out.data_ptr(), lse.data_ptr(), threads)
+
+    threads = min(threads, items)
+    if kernel.threaded or threads == 1:
+        run(0, items, threads)
+    else:  # the C calls release the GIL: the items shared by a pool, as native_noise shares rows
+        spans = list(itertools.pairwise([items * part // threads for part in range(threads + 1)]))
+        pending = [workers(threads - 1).submit(run, *span) for span in spans[1:]]
+        run(*spans[0])
+        for job in pending:
+            job.result()
+    merged = torch.empty(batch, kv_heads, group, dim)
+    kernel.merge_runs(out.data_ptr(), lse.data_ptr(), batch * kv_heads, runs, group, dim, merged.data_ptr())
+    return merged
