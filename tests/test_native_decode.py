@@ -7,14 +7,13 @@ import warnings
 
 import pytest
 import torch
-from test_static_decode import prefilled
+from test_static_decode import prefilled, worst_step_difference
 from test_triton_decode import KERNEL_METHODS, expected_attention, tables
 
 from gali_cli.engine import native_decode, native_noise, static_decode
 from gali_cli.engine.native_decode import native_decode_attention
 from gali_cli.engine.native_noise import int32_bits
 from gali_cli.engine.noise import Noise, head_streams
-from gali_cli.engine.seam import with_cache
 from gali_cli.engine.static_decode import StaticDecoder
 from gali_cli.errors import GaliWarning
 from gali_cli.seam_check import tiny_llama
@@ -87,16 +86,10 @@ def test_the_static_step_through_the_native_kernel_equals_the_forward(method):
     with torch.inference_mode():
         model, cache, tokens = prefilled(lambda **kw: tiny_llama(**kw, heads=6, kv_heads=2, hidden=192), method,
                                          70, 24)
-        decoder, given = StaticDecoder(model, cache), with_cache(model, cache)
+        decoder = StaticDecoder(model, cache)
         assert decoder.route == "native"
         decoder.kernel_splits = 3
-        worst = 0.0
-        for index, token in enumerate(tokens, start=70):
-            static = decoder.step(token, index).clone()
-            for layer in cache.layers:
-                layer.extend(index)
-            eager = model(input_ids=torch.tensor([[token]]), **given, use_cache=True).logits[0, -1].float()
-            worst = max(worst, ((static - eager).abs().max() / eager.abs().max()).item())
+        worst = worst_step_difference(decoder, model, cache, tokens, 70)
     assert worst < 2e-5, worst
 
 

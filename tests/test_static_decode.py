@@ -37,6 +37,20 @@ def prefilled(make_llama, method: str, prompt: int, answer: int, dtype=torch.flo
     return model, cache, ids[0, prompt:].tolist()
 
 
+def worst_step_difference(decoder: StaticDecoder, model, cache, tokens: list[int], start: int) -> float:
+    """Decode `tokens` from token index `start` with `decoder`, holding each step's logits to the model's own
+    forward for the same token on the same cache: the largest difference, absolute. (Inside torch.inference_mode.)"""
+    given, worst = with_cache(model, cache), 0.0
+    for index, token in enumerate(tokens, start=start):
+        static = decoder.step(token, index).clone()
+        assert cache.get_seq_length() == index + 1
+        for layer in cache.layers:
+            layer.extend(index)
+        eager = model(input_ids=torch.tensor([[token]]), **given, use_cache=True).logits[0, -1].float()
+        worst = max(worst, (static - eager).abs().max().item())
+    return worst
+
+
 @pytest.mark.parametrize("method", [*STATIC, "gali-noise", "gali-window-0"])
 def test_every_step_equals_the_models_own_forward(make_llama, method):
     """From a 40-token prompt (past the 32-token window), 60 tokens decoded: the static step's logits equal the
@@ -44,15 +58,7 @@ def test_every_step_equals_the_models_own_forward(make_llama, method):
     with torch.inference_mode():
         model, cache, tokens = prefilled(make_llama, method, 40, 60)
         assert why_not_static(model, cache) is None
-        decoder, given = StaticDecoder(model, cache), with_cache(model, cache)
-        worst = 0.0
-        for index, token in enumerate(tokens, start=40):
-            static = decoder.step(token, index).clone()
-            assert cache.get_seq_length() == index + 1
-            for layer in cache.layers:
-                layer.extend(index)
-            eager = model(input_ids=torch.tensor([[token]]), **given, use_cache=True).logits[0, -1].float()
-            worst = max(worst, (static - eager).abs().max().item())
+        worst = worst_step_difference(StaticDecoder(model, cache), model, cache, tokens, 40)
     assert worst < 2e-5, worst
 
 

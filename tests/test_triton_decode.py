@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from test_static_decode import prefilled
+from test_static_decode import prefilled, worst_step_difference
 
 from gali_cli.engine import static_decode
 from gali_cli.engine.noise import Noise, head_streams, standard_normal
@@ -123,15 +123,9 @@ def test_the_static_step_through_the_kernel_equals_the_forward(kernel, device, m
     with torch.inference_mode():
         model, cache, tokens = prefilled(lambda **kw: tiny_llama(**kw, heads=6, kv_heads=2, hidden=192), method,
                                          70, 24)
-        decoder, given = StaticDecoder(model, cache, route="triton"), with_cache(model, cache)
+        decoder = StaticDecoder(model, cache, route="triton")
         decoder.kernel_splits = 3
-        worst = 0.0
-        for index, token in enumerate(tokens, start=70):
-            static = decoder.step(token, index).clone()
-            for layer in cache.layers:
-                layer.extend(index)
-            eager = model(input_ids=torch.tensor([[token]]), **given, use_cache=True).logits[0, -1].float()
-            worst = max(worst, ((static - eager).abs().max() / eager.abs().max()).item())
+        worst = worst_step_difference(decoder, model, cache, tokens, 70)
     assert worst < 2e-5, worst
 
 
