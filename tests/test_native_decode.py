@@ -68,14 +68,39 @@ def test_the_items_shared_by_a_pool_give_the_same_answer(monkeypatch):
 
 
 def test_bad_arguments_are_refused():
+    """The C function walks raw pointers: what would make it read past a tensor, or write a dtype it does not,
+    is refused before the call."""
     rows, keys = torch.randn(1, 1, 2, 32), torch.randn(1, 1, 10, 32)
-    cos = torch.ones(10, 16)
+    cos, streams = torch.ones(10, 16), torch.zeros(2, dtype=torch.int32)
     for arguments, kwargs in (((rows, keys, keys), {"cos": cos}), ((rows, keys, keys), {"sigma": torch.zeros(10)}),
                               ((rows.double(), keys, keys), {}), ((rows, keys.half(), keys), {}),
                               ((torch.randn(1, 1, 2, 24), torch.randn(1, 1, 10, 24), torch.randn(1, 1, 10, 24)), {}),
-                              ((rows, keys.transpose(-1, -2).contiguous().transpose(-1, -2), keys), {})):
+                              ((rows, keys.transpose(-1, -2).contiguous().transpose(-1, -2), keys), {}),
+                              ((rows, torch.randn(1, 1, 10, 16), keys), {}), ((rows, keys, keys[:, :, :9]), {}),
+                              ((rows, keys, keys), {"cos": cos[:, :4], "sin": cos[:, :4]}),
+                              ((rows, keys, keys), {"cos": cos[:9], "sin": cos[:9]}),
+                              ((rows, keys, keys), {"sigma": torch.zeros(9), "streams": streams}),
+                              ((rows, keys, keys), {"sigma": torch.zeros(10), "streams": streams[:1]}),
+                              ((rows, keys, keys), {"runs": -1})):
         with pytest.raises(ValueError):
             native_decode_attention(*arguments, 3, 1.0, **kwargs)
+    for index in (-1, 10):
+        with pytest.raises(ValueError):
+            native_decode_attention(rows, keys, keys, index, 1.0)
+
+
+def test_results_do_not_follow_torchs_default_dtype():
+    torch.manual_seed(0)
+    rows, keys = torch.randn(1, 1, 2, 32), torch.randn(1, 1, 10, 32)
+    expected = native_decode_attention(rows, keys, keys, 9, 0.5)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = native_decode_attention(rows, keys, keys, 9, 0.5)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.parametrize("method", KERNEL_METHODS)

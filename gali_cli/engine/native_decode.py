@@ -47,6 +47,14 @@ def native_decode_attention(
     batch, kv_heads, group, dim = rows.shape
     if (cos is None) != (sin is None) or (sigma is None) != (streams is None):
         raise ValueError("cos and sin go together, and so do sigma and streams")
+    # The C function reads raw pointers: every extent it walks is checked here.
+    count = keys.shape[2]
+    if keys.shape != (batch, kv_heads, count, dim) or values.shape != keys.shape or not 0 <= index < count or (
+            runs is not None and runs < 1) or (cos is not None and (cos.shape != sin.shape or cos.dim() != 2 or (
+            cos.shape[0] < count or cos.shape[1] < dim // 2))) or (sigma is not None and (
+            sigma.shape != (count,) or streams.shape != (batch * kv_heads * group,))):
+        raise ValueError(f"native decoding: shapes that do not fit rows {tuple(rows.shape)}, keys "
+                         f"{tuple(keys.shape)}, values {tuple(values.shape)}, index {index}")
     tensors = [rows, keys, values, *(x for x in (cos, sin, sigma, streams) if x is not None)]
     if any(x.device.type != "cpu" or x.stride(-1) != 1 for x in tensors) or not supports(rows.dtype, dim, group):
         raise ValueError("the native decoding kernel takes float32 CPU tensors with contiguous rows")
@@ -56,11 +64,11 @@ def native_decode_attention(
         raise ValueError("the native decoding kernel takes float32 keys, values, tables and sigma, int32 streams")
     kernel = load_kernel()
     threads = max(1, torch.get_num_threads())
-    count = index + 1
-    runs = runs or max(1, min(-(-count // KEYS_PER_RUN), -(-2 * threads // (batch * kv_heads))))
+    seen = index + 1
+    runs = runs or max(1, min(-(-seen // KEYS_PER_RUN), -(-2 * threads // max(1, batch * kv_heads))))
     items = batch * kv_heads * runs
-    out = torch.empty(items, group, dim)
-    lse = torch.empty(items, group)
+    out = torch.empty(items, group, dim, dtype=torch.float32, device="cpu")  # not torch's default dtype/device:
+    lse = torch.empty(items, group, dtype=torch.float32, device="cpu")  # the C code writes float32 here
     arguments = (rows.data_ptr(), *rows.stride()[:3], keys.data_ptr(), *keys.stride()[:3], values.data_ptr(),
                  *values.stride()[:3], *(None if x is None else x.data_ptr() for x in (cos, sin)),
                  0 if cos is None else cos.stride(0), *(None if x is None else x.data_ptr() for x in (sigma, streams)),
@@ -78,6 +86,6 @@ def native_decode_attention(
         run(*spans[0])
         for job in pending:
             job.result()
-    merged = torch.empty(batch, kv_heads, group, dim)
+    merged = torch.empty(batch, kv_heads, group, dim, dtype=torch.float32, device="cpu")
     kernel.merge_runs(out.data_ptr(), lse.data_ptr(), batch * kv_heads, runs, group, dim, merged.data_ptr())
     return merged
