@@ -4,14 +4,15 @@ On a GPU the eager decoding step is bound by dispatch, not by memory: an 8B mode
 3.5 ms took 56 ms a token, most of it Python and kernel launches. A CUDA graph replays a step's kernels with one
 launch, but only a step whose kernels read everything that changes from token to token from the same tensors:
 here the token id and its index are two one-element tensors, the KV cache is the rows `kv_cache.reserve` made room
-for, and every key is attended with a mask past the newest one. Nothing in the step depends on the index in Python.
+for, and no key past the newest one is attended (the kernels stop at the index they read from its tensor; the
+PyTorch route masks). Nothing in the step depends on the index in Python, but on the CPU, where nothing is graphed.
 
 Each method says where a decoded query places each key relative to itself (`Placement`, from its
 `decode_placement`, a function of tensors): RoPE sees only the difference of positions, so the query stays
 un-rotated and each key is rotated by its offset, recomputed every step from the un-rotated keys the cache holds
-(O(T) per layer, which a GPU reads at memory speed; the CPU keeps its incremental eager step, engine/decode.py and
-kept_keys.py). The unpatched model and the rope-scaling methods cache rotated keys as transformers does: the step
-rotates the new query and key with the model's own rotary at the token's index.
+(O(T) per layer): as the attention reads it, in triton_decode's kernel on a GPU and native_decode's on a CPU
+(`attention_route`), else in PyTorch first. The unpatched model and the rope-scaling methods cache rotated keys as
+transformers does: the step rotates the new query and key with the model's own rotary at the token's index.
 
 The step is the Llama layer written out over the model's own modules (norms, projections, MLP), as gpt-fast
 writes it; `generate.decode` holds its first step to the model's own forward before any graph is captured, and
