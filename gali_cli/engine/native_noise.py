@@ -208,7 +208,7 @@ def noisy_partial(
     batch, heads, q_len, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     per_kv = heads // kv_heads
-    streams = _head_streams(noise, batch, heads).view(batch * kv_heads, per_kv)
+    streams = cpu_head_streams(noise, batch, heads).view(batch * kv_heads, per_kv)
     stacked = query.float().reshape(batch * kv_heads, per_kv * q_len, dim)
     dtype, key, value = value.dtype, key.float().flatten(0, 1), value.float().flatten(0, 1)  # (B * Hkv, n, D)
     output = stacked.new_empty(stacked.shape)
@@ -228,8 +228,8 @@ def noisy_partial(
 
 
 @functools.lru_cache(maxsize=64)
-def _head_streams(noise: Noise, batch: int, heads: int) -> torch.Tensor:
-    """noise.head_streams as int32 on the CPU, kept for the layer's next chunks."""
+def cpu_head_streams(noise: Noise, batch: int, heads: int) -> torch.Tensor:
+    """noise.head_streams as int32 on the CPU, kept for the layer's next chunks and decoding steps."""
     return int32_bits(head_streams(noise, batch, heads, torch.device("cpu")))
 
 

@@ -186,7 +186,7 @@ class StaticDecoder:
         self.device, self.dtype = embedding.device, embedding.dtype
         self.key_block = KEY_BLOCK.get(self.device.type)
         self.route = route or model_route(model)
-        self.streams: dict[int, torch.Tensor] = {}  # each layer's noise streams, for the kernels
+        self.streams: dict[int, torch.Tensor] = {}  # each layer's noise streams, for the Triton kernel
         self.kernel_splits: int | None = None  # runs per key head (None: the kernel's own choice)
         batch = self.layers[0].keys.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
@@ -364,16 +364,17 @@ class StaticDecoder:
         return output.view(batch, heads, 1, dim).to(values.dtype)
 
     def _noise_streams(self, number: int, batch: int, heads: int) -> torch.Tensor:
-        """Layer `number`'s noise.head_streams in the kernel's format (int64 for Triton, int32 for the native
-        kernel), made on the first step, before any graph is recorded."""
-        if number not in self.streams:
-            config = self.method.config
-            streams = head_streams(Noise(config.seed, number, config.noise_scale), batch, heads, self.device)
-            if self.route == "native":
-                from .native_noise import int32_bits
+        """Layer `number`'s noise.head_streams in the kernel's format (int64 on the device for Triton, made on the
+        first step, before any graph is recorded; int32 on the CPU for the native kernel, as its noise kernel keeps
+        them)."""
+        config = self.method.config
+        noise = Noise(config.seed, number, config.noise_scale)
+        if self.route == "native":
+            from .native_noise import cpu_head_streams
 
-                streams = int32_bits(streams)
-            self.streams[number] = streams
+            return cpu_head_streams(noise, batch, heads)
+        if number not in self.streams:
+            self.streams[number] = head_streams(noise, batch, heads, self.device)
         return self.streams[number]
 
 
