@@ -80,7 +80,8 @@ def static_steps(model, cache, ids: torch.Tensor, row: dict, forward, tokens: in
     a kernel rotating keys as it reads them (triton on CUDA, native on the CPU), or the keys rotated in PyTorch
     first (torch)."""
     device, length = ids.device, row["length"]
-    decoder = StaticDecoder(model, cache, route=row["route"])
+    route = row["route"].removesuffix("-float")  # native-float: the native route, its projections in PyTorch
+    decoder = StaticDecoder(model, cache, route=route, grid_weights=route == row["route"])
     differences = []
     ms, _ = timed(lambda: decoder.first_step(int(ids[0, length]), length, lambda: forward(length)), device)
     row.update(first_step_ms=ms, capture_s=decoder.capture_seconds, first_difference=decoder.difference,
@@ -113,7 +114,8 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join([*sorted(METHODS), "gali-noise"]))
     parser.add_argument("--verify", action="store_true", help="hold every graph step to the forward")
     parser.add_argument("--routes", default=None, help="the step's attention: triton or native (a kernel rotating "
-                        "keys as it reads them), torch (rotated first); default torch and the device's kernel")
+                        "keys as it reads them), torch (rotated first), native-float (native, the projections in "
+                        "PyTorch even where their weights lie on grids); default torch and the device's kernel")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model = build_model(args)

@@ -12,11 +12,10 @@ to 16 query heads per key head. Shapes: B batch, Hkv key/value heads, g query he
 rows, D head dim.
 """
 
-import itertools
 
 import torch
 
-from .native_noise import load_kernel, workers
+from .native_noise import load_kernel, share_among_threads
 
 MAX_GROUP, MAX_DIM, LANES = 16, 256, 16  # as native_kernels.c defines them
 KEYS_PER_RUN = 256  # no run shorter: a run's setup and merge are then small beside its keys
@@ -77,15 +76,7 @@ def native_decode_attention(
     def run(begin: int, end: int, threads: int = 1) -> None:
         kernel.decode(*arguments, begin, end, out.data_ptr(), lse.data_ptr(), threads)
 
-    threads = min(threads, items)
-    if kernel.threaded or threads == 1:
-        run(0, items, threads)
-    else:  # the C calls release the GIL: the items shared by a pool, as native_noise shares rows
-        spans = list(itertools.pairwise([items * part // threads for part in range(threads + 1)]))
-        pending = [workers(threads - 1).submit(run, *span) for span in spans[1:]]
-        run(*spans[0])
-        for job in pending:
-            job.result()
+    share_among_threads(run, items, threads, kernel.threaded)
     merged = torch.empty(batch, kv_heads, group, dim, dtype=torch.float32, device="cpu")
     kernel.merge_runs(out.data_ptr(), lse.data_ptr(), batch * kv_heads, runs, group, dim, merged.data_ptr())
     return merged

@@ -11,6 +11,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define LANES 16
 
@@ -198,37 +200,75 @@ int gali_noisy_softmax_threaded(void) {
 #endif
 }
 
+/* ---- Vectors ---- */
+
+/* VECTOR floats as one vector register (GCC's and Clang's vector extensions): AVX-512's, AVX2's, else SSE's or
+ * NEON's: the loops below that compilers do not vectorise by themselves are written in them. */
+#if defined(__AVX512F__)
+#define VECTOR 16
+#elif defined(__AVX2__)
+#define VECTOR 8
+#else
+#define VECTOR 4
+#endif
+typedef float floats __attribute__((vector_size(VECTOR * sizeof(float))));
+typedef int32_t ints __attribute__((vector_size(VECTOR * sizeof(int32_t))));
+
+static inline floats load_floats(const float *p) {
+    floats v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The sum of a vector's lanes: the instructions' own reduction where there is one (a few shuffles), else halves added
+ * to halves through memory. A decoding step reduces one vector per key and query head: a lane at a time through
+ * memory made SmolLM2's attention a third slower. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline float lanes_sum(floats v) { return _mm512_reduce_add_ps((__m512)v); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline float lanes_sum(floats v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+static inline float lanes_sum(floats v) { return vaddvq_f32((float32x4_t)v); }
+#else
+static inline float lanes_sum(floats v) {
+    float lanes[VECTOR];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = VECTOR / 2; width > 0; width /= 2)
+        for (int lane = 0; lane < width; lane++) lanes[lane] += lanes[lane + width];
+    return lanes[0];
+}
+#endif
+
 /* ---- One decoded query's attention over the KV cache (native_decode.py) ---- */
 
 #define TILE 64        /* keys whose logits are held at once */
 #define MAX_GROUP 16   /* query heads per key head */
 #define MAX_DIM 256    /* head dim, a multiple of LANES */
 
-/* a . b over dim floats: an OpenMP simd reduction where the compiler has OpenMP (faster on a 2-core AVX-512 VM),
- * else LANES partial sums, which compilers vectorise without it */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t dim) {
-    float sum = 0.0f;
-#ifdef _OPENMP
-#pragma omp simd reduction(+ : sum)
-    for (int64_t d = 0; d < dim; d++) sum += a[d] * b[d];
-#else
-    float part[LANES] = {0};
-    for (int64_t d = 0; d < dim; d += LANES)
-        for (int lane = 0; lane < LANES; lane++) part[lane] += a[d + lane] * b[d + lane];
-    for (int lane = 0; lane < LANES; lane++) sum += part[lane];
-#endif
-    return sum;
+/* a . b over dim floats, dim a multiple of VECTOR */
+static inline float vector_dot(const float *restrict a, const float *restrict b, int64_t dim) {
+    floats sum = load_floats(a) * load_floats(b);
+    for (int64_t d = VECTOR; d < dim; d += VECTOR) sum += load_floats(a + d) * load_floats(b + d);
+    return lanes_sum(sum);
 }
 
 /* Keys [start, end) of one key head for its `group` query rows (row r at q + r * q_stride): an online softmax over
  * tiles of TILE keys, each key rotated first where cos/sin are given ([k1, k2] -> [k1 c - k2 s, k2 c + k1 s], c and
  * s the key's row of `half` values), GALI's noise added after scaling where sigma is given (the draw of
  * noise.standard_normal for the row's hash and key j, times sigma[j]). Writes the rows' normalised outputs and
- * log-sum-exps (-inf for an empty run). */
-static void decode_run(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
-                       int64_t v_stride, const float *cos, const float *sin, int64_t table_stride,
-                       const float *sigma, const uint32_t *row_hash, int64_t group, int64_t dim, int64_t start,
-                       int64_t end, float scale, float *out, float *lse) {
+ * log-sum-exps (-inf for an empty run). Always inlined: gali_decode_attention calls it with the common head dims as
+ * literals, and the loops over dim are then unrolled (10% faster on SmolLM2's heads). */
+static inline __attribute__((always_inline)) void decode_run(
+    const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+    const float *cos, const float *sin, int64_t table_stride, const float *sigma, const uint32_t *row_hash,
+    int64_t group, int64_t dim, int64_t start, int64_t end, float scale, float *out, float *lse) {
     const int64_t half = dim / 2;
     float acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
     float logits[MAX_GROUP][TILE], turned[MAX_DIM], strength[TILE];
@@ -249,7 +289,7 @@ static void decode_run(const float *q, int64_t q_stride, const float *k, int64_t
                 }
                 key = turned;
             }
-            for (int64_t r = 0; r < group; r++) logits[r][t] = dot(q + r * q_stride, key, dim) * scale;
+            for (int64_t r = 0; r < group; r++) logits[r][t] = vector_dot(q + r * q_stride, key, dim) * scale;
         }
         for (int64_t r = 0; r < group; r++)
             for (int64_t t = n; t < TILE; t++) logits[r][t] = -__builtin_inff(); /* padding: weighs nothing */
@@ -348,8 +388,183 @@ void gali_decode_attention(const float *rows, int64_t row_b, int64_t row_h, int6
         uint32_t row_hash[MAX_GROUP];
         for (int64_t r = 0; sigma && r < group; r++) /* noise.py's `rows` for query head h * group + r */
             row_hash[r] = mix32((uint32_t)head_stream[b * kv_heads * group + h * group + r] ^ mix32((uint32_t)index));
-        decode_run(rows + b * row_b + h * row_h, row_g, keys + b * key_b + h * key_h, key_n,
-                   values + b * value_b + h * value_h, value_n, cos, sin, table_n, sigma, row_hash, group, dim,
-                   start, start < end ? end : start, scale, out + item * group * dim, lse + item * group);
+        const float *q = rows + b * row_b + h * row_h, *k = keys + b * key_b + h * key_h;
+        const float *v = values + b * value_b + h * value_h;
+        int64_t stop = start < end ? end : start;
+        float *run_out = out + item * group * dim, *run_lse = lse + item * group;
+        if (dim == 64) /* the common head dims as constants (decode_run is inlined): its loops over dim unrolled */
+            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, sigma, row_hash, group, 64, start, stop,
+                       scale, run_out, run_lse);
+        else if (dim == 128)
+            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, sigma, row_hash, group, 128, start, stop,
+                       scale, run_out, run_lse);
+        else
+            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, sigma, row_hash, group, dim, start, stop,
+                       scale, run_out, run_lse);
     }
+}
+
+/* ---- Matrix-vector products over weights that lie on a grid (grid_weights.py) ---- */
+
+#define GRID_BLOCK 32   /* weights per block: one step and one base each */
+#define GRID_LEVELS 255 /* the largest code */
+
+/* Whether the block's weights w[0..31] are all base + step * code for integer codes 0..255, to `tolerance`; writes
+ * the codes where they are. */
+static int on_grid(const float *w, float base, float step, float tolerance, uint8_t *codes) {
+    for (int j = 0; j < GRID_BLOCK; j++) {
+        float code = step > 0.0f ? rintf((w[j] - base) / step) : 0.0f;
+        if (!(code >= 0.0f && code <= (float)GRID_LEVELS) || fabsf(base + step * code - w[j]) > tolerance) return 0;
+        codes[j] = (uint8_t)code;
+    }
+    return 1;
+}
+
+/* The smallest difference between two of the block's weights larger than `tolerance` (0 if none): a grid's step
+ * when two of its weights lie on neighbouring levels. */
+static float smallest_gap(const float *w, float tolerance) {
+    float sorted[GRID_BLOCK], gap = 0.0f;
+    for (int j = 0; j < GRID_BLOCK; j++) { /* insertion sort: 32 values */
+        int i = j;
+        for (; i > 0 && sorted[i - 1] > w[j]; i--) sorted[i] = sorted[i - 1];
+        sorted[i] = w[j];
+    }
+    for (int j = 1; j < GRID_BLOCK; j++) {
+        float difference = sorted[j] - sorted[j - 1];
+        if (difference > tolerance && (gap == 0.0f || difference < gap)) gap = difference;
+    }
+    return gap;
+}
+
+/* Rows [row_begin, row_end) of a float32 weight matrix (rows of `columns`, a multiple of GRID_BLOCK) as codes
+ * (uint8, the same shape) and, per block of GRID_BLOCK weights of a row, a step and a base such that each weight is
+ * base + step * code to within `relative` of the block's largest magnitude. The step tried: the block's range over
+ * 255 (GGUF's Q4_0/Q4_1 blocks and any grid whose span divides 255), its largest magnitude over 127 (Q8_0), else the
+ * smallest gap between its weights (any other grid on which two of them are neighbours). Returns the number of
+ * blocks on none of these grids (0: the matrix is held exactly). */
+int64_t gali_grid_pack(const float *weight, int64_t columns, int64_t row_begin, int64_t row_end, float relative,
+                       uint8_t *codes, float *step, float *base, int threads) {
+    int64_t blocks = columns / GRID_BLOCK, missed = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1) reduction(+ : missed)
+#endif
+    for (int64_t row = row_begin; row < row_end; row++) {
+        for (int64_t k = 0; k < blocks; k++) {
+            int64_t at = row * columns + k * GRID_BLOCK, slot = row * blocks + k;
+            const float *w = weight + at;
+            float low = w[0], high = w[0];
+            for (int j = 1; j < GRID_BLOCK; j++) {
+                low = w[j] < low ? w[j] : low;
+                high = w[j] > high ? w[j] : high;
+            }
+            float largest = fabsf(low) > fabsf(high) ? fabsf(low) : fabsf(high), tolerance = relative * largest;
+            float candidates[3] = {(high - low) / GRID_LEVELS, largest / 127.0f, 0.0f};
+            int found = high == low;
+            if (found) candidates[0] = 0.0f, on_grid(w, low, 0.0f, tolerance, codes + at);
+            for (int c = 0; c < 3 && !found; c++) {
+                if (c == 2) candidates[2] = smallest_gap(w, tolerance);
+                if (candidates[c] > 0.0f && on_grid(w, low, candidates[c], tolerance, codes + at)) {
+                    found = 1;
+                    candidates[0] = candidates[c];
+                }
+            }
+            step[slot] = found ? candidates[0] : 0.0f;
+            base[slot] = low;
+            missed += !found;
+        }
+    }
+    return missed;
+}
+
+/* 1 where the grid products are built for vector registers that make them faster than PyTorch's float32 ones:
+ * AVX2 or AVX-512 (x86 without them widens bytes one at a time), NEON. */
+int gali_grid_vectorised(void) {
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__ARM_NEON)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline floats load_codes(const uint8_t *p) {
+    ints wide;
+    for (int lane = 0; lane < VECTOR; lane++) wide[lane] = p[lane]; /* vpmovzxbd: GCC 12 scalarises a conversion */
+    return __builtin_convertvector(wide, floats);
+}
+
+/* codes . x over one block, in lanes */
+static inline floats block_products(const uint8_t *restrict c, const float *restrict x) {
+    floats sum = load_codes(c) * load_floats(x);
+    for (int part = VECTOR; part < GRID_BLOCK; part += VECTOR) sum += load_codes(c + part) * load_floats(x + part);
+    return sum;
+}
+
+/* One row of a packed matrix times x: the sum over blocks of step * (codes . x) + base * (the block's sum of x),
+ * `block_sums` holding the latter sums. Two accumulators each, alternate blocks: each block's multiply-add would
+ * otherwise wait on the previous one's. */
+static inline float grid_row(const uint8_t *restrict codes, const float *restrict step, const float *restrict base,
+                             const float *restrict x, const float *restrict block_sums, int64_t blocks) {
+    floats even = {0}, odd = {0};
+    float even_offsets = 0.0f, odd_offsets = 0.0f;
+    int64_t k = 0;
+    for (; k + 1 < blocks; k += 2) {
+        even += step[k] * block_products(codes + k * GRID_BLOCK, x + k * GRID_BLOCK);
+        odd += step[k + 1] * block_products(codes + (k + 1) * GRID_BLOCK, x + (k + 1) * GRID_BLOCK);
+        even_offsets += base[k] * block_sums[k];
+        odd_offsets += base[k + 1] * block_sums[k + 1];
+    }
+    if (k < blocks) {
+        even += step[k] * block_products(codes + k * GRID_BLOCK, x + k * GRID_BLOCK);
+        even_offsets += base[k] * block_sums[k];
+    }
+    return lanes_sum(even + odd) + (even_offsets + odd_offsets);
+}
+
+/* out (batch, outputs) = x (batch, columns) times the packed matrix (gali_grid_pack's codes, step, base; `rows`
+ * rows), for output rows [row_begin, row_end). `norm` (NULL: none): x is first RMS-normalised as a Llama's RMSNorm
+ * does it (x / sqrt(mean(x^2) + epsilon) * norm, each row of x). `gated`: the matrix holds a gated MLP's gate rows
+ * then its up rows (outputs = rows / 2), and the result is silu(gate) * up, as a Llama MLP feeds its down
+ * projection. `accumulate`: the result is added to out (a residual stream) instead of written. Each row of the
+ * matrix is read from memory once, whatever the batch. Rows are shared among `threads` threads (OpenMP), else the
+ * caller splits them. Returns 0, or -1 when its scratch memory could not be allocated (nothing written). */
+int gali_grid_matvec(const float *x, int64_t batch, int64_t columns, const float *norm, float epsilon,
+                     const uint8_t *codes, const float *step, const float *base, int64_t rows, int gated,
+                     int accumulate, int64_t row_begin, int64_t row_end, float *out, int threads) {
+    int64_t blocks = columns / GRID_BLOCK, outputs = gated ? rows / 2 : rows;
+    float *scratch = malloc(sizeof(float) * (size_t)(batch * (blocks + (norm ? columns : 0))));
+    if (!scratch) return -1;
+    float *block_sums = scratch, *normed = scratch + batch * blocks;
+    if (norm) {
+        for (int64_t b = 0; b < batch; b++) {
+            const float *row = x + b * columns;
+            float squares = 0.0f;
+            for (int64_t m = 0; m < columns; m++) squares += row[m] * row[m];
+            float inverse = 1.0f / sqrtf(squares / (float)columns + epsilon);
+            for (int64_t m = 0; m < columns; m++) normed[b * columns + m] = norm[m] * (row[m] * inverse);
+        }
+        x = normed;
+    }
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t k = 0; k < blocks; k++) {
+            float sum = 0.0f;
+            for (int j = 0; j < GRID_BLOCK; j++) sum += x[b * columns + k * GRID_BLOCK + j];
+            block_sums[b * blocks + k] = sum;
+        }
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t row = row_begin; row < row_end; row++) {
+        for (int64_t b = 0; b < batch; b++) {
+            const float *xb = x + b * columns, *sums = block_sums + b * blocks;
+            float value = grid_row(codes + row * columns, step + row * blocks, base + row * blocks, xb, sums, blocks);
+            if (gated) {
+                int64_t up = row + outputs;
+                float other = grid_row(codes + up * columns, step + up * blocks, base + up * blocks, xb, sums, blocks);
+                value = value / (1.0f + expf(-value)) * other;
+            }
+            out[b * outputs + row] = accumulate ? out[b * outputs + row] + value : value;
+        }
+    }
+    free(scratch);
+    return 0;
 }

@@ -25,6 +25,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,13 +60,17 @@ def kernel_directory() -> Path:
 
 @dataclass(frozen=True)
 class Kernel:
-    """The loaded C functions `gali_noisy_softmax` and `gali_decode_attention`, and whether they share their work
-    among threads themselves (OpenMP)."""
+    """The loaded C functions (`gali_noisy_softmax`; `gali_decode_attention` and `gali_merge_runs`;
+    `gali_grid_pack` and `gali_grid_matvec`), whether they share their work among threads themselves (OpenMP), and
+    whether the grid products were built for vector registers that make them pay (`grid_vectorised`)."""
 
     function: ctypes._CFuncPtr
     threaded: bool
     decode: ctypes._CFuncPtr
     merge_runs: ctypes._CFuncPtr
+    grid_pack: ctypes._CFuncPtr
+    grid_matvec: ctypes._CFuncPtr
+    grid_vectorised: bool
 
 
 @functools.cache
@@ -81,6 +86,8 @@ def load_kernel() -> Kernel:
         loaded = ctypes.CDLL(str(library))
         function, threaded = loaded.gali_noisy_softmax, loaded.gali_noisy_softmax_threaded
         decode, merge_runs = loaded.gali_decode_attention, loaded.gali_merge_runs
+        grid_pack, grid_matvec = loaded.gali_grid_pack, loaded.gali_grid_matvec
+        grid_vectorised = loaded.gali_grid_vectorised
     except (OSError, AttributeError) as error:
         raise KernelBuildError(f"cannot load {library}: {error}") from error
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -94,8 +101,13 @@ def load_kernel() -> Kernel:
     decode.restype = None
     merge_runs.argtypes = [pointer, pointer, size, size, size, size, pointer]
     merge_runs.restype = None
-    threaded.restype = ctypes.c_int
-    return Kernel(function, bool(threaded()), decode, merge_runs)
+    grid_pack.argtypes = [pointer, size, size, size, ctypes.c_float, pointer, pointer, pointer, ctypes.c_int]
+    grid_pack.restype = size
+    grid_matvec.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, size,
+                            ctypes.c_int, ctypes.c_int, size, size, pointer, ctypes.c_int]
+    grid_matvec.restype = ctypes.c_int
+    threaded.restype = grid_vectorised.restype = ctypes.c_int
+    return Kernel(function, bool(threaded()), decode, merge_runs, grid_pack, grid_matvec, bool(grid_vectorised()))
 
 
 def _build(command: list[str], library: Path) -> None:
@@ -130,6 +142,21 @@ def _cpu_identity() -> str:
 @functools.cache
 def workers(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gali-native")
+
+
+def share_among_threads(run: Callable[..., None], items: int, threads: int, threaded: bool) -> None:
+    """Items [0, items) of a C function shared among `threads` threads: `run(begin, end, threads)` once, where the
+    library shares them itself (`threaded`: OpenMP), else `run(begin, end)` over equal spans, all but the first on
+    a pool (the C calls release the GIL)."""
+    threads = max(1, min(threads, items))
+    if threaded or threads == 1:
+        run(0, items, threads)
+        return
+    spans = list(itertools.pairwise([items * part // threads for part in range(threads + 1)]))
+    pending = [workers(threads - 1).submit(run, *span) for span in spans[1:]]
+    run(*spans[0])
+    for job in pending:
+        job.result()
 
 
 @dataclass(frozen=True)
@@ -170,15 +197,7 @@ def noisy_softmax_(
     def run(begin: int, end: int, threads: int = 1) -> None:
         kernel.function(*arguments, begin, end, top.data_ptr(), total.data_ptr(), threads)
 
-    if kernel.threaded or threads == 1:
-        run(0, rows, threads)
-        return top, total
-    bounds = [rows * part // threads for part in range(threads + 1)]
-    spans = list(itertools.pairwise(bounds))
-    pending = [workers(threads - 1).submit(run, *span) for span in spans[1:]]
-    run(*spans[0])
-    for job in pending:
-        job.result()
+    share_among_threads(run, rows, threads, kernel.threaded)
     return top, total
 
 

@@ -32,6 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..errors import ConfigError, GaliWarning
 from .dense import Partial, biased_partial, merge_partials
+from .grid_weights import Projections, grid_projections, module_projections
 from .hooks import PositionalAttention, installed_method, llama_model, original_rotary
 from .kernel_choice import kernel_choice, triton_installed
 from .kv_cache import GrowingLayer
@@ -170,9 +171,12 @@ class StaticDecoder:
     """One decoding step of `model` on `cache` as a function of two one-element tensors (the token, its index),
     over the cache's reserved rows; replayed as a CUDA graph on a GPU once its first step is checked
     (`first_step`). `route`: how it attends over the cache ("triton", "native" or "torch"; None: `model_route`).
+    `grid_weights`: whether the native route multiplies by the projections held on grids where they lie on them
+    (grid_weights.py; False: in PyTorch, as benchmarks compare).
     """
 
-    def __init__(self, model: PreTrainedModel, cache: DynamicCache, route: str | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache, route: str | None = None,
+                 grid_weights: bool = True) -> None:
         self.model = model
         self.base = llama_model(model)
         self.method = installed_method(model)
@@ -196,6 +200,8 @@ class StaticDecoder:
         if rotary is not None:
             self.inv_freq = rotary.inv_freq.to(self.device, torch.float64)
             self.scaling = float(rotary.attention_scaling) ** 2  # on the query and the key: RoPE's m times m
+        self.grid_weights = grid_weights
+        self.projections: Projections = module_projections(model)  # grids on the native route (`_first_static`)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output
         self.checked = False  # the first step agreed with the model's own forward (`first_step`)
@@ -232,6 +238,7 @@ class StaticDecoder:
         self.difference = difference(static, logits)
         if self.route != "torch" and not agrees(self.dtype, self.difference):
             kernel_difference, self.route = self.difference, "torch"
+            self.projections = module_projections(self.model)
             self.difference = difference(self.step(token, index), logits)  # the row at the index written again
             if agrees(self.dtype, self.difference):
                 warnings.warn(f"the decoding kernel differs from the model's own forward here (relative difference "
@@ -256,15 +263,19 @@ class StaticDecoder:
 
     def _first_static(self, token: int, index: int) -> torch.Tensor:
         """The first static step's logits (a copy); a kernel that cannot be built or launched here (Triton's
-        compiler, the GPU's resources) warns and leaves the attention to PyTorch."""
+        compiler, the GPU's resources) warns and leaves the attention to PyTorch. On the native route the model's
+        projections are held on grids where they lie on them (grid_weights.py: packed now, after the answer's first
+        token, once per model)."""
         if self.route == "torch":
             return self.step(token, index).clone()
+        if self.route == "native" and self.grid_weights:
+            self.projections = grid_projections(self.model)
         try:
             return self.step(token, index).clone()
         except Exception as failure:  # whatever Triton raises compiling or launching is this check's finding
             warnings.warn(f"the decoding kernel cannot run here ({type(failure).__name__}: "
                           f"{' '.join(str(failure).split())[:160]}); attending in PyTorch", GaliWarning, stacklevel=3)
-            self.route = "torch"
+            self.route, self.projections = "torch", module_projections(self.model)
             return self.step(token, index).clone()
 
     def _step(self) -> torch.Tensor:
@@ -281,18 +292,17 @@ class StaticDecoder:
             rotation = _Rotation(cos.unsqueeze(1), sin.unsqueeze(1), None)
         else:
             rotation = self._key_rotation(self.method.decode_placement(self.index, self.keys))
-        for number, decoder_layer in enumerate(self.base.layers):
+        for number, (decoder_layer, parts) in enumerate(zip(self.base.layers, self.projections.layers)):
             attention = decoder_layer.self_attn
-            residual = hidden
-            hidden = decoder_layer.input_layernorm(hidden)
             shape = (hidden.shape[0], 1, -1, attention.head_dim)
-            query = attention.q_proj(hidden).view(shape).transpose(1, 2)  # (B, H, 1, D)
-            key = attention.k_proj(hidden).view(shape).transpose(1, 2)  # (B, Hkv, 1, D)
-            value = attention.v_proj(hidden).view(shape).transpose(1, 2)
+            query, key, value = parts.attention_inputs(hidden)  # of the input norm
+            query = query.view(shape).transpose(1, 2)  # (B, H, 1, D)
+            key = key.view(shape).transpose(1, 2)  # (B, Hkv, 1, D)
+            value = value.view(shape).transpose(1, 2)
             output = self._attend(number, attention.scaling, query, key, value, rotation, mask)
-            hidden = residual + attention.o_proj(output.transpose(1, 2).reshape(hidden.shape[0], 1, -1))
-            hidden = hidden + decoder_layer.mlp(decoder_layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(self.base.norm(hidden)).float()
+            hidden = parts.add_attention_output(hidden, output.transpose(1, 2).reshape(hidden.shape[0], 1, -1))
+            hidden = parts.add_mlp(hidden)
+        return self.projections.logits(hidden).float()
 
     def _key_rotation(self, placement: Placement) -> _Rotation:
         """cos/sin (C, D) in the model's dtype rotating each key by its offset (float64 angles, as the methods'
