@@ -8,6 +8,7 @@ terminal, so that typing Ctrl-C interrupts it as it would a person's) and keeps 
 import fcntl
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -17,6 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pyte
+
+
+def _as_at_a_terminal() -> None:
+    """In the child before it runs gali: the pty becomes its controlling terminal, and Ctrl-C interrupts as it does
+    for a command typed at a shell (a shell without job control starts background jobs with SIGINT ignored, and
+    Python then leaves it ignored: tests started that way would see no KeyboardInterrupt)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Terminal:
@@ -53,7 +62,7 @@ class Terminal:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gali_cli", *args], stdin=self.slave, stdout=stdout or self.slave,
             stderr=stderr or self.slave, env=environment, start_new_session=True, close_fds=True,
-            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # the pty becomes its controlling terminal
+            preexec_fn=_as_at_a_terminal)
         return self.process
 
     def type(self, keys: str) -> None:

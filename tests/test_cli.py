@@ -344,9 +344,10 @@ def test_real_process_separates_stdout_and_stderr(tiny_model_dir, doc):
 
 
 def test_ctrl_c_while_streaming(tiny_model_dir, doc):
-    process = subprocess.Popen(
+    process = subprocess.Popen(  # SIGINT as at a shell's prompt, even where pytest runs as a background job
         [sys.executable, "-m", "gali_cli", "summarize", str(doc), "-m", str(tiny_model_dir), "--max-new-tokens",
          "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = process.stdout.read(1)  # the answer has started
     process.send_signal(signal.SIGINT)
