@@ -41,6 +41,7 @@ class Finished:
     decode_seconds: float
     peak_memory_bytes: int
     answer_ids: tuple[int, ...] = ()  # the generated tokens, stop token left out
+    decode_path: str = ""  # how the tokens after the first were decoded (`DecodePath`); "" when none was
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -123,6 +124,15 @@ def prefill(
     return logits[0, -1].float()
 
 
+@dataclass
+class DecodePath:
+    """How `decode` made an answer's tokens after the first, in words, for -v and --json: "eager" (the model's own
+    forward), or the static step's `StaticDecoder.description` once its first step agreed with the forward ("" until
+    a second token is decoded)."""
+
+    description: str = ""
+
+
 def decode(
     model: PreTrainedModel,
     cache: DynamicCache,
@@ -130,10 +140,13 @@ def decode(
     sampler: Sampler,
     max_new_tokens: int,
     stop_ids: set[int],
+    path: DecodePath | None = None,
 ) -> Iterator[int]:
-    """Sample from `logits`, then one token per forward; yields token ids, stop tokens included."""
+    """Sample from `logits`, then one token per forward; yields token ids, stop tokens included. `path` is told how
+    the tokens after the first are made."""
     device, given = model.get_input_embeddings().weight.device, with_cache(model, cache)
     static = static_decoder(model, cache)  # the static step where it pays, a CUDA graph on a GPU (static_decode.py)
+    path = path if path is not None else DecodePath()
 
     def forward(token: int) -> torch.Tensor:
         step_ids = torch.tensor([[token]], device=device)
@@ -147,13 +160,17 @@ def decode(
         index = cache.get_seq_length()
         if static is not None and index >= static.capacity:  # past the rows reserved: the cache grows eagerly
             static = None
+            if path.description:
+                path.description += ", then eager past the rows reserved"
         if static is None:
             logits = forward(token)
+            path.description = path.description or "eager"
         elif static.checked:
             logits = static.step(token, index)
         else:  # held to the model's own forward first; eager from here on if they differ
             logits = static.first_step(token, index, lambda: forward(token))  # noqa: B023
             static = static if static.checked else None
+            path.description = static.description() if static else "eager"
 
 
 class RepetitionGuard:
@@ -211,7 +228,8 @@ def stream_generate(
     prefilled = time.perf_counter()
     detokenizer = _Detokenizer(tokenizer)
     generated, answer, reason, guard = 0, [], "length", RepetitionGuard()
-    for token in decode(model, cache, logits, sampler, max_new_tokens, stop_ids):
+    path = DecodePath()
+    for token in decode(model, cache, logits, sampler, max_new_tokens, stop_ids, path):
         generated += 1
         if token in stop_ids:
             reason = "stop"
@@ -234,6 +252,7 @@ def stream_generate(
         decode_seconds=time.perf_counter() - prefilled,
         peak_memory_bytes=peak_memory_bytes(device),
         answer_ids=tuple(answer),
+        decode_path=path.description,
     )
 
 

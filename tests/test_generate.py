@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
@@ -123,3 +125,6 @@ def test_the_verbose_line_says_what_was_read_and_rates_that_mean_something():
     assert fresh.startswith("prompt 100 tokens: 100 read in 0.50 s (200 tokens/s); generated 5 tokens (2.0 tokens/s "
                             "after the first), length")
     assert finished(100, 100, 1, 0.0001).decode_tokens_per_second is None
+    described = replace(finished(100, 100, 5, 2.0), decode_path="static step, native attention")
+    assert "generated 5 tokens (2.0 tokens/s after the first: static step, native attention), length" in stats_line(
+        described)

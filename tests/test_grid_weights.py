@@ -116,12 +116,42 @@ def test_the_rows_shared_by_a_pool_give_the_same_answer(monkeypatch):
 
 
 def test_bad_inputs_are_refused():
-    """The C function walks raw pointers: an input that does not fit the matrix is refused before the call."""
+    """The C function walks raw pointers: an input that does not fit the matrix, a norm or a sum's tensor that is not
+    one it can write, are refused before the call."""
     grid = to_grid([dequantized(33, 64, QUANT.Q8_0)])
-    for x, gated in ((torch.randn(1, 32), False), (torch.randn(1, 64).double(), False), (torch.randn(1, 64), True),
-                     (torch.randn(1, 64, dtype=torch.bfloat16), False)):
+    x, shared = torch.randn(2, 64), torch.zeros(2 * 64 + 2 * 33)
+    norm = torch.nn.Module()
+    norm.variance_epsilon = 1e-5
+    for bad_x, options in ((torch.randn(1, 32), {}), (x.double(), {}), (torch.randn(1, 64), {"gated": True}),
+                           (x.bfloat16(), {}), (torch.tensor(1.0), {}), (x, {"into": torch.zeros(2, 32)}),
+                           (x, {"into": torch.zeros(2, 33, device="meta")}), (x, {"into": torch.zeros(33, 2).T}),
+                           (shared[:128].view(2, 64), {"into": shared[128:].view(2, 33)})):  # x's own storage
         with pytest.raises(ValueError, match="grid matrix 33 x 64"):
-            grid(x, gated=gated)
+            grid(bad_x, **options)
+    for weight in (torch.ones(64, device="meta"), torch.ones(32), torch.ones(64).double(), torch.ones(128)[::2]):
+        norm.weight = weight
+        with pytest.raises(ValueError, match="grid matrix 33 x 64 takes a norm"):
+            grid(x, norm=norm)
+    assert grid(torch.randn(0, 64)).shape == (0, 33)  # nothing to compute
+
+
+def test_a_grid_weight_checks_its_own_layout():
+    grid = to_grid([dequantized(33, 64, QUANT.Q8_0)])
+    for codes, step, base in ((grid.codes.T, grid.step, grid.base), (grid.codes, grid.step[:, :1], grid.base),
+                              (grid.codes.int(), grid.step, grid.base), (grid.codes, grid.step.double(), grid.base),
+                              (grid.codes[:, :48], grid.step, grid.base)):
+        with pytest.raises(ValueError, match="uint8 codes"):
+            GridWeight(codes, step, base)
+
+
+def test_a_nan_never_lies_on_a_grid():
+    """A NaN in a block whose other weights are all equal: comparisons skip it, so the block's range is 0, and a
+    step of 0 must still refuse it (PyTorch would give NaN products, the grid finite ones)."""
+    weight = torch.full((2, 32), 0.25)
+    assert to_grid([weight]) is not None  # constant blocks are step 0
+    for bad in (float("nan"), float("inf")):
+        weight[1, 7] = bad
+        assert to_grid([weight]) is None
 
 
 def gridded_llama(**config) -> torch.nn.Module:
@@ -148,6 +178,18 @@ def test_a_gguf_like_llama_is_held_on_grids_once():
     assert repacked.layers[1].output is not None and 0.9 < repacked.grid_share() < 1.0
 
 
+def test_a_weight_replaced_by_another_is_packed_again():
+    """A weight tensor replaced by another (which the allocator may put at the same address, with the same version
+    count) is not the weight that was packed."""
+    model = gridded_llama()
+    projections = grid_projections(model)
+    output = model.model.layers[0].self_attn.o_proj
+    del output.weight
+    output.weight = torch.nn.Parameter(torch.randn(192, 192))
+    repacked = grid_projections(model)
+    assert repacked is not projections and repacked.layers[0].output is None and repacked.layers[1].output
+
+
 def test_what_the_step_does_not_know_stays_with_the_modules(monkeypatch):
     model = gridded_llama()
     model.config.hidden_act = "gelu"  # an MLP other than Llama's SiLU one
@@ -155,6 +197,10 @@ def test_what_the_step_does_not_know_stays_with_the_modules(monkeypatch):
     model = gridded_llama()
     kernel = native_noise.load_kernel()
     monkeypatch.setattr(grid_weights, "load_kernel", lambda: dataclasses.replace(kernel, grid_vectorised=False))
+    assert grid_projections(model).grid_share() == 0.0
+    monkeypatch.undo()
+    model = gridded_llama()
+    model.model.layers[1].mlp.up_proj.register_forward_hook(lambda *_: None)  # a hook the grids would skip
     assert grid_projections(model).grid_share() == 0.0
 
 

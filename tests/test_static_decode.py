@@ -12,7 +12,7 @@ from gali_cli.engine.kv_cache import new_cache
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.static_decode import StaticDecoder, why_not_static
 from gali_cli.errors import ConfigError, GaliWarning
-from gali_cli.generate import decode, prefill
+from gali_cli.generate import DecodePath, decode, prefill
 from gali_cli.methods import METHODS, apply_method, prefill_spans
 
 STATIC = [name for name in sorted(METHODS) if name != "dynamic-ntk"]
@@ -96,8 +96,10 @@ def test_decode_takes_the_static_step_and_leaves_the_cache_as_eager_decoding_doe
             model, cache, _ = prefilled(make_llama, method, 40, 30)
             model.register_forward_hook(lambda *_, calls=calls: calls.append(1))
             logits = model(input_ids=torch.tensor([[5]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
-            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 25, set()))
+            how = DecodePath()
+            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 25, set(), how))
         runs[choice] = tokens, cache, len(calls)
+        assert how.description == "eager" if choice == "eager" else how.description.startswith("static step, ")
     (eager_tokens, eager_cache, eager_calls), (tokens, cache, calls) = runs["eager"], runs["static"]
     assert tokens == eager_tokens and cache.get_seq_length() == eager_cache.get_seq_length() == 40 + 1 + 24
     assert eager_calls == 25 and calls == 2  # the one forward before decoding, and the checked first step
@@ -116,8 +118,10 @@ def test_a_step_that_differs_from_the_forward_warns_and_decodes_eagerly(make_lla
         monkeypatch.setattr(type(method), "decode_placement", lambda self, query, keys: static_decode.Placement(
             (keys - query).double()))  # plain RoPE: wrong past the window
         logits = model(input_ids=torch.tensor([[5]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
+        how = DecodePath()
         with pytest.warns(GaliWarning, match="differs from the model's own forward"):
-            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 10, set()))
+            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 10, set(), how))
+        assert how.description == "eager"
         monkeypatch.undo()
         model2, cache2, _ = prefilled(make_llama, "self-extend", 40, 20)
         logits = model2(input_ids=torch.tensor([[5]]), **with_cache(model2, cache2), use_cache=True).logits[0, -1]

@@ -20,6 +20,8 @@ One concern a file, dependencies pointing down the list:
 - decode.py: GALI's one-token decoding without re-rotating the cache.
 - static_decode.py: the decoding step with static shapes (a CUDA graph on a GPU) and how it attends;
   triton_decode.py, native_decode.py: its attention as a kernel rotating each key as it reads it (GPU, CPU).
+- grid_weights.py: its projections on the CPU held as a byte a weight, where they lie exactly on per-block grids
+  (GGUF's formats), multiplied by native_kernels.c.
 - windowed.py: attention split at a distance (SelfExtend, ReRoPE, Leaky ReRoPE, DPE).
 - kv_cache.py: the KV cache gali generates with (a DynamicCache whose layers append in place).
 - seam.py: how the installed transformers takes the KV cache; SeamError when it is not a way gali knows.

@@ -8,8 +8,10 @@ for integer codes 0..255. Held that way (a byte per weight, a float32 step and b
 the same products read 3.2x fewer bytes, and native_kernels.c's gali_grid_matvec computes each row as
 sum(step * (codes . x)) + sum(base * sum(x)), the rounding of a float32 product apart.
 
-Only weights found on such a grid are held so (`gali_grid_pack` checks every block, to 2**-20 of its largest
-magnitude): the decoding step computes the model the user loaded, not an approximation. A group of projections
+Only weights found on such a grid are held so: `gali_grid_pack` checks every weight, in double, to within 2**-20 of
+its block's largest magnitude, so a GGUF block is held as transformers dequantized it, to float32 rounding (a
+float block whose weights are all tiny beside one large one could pass too: its products then differ by no more
+than float32 rounding of a sum of a few hundred terms). A group of projections
 whose blocks lie on no grid of 256 levels (float checkpoints, GGUF's Q6_K with its sub-blocks of 16) stays with the
 model's own modules, in PyTorch, as before. Projections that a Llama computes from the same input are stacked: q,
 k and v as one matrix; the MLP's gate and up as one, SiLU(gate) * up computed as each row is made (Llama's
@@ -44,6 +46,15 @@ class GridWeight:
     step: torch.Tensor
     base: torch.Tensor
 
+    def __post_init__(self) -> None:
+        """The C function walks these as raw pointers: their layout is checked once, here."""
+        tables = (self.step, self.base)
+        if self.codes.dim() != 2 or self.codes.dtype != torch.uint8 or self.columns % BLOCK or any(
+                table.shape != (self.rows, self.columns // BLOCK) or table.dtype != torch.float32 for table in tables
+        ) or any(x.device.type != "cpu" or not x.is_contiguous() for x in (self.codes, *tables)):
+            raise ValueError("a GridWeight is uint8 codes (N, M) and float32 step and base (N, M / 32), contiguous, "
+                             "on the CPU")
+
     @property
     def rows(self) -> int:
         return self.codes.shape[0]
@@ -59,18 +70,27 @@ class GridWeight:
                  into: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., M) float32 times the matrix: (..., N). `gated`: the matrix is a gate's rows above an up
         projection's, and the result (..., N / 2) is SiLU(gate) * up. `norm`: a Llama RMSNorm (float32 weight
-        (M,)) applied to x first. `into`: a float32 tensor of the result's shape, contiguous, that the result is
-        added to (in place; returned)."""
+        (M,)) applied to x first. `into`: a float32 tensor of the result's shape, contiguous and apart from x, that
+        the result is added to (in place; returned)."""
         columns, rows = self.columns, self.rows
         outputs = rows // 2 if gated else rows
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != columns or (gated and rows % 2) or (
-                norm is not None and (norm.weight.shape != (columns,) or norm.weight.dtype != torch.float32 or
-                                      not norm.weight.is_contiguous())) or (into is not None and (
-                into.shape != (*x.shape[:-1], outputs) or into.dtype != torch.float32 or not into.is_contiguous())):
+        if x.dim() == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != columns or (
+                gated and rows % 2):
             raise ValueError(f"a grid matrix {rows} x {columns} takes float32 CPU inputs (..., {columns}), got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        flat = x.reshape(-1, columns).contiguous()
+        if norm is not None and (norm.weight.shape != (columns,) or norm.weight.dtype != torch.float32 or
+                                 norm.weight.device.type != "cpu" or not norm.weight.is_contiguous()):
+            raise ValueError(f"a grid matrix {rows} x {columns} takes a norm of float32 CPU weights ({columns},)")
+        if into is not None and (into.shape != (*x.shape[:-1], outputs) or into.dtype != torch.float32 or
+                                 into.device.type != "cpu" or not into.is_contiguous() or
+                                 into.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
+            shape = (*x.shape[:-1], outputs)
+            raise ValueError(f"a grid matrix {rows} x {columns} adds into float32 CPU tensors {shape}, contiguous and "
+                             f"apart from its input")
+        flat = x.resolve_neg().reshape(-1, columns).contiguous()
         out = into if into is not None else torch.empty(*x.shape[:-1], outputs, dtype=torch.float32, device="cpu")
+        if flat.shape[0] == 0:
+            return out
         kernel = load_kernel()
         arguments = (flat.data_ptr(), flat.shape[0], columns, None if norm is None else norm.weight.data_ptr(),
                      0.0 if norm is None else norm.variance_epsilon, self.codes.data_ptr(), self.step.data_ptr(),
@@ -192,30 +212,43 @@ def _linears(layer: nn.Module) -> list[nn.Module]:
             mlp.down_proj]
 
 
-# Per model: the weights' identities when packed, and the result. A model's weights are packed once (0.3 s for
-# SmolLM2's 135M on two cores), not once per answer.
-_packed: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Projections]]" = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _Packed:
+    """A model's projections as packed, with the weight tensors they were packed from (held weakly: a tensor freed
+    and another allocated at its address is not the same weight) and their versions then."""
+
+    weights: tuple[weakref.ref, ...]
+    versions: tuple[int, ...]
+    projections: Projections
+
+
+# Per model: its packed projections. A model's weights are packed once (a fraction of a second for SmolLM2's 135M
+# on two cores), not once per answer.
+_packed: "weakref.WeakKeyDictionary[nn.Module, _Packed]" = weakref.WeakKeyDictionary()
 
 
 def grid_projections(model: PreTrainedModel) -> Projections:
     """`model`'s projections, each group held on a grid where its weights lie exactly on one (kept for the model's
     next answers), else as its modules: all of them where the model is not a float32 Llama on the CPU whose layers
-    this step knows (no biases, a SiLU MLP, RMSNorms), or the kernels were built for no vector registers that make
-    them pay (`Kernel.grid_vectorised`)."""
+    this step knows (no biases, a SiLU MLP, RMSNorms), hooks are registered on those modules (the grids would skip
+    them), or the kernels were built for no vector registers that make them pay (`Kernel.grid_vectorised`)."""
     base, head = llama_model(model), model.get_output_embeddings()
     linears = [head] + [m for layer in base.layers for m in _linears(layer)]
     norms = [base.norm] + [norm for layer in base.layers for norm in (layer.input_layernorm,
                                                                       layer.post_attention_layernorm)]
     if not load_kernel().grid_vectorised or not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or (
             getattr(model.config, "hidden_act", None) != "silu") or not all(
-            type(norm).__name__ == "LlamaRMSNorm" and norm.weight.dtype == torch.float32 for norm in norms):
+            type(norm).__name__ == "LlamaRMSNorm" and norm.weight.dtype == torch.float32 for norm in norms) or any(
+            m._forward_hooks or m._forward_pre_hooks for m in (*linears, *norms)):  # hooks the grids would skip
         return module_projections(model)
-    # Weights replaced or changed in place since they were packed (tensors made in inference mode count no versions:
-    # a change to one would show as the first step's disagreement with the forward).
-    identity = tuple((m.weight.data_ptr(), 0 if m.weight.is_inference() else m.weight._version) for m in linears)
+    # The weights as packed: the same tensors, not changed in place since (tensors made in inference mode count no
+    # versions: a change to one would show as the first step's disagreement with the forward).
+    weights = [m.weight for m in linears]
+    versions = tuple(0 if w.is_inference() else w._version for w in weights)
     known = _packed.get(model)
-    if known is not None and known[0] == identity:
-        return known[1]
+    if known is not None and known.versions == versions and all(
+            kept() is weight for kept, weight in zip(known.weights, weights, strict=True)):
+        return known.projections
     layers = []
     for layer in base.layers:
         attention, mlp = layer.self_attn, layer.mlp
@@ -224,5 +257,5 @@ def grid_projections(model: PreTrainedModel) -> Projections:
             to_grid([attention.o_proj.weight]), to_grid([mlp.gate_proj.weight, mlp.up_proj.weight]),
             to_grid([mlp.down_proj.weight])))
     packed = Projections(tuple(layers), base.norm, head, to_grid([head.weight]))
-    _packed[model] = (identity, packed)
+    _packed[model] = _Packed(tuple(weakref.ref(w) for w in weights), versions, packed)
     return packed

@@ -410,14 +410,19 @@ void gali_decode_attention(const float *rows, int64_t row_b, int64_t row_h, int6
 #define GRID_LEVELS 255 /* the largest code */
 
 /* Whether the block's weights w[0..31] are all base + step * code for integer codes 0..255, to `tolerance`; writes
- * the codes where they are. */
-static int on_grid(const float *w, float base, float step, float tolerance, uint8_t *codes) {
+ * the codes (meaningful where it returns 1). Branch-free over the block, so that compilers vectorise it: packing
+ * reads every weight of the model before its first product. */
+static int on_grid(const float *restrict w, float base, float step, double tolerance, uint8_t *restrict codes) {
+    float inverse = step > 0.0f ? 1.0f / step : 0.0f;
+    int fits = 1;
     for (int j = 0; j < GRID_BLOCK; j++) {
-        float code = step > 0.0f ? rintf((w[j] - base) / step) : 0.0f;
-        if (!(code >= 0.0f && code <= (float)GRID_LEVELS) || fabsf(base + step * code - w[j]) > tolerance) return 0;
-        codes[j] = (uint8_t)code;
+        float code = rintf((w[j] - base) * inverse);
+        /* in double, the grid point exactly (a product of two floats fits a double); NaN fits nothing */
+        fits &= (code >= 0.0f) & (code <= (float)GRID_LEVELS) &
+                (fabs((double)base + (double)step * (double)code - (double)w[j]) <= tolerance);
+        codes[j] = (uint8_t)(code < 0.0f ? 0.0f : code > (float)GRID_LEVELS ? (float)GRID_LEVELS : code);
     }
-    return 1;
+    return fits;
 }
 
 /* The smallest difference between two of the block's weights larger than `tolerance` (0 if none): a grid's step
@@ -438,10 +443,10 @@ static float smallest_gap(const float *w, float tolerance) {
 
 /* Rows [row_begin, row_end) of a float32 weight matrix (rows of `columns`, a multiple of GRID_BLOCK) as codes
  * (uint8, the same shape) and, per block of GRID_BLOCK weights of a row, a step and a base such that each weight is
- * base + step * code to within `relative` of the block's largest magnitude. The step tried: the block's range over
- * 255 (GGUF's Q4_0/Q4_1 blocks and any grid whose span divides 255), its largest magnitude over 127 (Q8_0), else the
- * smallest gap between its weights (any other grid on which two of them are neighbours). Returns the number of
- * blocks on none of these grids (0: the matrix is held exactly). */
+ * base + step * code to within `relative` of the block's largest magnitude (checked in double). The step tried: the
+ * block's range over 255 (GGUF's Q4_0/Q4_1 blocks and any grid whose span divides 255), its largest magnitude over
+ * 127 (Q8_0), else the smallest gap between its weights (any other grid on which two of them are neighbours).
+ * Returns the number of blocks on none of these grids (0: the matrix is held exactly). */
 int64_t gali_grid_pack(const float *weight, int64_t columns, int64_t row_begin, int64_t row_end, float relative,
                        uint8_t *codes, float *step, float *base, int threads) {
     int64_t blocks = columns / GRID_BLOCK, missed = 0;
@@ -457,18 +462,19 @@ int64_t gali_grid_pack(const float *weight, int64_t columns, int64_t row_begin, 
                 low = w[j] < low ? w[j] : low;
                 high = w[j] > high ? w[j] : high;
             }
-            float largest = fabsf(low) > fabsf(high) ? fabsf(low) : fabsf(high), tolerance = relative * largest;
-            float candidates[3] = {(high - low) / GRID_LEVELS, largest / 127.0f, 0.0f};
-            int found = high == low;
-            if (found) candidates[0] = 0.0f, on_grid(w, low, 0.0f, tolerance, codes + at);
+            float largest = fabsf(low) > fabsf(high) ? fabsf(low) : fabsf(high);
+            double tolerance = (double)relative * (double)largest;
+            float candidates[3] = {(high - low) / GRID_LEVELS, largest / 127.0f, 0.0f}, chosen = 0.0f;
+            /* a constant block is step 0 (comparisons skip a NaN: on_grid refuses it) */
+            int found = high == low && on_grid(w, low, 0.0f, tolerance, codes + at);
             for (int c = 0; c < 3 && !found; c++) {
-                if (c == 2) candidates[2] = smallest_gap(w, tolerance);
+                if (c == 2) candidates[2] = smallest_gap(w, (float)tolerance);
                 if (candidates[c] > 0.0f && on_grid(w, low, candidates[c], tolerance, codes + at)) {
                     found = 1;
-                    candidates[0] = candidates[c];
+                    chosen = candidates[c];
                 }
             }
-            step[slot] = found ? candidates[0] : 0.0f;
+            step[slot] = chosen;
             base[slot] = low;
             missed += !found;
         }

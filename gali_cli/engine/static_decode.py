@@ -261,6 +261,16 @@ class StaticDecoder:
         self.checked = True
         return logits
 
+    def description(self) -> str:
+        """How this step decodes, in words (for -v): graphed or not, its attention's route, and the share of the
+        projections' weights it multiplies as bytes on grids."""
+        parts = ["static step" + (" as a CUDA graph" if self.graph is not None else ""),
+                 {"triton": "Triton attention", "native": "native attention"}.get(self.route, "PyTorch attention")]
+        share = self.projections.grid_share()
+        if share:
+            parts.append(f"{share:.0%} of the projections' weights as bytes")
+        return ", ".join(parts)
+
     def _first_static(self, token: int, index: int) -> torch.Tensor:
         """The first static step's logits (a copy); a kernel that cannot be built or launched here (Triton's
         compiler, the GPU's resources) warns and leaves the attention to PyTorch. On the native route the model's

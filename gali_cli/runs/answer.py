@@ -160,12 +160,14 @@ def _say_stats(finished: Finished) -> None:
 
 def stats_line(finished: Finished) -> str:
     """-v's line: what of the prompt came from the cache and what was read (the prefill's rate is of the tokens read),
-    and the decoding rate of the tokens after the first (which is sampled from the prefill's logits)."""
+    and the decoding rate of the tokens after the first (which is sampled from the prefill's logits), with how they
+    were decoded."""
     cached, read = finished.prompt_tokens - finished.prefilled_tokens, finished.prefilled_tokens
     source = f"{cached} from the cache, {read} read" if cached else f"{read} read"
     rate = finished.decode_tokens_per_second
+    how = f": {finished.decode_path}" if finished.decode_path else ""
     generated = finished.generated_tokens
     return (f"prompt {finished.prompt_tokens} tokens: {source} in {finished.prefill_seconds:.2f} s "
             f"({finished.prefill_tokens_per_second:.0f} tokens/s); generated {generated} "
-            f"token{'s' if generated != 1 else ''}{f' ({rate:.1f} tokens/s after the first)' if rate else ''}, "
+            f"token{'s' if generated != 1 else ''}{f' ({rate:.1f} tokens/s after the first{how})' if rate else ''}, "
             f"{finished.reason}; peak memory {finished.peak_memory_bytes / 2**30:.2f} GiB")

@@ -166,4 +166,5 @@ def finished_facts(finished: Finished) -> dict:
             "prefill_tokens_per_second": round(finished.prefill_tokens_per_second, 2),
             "decode_tokens_per_second": (None if finished.decode_tokens_per_second is None
                                          else round(finished.decode_tokens_per_second, 2)),
+            "decode_path": finished.decode_path or None,
             "peak_memory_mib": round(finished.peak_memory_bytes / 2**20, 1)}
