@@ -3,6 +3,7 @@ dequantizes them) held as a byte each, their products against float64 ones, and 
 them against the model's own forward."""
 
 import dataclasses
+import sys
 import warnings
 
 import gguf
@@ -202,6 +203,24 @@ def test_what_the_step_does_not_know_stays_with_the_modules(monkeypatch):
     model = gridded_llama()
     model.model.layers[1].mlp.up_proj.register_forward_hook(lambda *_: None)  # a hook the grids would skip
     assert grid_projections(model).grid_share() == 0.0
+
+
+def test_grids_that_would_crowd_the_memory_are_not_made(monkeypatch):
+    free = grid_weights.available_memory()
+    assert free is None if sys.platform != "linux" else free > 0  # Linux says, in /proc/meminfo
+    model = gridded_llama()
+    needed = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * 5 // 4
+    monkeypatch.setattr(grid_weights, "available_memory", lambda: 2 * needed - 2)
+    with pytest.warns(GaliWarning, match="not enough free memory to hold the projections as bytes"):
+        assert grid_projections(model).grid_share() == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert grid_projections(model).grid_share() == 0.0  # the model's next answer: decided, said once
+    model = gridded_llama()
+    monkeypatch.setattr(grid_weights, "available_memory", lambda: 2 * needed)
+    assert grid_projections(model).grid_share() == 1.0
+    monkeypatch.setattr(grid_weights, "available_memory", lambda: None)  # a system that does not say
+    assert grid_projections(gridded_llama()).grid_share() == 1.0
 
 
 def first_step_then_the_rest(decoder: StaticDecoder, model, cache, tokens: list[int], start: int) -> float:

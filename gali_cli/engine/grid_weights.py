@@ -20,6 +20,7 @@ k and v as one matrix; the MLP's gate and up as one, SiLU(gate) * up computed as
 Shapes: B batch, N a matrix's rows, M its columns (a multiple of BLOCK).
 """
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..errors import GaliWarning
 from .hooks import llama_model
 from .native_noise import load_kernel, share_among_threads
 
@@ -199,6 +201,18 @@ class Projections:
         return sum(w.codes.numel() for w in self.grids()) / total
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def module_projections(model: PreTrainedModel) -> Projections:
     """The projections as the model's own modules (no grids)."""
     base = llama_model(model)
@@ -231,7 +245,8 @@ def grid_projections(model: PreTrainedModel) -> Projections:
     """`model`'s projections, each group held on a grid where its weights lie exactly on one (kept for the model's
     next answers), else as its modules: all of them where the model is not a float32 Llama on the CPU whose layers
     this step knows (no biases, a SiLU MLP, RMSNorms), hooks are registered on those modules (the grids would skip
-    them), or the kernels were built for no vector registers that make them pay (`Kernel.grid_vectorised`)."""
+    them), the kernels were built for no vector registers that make them pay (`Kernel.grid_vectorised`), or the
+    grids would take more than half the memory available (one warning)."""
     base, head = llama_model(model), model.get_output_embeddings()
     linears = [head] + [m for layer in base.layers for m in _linears(layer)]
     norms = [base.norm] + [norm for layer in base.layers for norm in (layer.input_layernorm,
@@ -249,6 +264,20 @@ def grid_projections(model: PreTrainedModel) -> Projections:
     if known is not None and known.versions == versions and all(
             kept() is weight for kept, weight in zip(known.weights, weights, strict=True)):
         return known.projections
+    needed, free = sum(w.numel() for w in weights) * 5 // 4, available_memory()
+    if free is not None and needed > free // 2:  # the grids must not push the machine into swap or the OOM killer
+        warnings.warn(f"not enough free memory to hold the projections as bytes ({needed / 2**30:.1f} GiB needed, "
+                      f"{free / 2**30:.1f} GiB available); decoding reads their float32 weights", GaliWarning,
+                      stacklevel=2)
+        packed = module_projections(model)  # kept too: the model's next answers decide the same, without a warning
+    else:
+        packed = _pack(base, head)
+    _packed[model] = _Packed(tuple(weakref.ref(w) for w in weights), versions, packed)
+    return packed
+
+
+def _pack(base: nn.Module, head: nn.Linear) -> Projections:
+    """Each group of projections on its grid where its weights lie on one."""
     layers = []
     for layer in base.layers:
         attention, mlp = layer.self_attn, layer.mlp
@@ -256,6 +285,4 @@ def grid_projections(model: PreTrainedModel) -> Projections:
             layer, to_grid([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]),
             to_grid([attention.o_proj.weight]), to_grid([mlp.gate_proj.weight, mlp.up_proj.weight]),
             to_grid([mlp.down_proj.weight])))
-    packed = Projections(tuple(layers), base.norm, head, to_grid([head.weight]))
-    _packed[model] = _Packed(tuple(weakref.ref(w) for w in weights), versions, packed)
-    return packed
+    return Projections(tuple(layers), base.norm, head, to_grid([head.weight]))
