@@ -561,6 +561,8 @@ def small_self_check(monkeypatch):
     monkeypatch.setattr(self_check, "HEAD_SHAPES", ((64, 9, 3), (128, 4, 4)))
     monkeypatch.setattr(self_check, "LENGTHS", {"cuda": (320,), "cpu": (320,), "interpreted": (200,), "gali": (300,)})
     monkeypatch.setattr(self_check, "TIMED_CALLS", 1)
+    monkeypatch.setattr(self_check, "NATIVE_DECODE_KEYS", 700)
+    monkeypatch.setattr(self_check, "GRID_SHAPES", ((192, 96, True), (64, 160, False)))
 
 
 def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, monkeypatch):
@@ -568,15 +570,18 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 19 of 19 passed" in result.stderr
-    assert len(lines) == 19 and all(line.startswith("ok ") for line in lines)
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 23 of 23 passed" in result.stderr
+    assert len(lines) == 23 and all(line.startswith("ok ") for line in lines)
     assert sum(line.startswith("ok   transformers seam, ") for line in lines[:13]) == 13  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
     assert any(line.startswith("ok   GALI vs Alg. 3 as written: 300 keys") and "GALI " in line and " ms" in line
                for line in lines)
+    assert sum(line.startswith("ok   a decoding step's attention, native vs float64") for line in lines) == 2
+    assert any(line.startswith("ok   a decoding step's projection as bytes vs float64: 192 x 96, after an RMSNorm, "
+                               "SiLU-gated") for line in lines)
     facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
     checks = facts["check"]["checks"]
-    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 19
+    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 23
     assert sum(item["seam"] for item in checks) == 13
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
 
@@ -598,8 +603,20 @@ def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, mon
     assert sum(line.startswith("FAIL noisy attention, native vs PyTorch") for line in result.stdout.splitlines()) == 4
     assert sum(line.startswith("FAIL GALI vs Alg. 3") for line in result.stdout.splitlines()) == 2  # its route
     assert result.stderr.strip().splitlines()[-1] == (
-        "gali: self-check: 7 of 19 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
+        "gali: self-check: 7 of 23 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
     assert "FAIL transformers seam, gali with noise" in result.stdout  # noisy GALI takes the wrong kernel too
+
+
+def test_info_check_reports_wrong_products_as_bytes(gali, small_self_check, monkeypatch):
+    from gali_cli.engine.grid_weights import GridWeight
+
+    product = GridWeight.__call__
+    monkeypatch.setattr(GridWeight, "__call__", lambda self, x, **options: product(self, x, **options) * 1.01)
+    result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("FAIL a decoding step's projection as bytes") for line in lines) == 2
+    assert "2 of 23 checks failed on cpu" in result.stderr
 
 
 def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, small_self_check,
@@ -610,9 +627,9 @@ def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, s
     seam = [line for line in lines if "transformers seam" in line]
     assert len(seam) == 13 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
     assert "takes its KV cache under none of the names gali knows (cache, past_key_values)" in seam[0]
-    assert sum(line.startswith("ok   ") for line in lines) == 6  # the attention paths themselves hold
+    assert sum(line.startswith("ok   ") for line in lines) == 10  # the attention paths themselves hold
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "gali: self-check: 13 of 19 checks failed; the transformers seam fails (see above): gali's answers would be "
+        "gali: self-check: 13 of 23 checks failed; the transformers seam fails (see above): gali's answers would be "
         "wrong with transformers ")
 
 

@@ -11,11 +11,11 @@ sum(step * (codes . x)) + sum(base * sum(x)), the rounding of a float32 product 
 Only weights found on such a grid are held so: `gali_grid_pack` checks every weight, in double, to within 2**-20 of
 its block's largest magnitude, so a GGUF block is held as transformers dequantized it, to float32 rounding (a
 float block whose weights are all tiny beside one large one could pass too: its products then differ by no more
-than float32 rounding of a sum of a few hundred terms). A group of projections
-whose blocks lie on no grid of 256 levels (float checkpoints, GGUF's Q6_K with its sub-blocks of 16) stays with the
-model's own modules, in PyTorch, as before. Projections that a Llama computes from the same input are stacked: q,
-k and v as one matrix; the MLP's gate and up as one, SiLU(gate) * up computed as each row is made (Llama's
-`hidden_act` "silu").
+than float32 rounding of a sum of a few hundred terms). A group of projections whose blocks lie on no grid of 256
+levels (float checkpoints, GGUF's Q6_K with its sub-blocks of 16) stays with the model's own modules, in PyTorch,
+as before. Projections that a Llama computes from the same input are stacked: q, k and v as one matrix; the MLP's
+gate and up as one, SiLU(gate) * up computed as each row is made (Llama's `hidden_act` "silu"); the layer's
+RMSNorm and its residual addition are done in the same native call as the product they go with.
 
 Shapes: B batch, N a matrix's rows, M its columns (a multiple of BLOCK).
 """

@@ -5,7 +5,9 @@ On a GPU it checks the fused Triton kernel (first passed on an H200 on 2026-11-2
 route of attention parts with their log-sum-exp; it is what a user with another GPU runs to tell whether they hold
 there (the first-use checks, `kernel_verified` and `cuda_partial_verified`, are smaller versions of the same
 comparisons). On a GPU it also holds the decoding step's Triton kernel (triton_decode.py) to the step's PyTorch route.
-On a CPU it checks the native kernel; the Triton kernels only under TRITON_INTERPRET=1 (slow: small problems).
+On a CPU it checks the native kernels: noisy attention, the decoding step's attention, and the decoding step's
+projections held as bytes (grid_weights.py); the Triton kernels only under TRITON_INTERPRET=1 (slow: small
+problems).
 """
 
 import time
@@ -28,6 +30,10 @@ HEAD_SHAPES = ((64, 9, 3), (128, 32, 8), (128, 8, 8))
 # Keys of the checked chunk, per kind of run (the interpreter runs the kernel's code in NumPy: small only).
 LENGTHS = {"cuda": (320, 1024, 4096), "cpu": (320, 2048), "interpreted": (320,), "gali": (300, 1000)}
 TIMED_CALLS = 3  # per path and check, after a first untimed call; the fastest is reported
+NATIVE_DECODE_KEYS = 4096  # the cache a CPU's decoding step is checked over
+# (rows, columns, gated) of the projections held as bytes: SmolLM2's gate and up (after its RMSNorm), and a
+# Llama-3-8B-sized output projection.
+GRID_SHAPES = ((3072, 576, True), (4096, 4096, False))
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,11 @@ def self_check(device: torch.device, triton_interpreted: bool = False) -> Iterat
         for head_dim, heads, kv_heads in HEAD_SHAPES[:2]:
             for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
                 yield _decode_check(device, dtype, head_dim, heads, kv_heads, 8192 if cuda else 700)
+    if not cuda:  # the CPU's static decoding step: its attention and its projections
+        for head_dim, heads, kv_heads in HEAD_SHAPES[:2]:
+            yield _decode_check(device, torch.float32, head_dim, heads, kv_heads, NATIVE_DECODE_KEYS, "native")
+        for rows, columns, gated in GRID_SHAPES:
+            yield _grid_check(rows, columns, gated)
 
 
 def _noisy_kernels(device: torch.device, triton_interpreted: bool) -> dict[str, Callable]:
@@ -162,11 +173,12 @@ def _partial_check(device: torch.device, dtype: torch.dtype, head_dim: int, head
 
 
 def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int,
-                  keys: int) -> Check:
+                  keys: int, path: str = "Triton") -> Check:
     """One decoded query over a cache of `keys` rows, its token three quarters of the way in: triton_decode's
-    kernel (keys rotated as read, GALI's noise drawn in it, rows past the token unread) against the same attention
-    in float64; timed beside the static step's PyTorch route (keys rotated first, noise and mask as a bias), which on
-    an H200 in float32 was itself 4-9e-5 from float64 where the kernel was 1e-7."""
+    kernel (`path` "Triton") or native_decode's ("native": float32 on the CPU) — keys rotated as read, GALI's noise
+    drawn in it, rows past the token unread — against the same attention in float64; timed beside the static step's
+    PyTorch route (keys rotated first, noise and mask as a bias), which on an H200 in float32 was itself 4-9e-5 from
+    float64 where the kernel was 1e-7."""
     from .noise import head_streams, standard_normal
     from .rope import rotate_fused
     from .static_decode import split_key_attention
@@ -180,7 +192,7 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
     index, noise = 3 * keys // 4, Noise(seed=4, layer=1, scale=1.0)
     sigma = torch.rand(keys, generator=generator).to(device)
     streams, scale = head_streams(noise, 1, heads, device), head_dim**-0.5
-    name = (f"a decoding step's attention, Triton vs float64: head dim {head_dim}, {heads}/{kv_heads} heads, "
+    name = (f"a decoding step's attention, {path} vs float64: head dim {head_dim}, {heads}/{kv_heads} heads, "
             f"{str(dtype).removeprefix('torch.')}, {keys} keys, noise on")
 
     draws = standard_normal(noise, 1, heads, torch.tensor([index], device=device), keys) * sigma
@@ -199,17 +211,64 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
 
     with torch.inference_mode():
         try:
-            from .triton_decode import rotating_decode_attention
+            if path == "Triton":
+                from .triton_decode import rotating_decode_attention
 
-            at = torch.tensor(index, device=device)
-            got, fast = _timed(lambda: rotating_decode_attention(rows, key, value, at, scale, cos, sin, sigma,
-                                                                 streams), (), device)
-        except Exception as error:  # a missing triton, a compile or launch failure is this check's finding
+                at = torch.tensor(index, device=device)
+                got, fast = _timed(lambda: rotating_decode_attention(rows, key, value, at, scale, cos, sin, sigma,
+                                                                     streams), (), device)
+            else:
+                from .native_decode import native_decode_attention
+                from .native_noise import int32_bits
+
+                bits = int32_bits(streams)
+                got, fast = _timed(lambda: native_decode_attention(rows, key, value, index, scale, cos, sin, sigma,
+                                                                   bits), (), device)
+        except Exception as error:  # a missing triton, a compile, build or launch failure is this check's finding
             return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:160]})", float("nan"),
                          0.0, {})
         _, reference = _timed(torch_route, (), device)
         expected = float64()
-    return Check(name, _difference(got, expected), _tolerance(dtype, expected), {"Triton": fast, "PyTorch": reference})
+    return Check(name, _difference(got, expected), _tolerance(dtype, expected), {path: fast, "PyTorch": reference})
+
+
+def _grid_check(rows: int, columns: int, gated: bool) -> Check:
+    """A projection as a GGUF Q4_1 matrix loads (each block of 32 weights on a grid of 16 levels), held as bytes by
+    grid_weights and multiplied after an RMSNorm (`gated`: SiLU of the gate's rows times the up rows below them),
+    against the same product in float64. Timed alone: one matrix called again and again stays in the CPU's caches,
+    where PyTorch's float32 product is as fast; what the bytes save is memory traffic over a whole model's weights
+    (docs/performance.md)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from .grid_weights import BLOCK, to_grid
+
+    generator = torch.Generator().manual_seed(rows + columns)
+    codes = torch.randint(0, 16, (rows, columns), generator=generator)
+    codes[:, ::BLOCK], codes[:, 1::BLOCK] = 0, 15  # each block spans its 16 levels, as Q4_1's quantizer makes it
+    step = (torch.rand(rows, columns // BLOCK, generator=generator) * 0.01 + 1e-3).half().float()
+    weight = (step * -8).repeat_interleave(BLOCK, 1) + step.repeat_interleave(BLOCK, 1) * codes
+    norm = LlamaRMSNorm(columns, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(columns, generator=generator) + 0.5)
+    x = torch.randn(1, 1, columns, generator=generator)
+    name = (f"a decoding step's projection as bytes vs float64: {rows} x {columns}, after an RMSNorm"
+            f"{', SiLU-gated' if gated else ''}")
+
+    with torch.inference_mode():
+        try:
+            grid = to_grid([weight])
+            if grid is None:
+                raise ValueError("the weights were not found on their grids")
+            got, fast = _timed(lambda: grid(x, gated=gated, norm=norm), (), torch.device("cpu"))
+        except Exception as error:  # a build failure, or weights not found on their grids, is this check's finding
+            return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:160]})", float("nan"),
+                         0.0, {})
+        wide = x.double()
+        product = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()) @ (
+            weight.double().T)
+        gate, up = product.chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up if gated else product
+    return Check(name, _difference(got, expected), _tolerance(torch.float32, expected), {"bytes": fast})
 
 
 def _timed(function: Callable, arguments: tuple, device: torch.device) -> tuple[Any, float]:
