@@ -20,6 +20,7 @@ RMSNorm and its residual addition are done in the same native call as the produc
 Shapes: B batch, N a matrix's rows, M its columns (a multiple of BLOCK).
 """
 
+import functools
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -80,8 +81,9 @@ class GridWeight:
                 gated and rows % 2):
             raise ValueError(f"a grid matrix {rows} x {columns} takes float32 CPU inputs (..., {columns}), got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        if norm is not None and (norm.weight.shape != (columns,) or norm.weight.dtype != torch.float32 or
-                                 norm.weight.device.type != "cpu" or not norm.weight.is_contiguous()):
+        scales = None if norm is None else norm.weight  # a module attribute: looked up once (this is the hot path)
+        if scales is not None and (scales.shape != (columns,) or scales.dtype != torch.float32 or
+                                   scales.device.type != "cpu" or not scales.is_contiguous()):
             raise ValueError(f"a grid matrix {rows} x {columns} takes a norm of float32 CPU weights ({columns},)")
         if into is not None and (into.shape != (*x.shape[:-1], outputs) or into.dtype != torch.float32 or
                                  into.device.type != "cpu" or not into.is_contiguous() or
@@ -94,7 +96,7 @@ class GridWeight:
         if flat.shape[0] == 0:
             return out
         kernel = load_kernel()
-        arguments = (flat.data_ptr(), flat.shape[0], columns, None if norm is None else norm.weight.data_ptr(),
+        arguments = (flat.data_ptr(), flat.shape[0], columns, None if scales is None else scales.data_ptr(),
                      0.0 if norm is None else norm.variance_epsilon, self.codes.data_ptr(), self.step.data_ptr(),
                      self.base.data_ptr(), rows, int(gated), int(into is not None))
         failed = []
@@ -128,7 +130,7 @@ def to_grid(weights: Sequence[torch.Tensor]) -> GridWeight | None:
         missed.append(kernel.grid_pack(matrix.data_ptr(), columns, begin, end, RELATIVE_TOLERANCE,
                                        codes.data_ptr(), step.data_ptr(), base.data_ptr(), threads))
 
-    share_among_threads(run, rows, max(1, torch.get_num_threads()), kernel.threaded)
+    share_among_threads(run, rows, torch.get_num_threads(), kernel.threaded)
     return None if any(missed) else GridWeight(codes, step, base)
 
 
@@ -151,8 +153,13 @@ class LayerProjections:
         if self.qkv is None:
             normed = norm(hidden)
             return attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed)
-        sizes = (attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features)
-        return self.qkv(hidden, norm=norm).split(sizes, dim=-1)
+        return self.qkv(hidden, norm=norm).split(self.qkv_sizes, dim=-1)
+
+    @functools.cached_property
+    def qkv_sizes(self) -> tuple[int, int, int]:
+        """q's, k's and v's rows of the stacked matrix (read once: module attributes cost a microsecond each)."""
+        attention = self.layer.self_attn
+        return attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features
 
     def add_attention_output(self, hidden: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """hidden + o_proj(x): in place on grids."""

@@ -302,8 +302,8 @@ class StaticDecoder:
             rotation = _Rotation(cos.unsqueeze(1), sin.unsqueeze(1), None)
         else:
             rotation = self._key_rotation(self.method.decode_placement(self.index, self.keys))
-        for number, (decoder_layer, parts) in enumerate(zip(self.base.layers, self.projections.layers)):
-            attention = decoder_layer.self_attn
+        for number, parts in enumerate(self.projections.layers):  # the model's layers, their projections on grids
+            attention = parts.layer.self_attn
             shape = (hidden.shape[0], 1, -1, attention.head_dim)
             query, key, value = parts.attention_inputs(hidden)  # of the input norm
             query = query.view(shape).transpose(1, 2)  # (B, H, 1, D)
