@@ -72,7 +72,8 @@ def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
         ("quantize", Annotated[Quantize, _model_option(metavar="none|8bit|4bit", help="bitsandbytes quantization "
                                                                                        "(4bit: NF4, bf16 compute).")],
          Quantize.none),
-        ("device", Annotated[Device, _model_option(metavar="auto|cuda|cpu", help="auto: CUDA when there is a GPU.")],
+        ("device", Annotated[Device, _model_option(metavar="auto|cuda|cpu", envvar="GALI_DEVICE",
+                                                    help="auto: CUDA when there is a GPU.")],
          Device.auto),
         ("dtype", Annotated[DType, _model_option(metavar="auto|bfloat16|float16|float32", help=_DTYPE_HELP)],
          DType.auto),

@@ -64,6 +64,13 @@ def _own_cache_dir(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _on_the_cpu(monkeypatch):
+    """The commands run on the CPU, as on CI, also where there is a GPU: their float32 answers are compared with
+    references computed on the CPU. tests/test_cuda_commands.py runs them on a GPU."""
+    monkeypatch.setenv("GALI_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
         yield
@@ -99,9 +106,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama (window 32) and its tokenizer on disk; its stop tokens never win a greedy pick."""
-    directory = tmp_path_factory.mktemp("tiny-llama")
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), hidden=64)
+
+
+def save_tiny_llama(directory: Path, **llama) -> Path:
+    """tiny_model_dir's model, of `llama`'s sizes (seam_check.tiny_llama's arguments), saved in `directory`."""
     tokenizer = tiny_tokenizer()
-    model = tiny_llama(train_len=32, hidden=64)
+    model = tiny_llama(train_len=32, **llama)
     stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|eot_id|>")]
     model.resize_token_embeddings(len(tokenizer))
     with torch.no_grad():

@@ -30,7 +30,8 @@ def chosen(*args: str, many_methods: bool = False) -> ModelChoice:
     return seen[0]
 
 
-def test_every_flagged_setting_is_an_option_that_reaches_the_settings():
+def test_every_flagged_setting_is_an_option_that_reaches_the_settings(monkeypatch):
+    monkeypatch.delenv("GALI_DEVICE")  # conftest's: the commands on the CPU
     flagged = [setting.name for setting in fields(MethodSettings) if "flag" in setting.metadata]
     assert "noise_scale" not in flagged and {"chunk_size", "factor", "dca_chunk_size"} <= set(flagged)
     assert chosen().settings == MethodSettings()
@@ -38,6 +39,8 @@ def test_every_flagged_setting_is_an_option_that_reaches_the_settings():
                     "-m", "demo", "--quantize", "4bit", "--method", "gali,yarn", many_methods=True)
     assert choice.settings == MethodSettings(chunk_size=5, noise=False, factor=2.5, group_size=3, noise_seed=7)
     assert (choice.model, choice.quantize, choice.device, choice.methods) == ("demo", "4bit", "auto", ("gali", "yarn"))
+    monkeypatch.setenv("GALI_DEVICE", "cpu")
+    assert chosen().device == "cpu" and chosen("--device", "auto").device == "auto"
 
 
 def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_path):

@@ -8,6 +8,7 @@ import torch
 
 from gali_cli.config import MethodSettings
 from gali_cli.engine import static_decode
+from gali_cli.engine.dense import Partial, biased_partial
 from gali_cli.engine.kv_cache import new_cache
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.static_decode import StaticDecoder, why_not_static
@@ -82,6 +83,20 @@ def test_split_key_attention_is_one_softmax(block):
     logits = (rows.double() @ keys.double().transpose(-1, -2)) * 0.3 + bias.double()
     expected = torch.softmax(logits, dim=-1) @ values.double()
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["gali-noise", "original"])
+def test_steps_hold_when_attention_parts_come_back_transposed(make_llama, method, monkeypatch):
+    """On CUDA, biased_partial's kernel returns (B, H, q, D) as a transposed view of (B, q, H, D). A cache shorter
+    than one block of keys then has a single part, handed on as it came: `gali ask` about a short document failed
+    on a GPU with "view size is not compatible". The same layout on the CPU, blocks of 256 keys as on a GPU."""
+    def as_cuda_returns(*args):
+        part = biased_partial(*args)
+        return Partial(part.output.transpose(1, 2).contiguous().transpose(1, 2), part.lse)
+
+    monkeypatch.setattr(static_decode, "biased_partial", as_cuda_returns)
+    monkeypatch.setattr(static_decode, "KEY_BLOCK", {"cpu": 256})
+    test_every_step_equals_the_models_own_forward(make_llama, method)
 
 
 @pytest.mark.parametrize("method", ["gali", "self-extend", "original"])

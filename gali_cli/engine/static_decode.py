@@ -401,7 +401,7 @@ class StaticDecoder:
 def split_key_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                         scale: float, block: int | None) -> torch.Tensor:
     """One query's attention, its heads sharing a key head stacked as `rows` (B, Hkv, g, D), over keys/values
-    (B, Hkv, C, D) under an additive `bias` (broadcast to (B, Hkv, g, C)): (B, Hkv, g, D) float32.
+    (B, Hkv, C, D) under an additive `bias` (broadcast to (B, Hkv, g, C)): (B, Hkv, g, D) float32, contiguous.
 
     Flash-decoding: one attention call spreads over the device by heads and query blocks only, 8 blocks of work for
     a Llama-3 decoding step on a GPU of 132 multiprocessors, which then read the cache at 0.2 of its 4.3 TB/s (H200).
@@ -430,7 +430,9 @@ def split_key_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if whole < count:
         part = biased_partial(rows, keys[:, :, whole:], values[:, :, whole:], bias[..., whole:].contiguous(), scale)
         parts.append(Partial(part.output.float(), part.lse))
-    return merge_partials(parts).output
+    # Contiguous: torch's memory-efficient CUDA kernel returns its output as a transposed view (it computes in
+    # (B, q, H, D)), which a lone part would hand on as it is, and the caller views the rows as heads.
+    return merge_partials(parts).output.contiguous()
 
 
 def difference(static: torch.Tensor, eager: torch.Tensor) -> float:

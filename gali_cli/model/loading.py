@@ -56,8 +56,9 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
-    """auto: the first CUDA GPU when there is one, else the CPU; asking for CUDA without one is an error."""
-    return torch.device(choose_device(device, torch.cuda.is_available()))
+    """auto: the first CUDA GPU when there is one, else the CPU; asking for CUDA without one is an error. The CPU
+    asked for starts no CUDA (whose start prints torch's warnings where it fails, under a memory limit say)."""
+    return torch.device(choose_device(device, device != "cpu" and torch.cuda.is_available()))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
