@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from test_static_decode import prefilled, worst_step_difference
-from test_triton_decode import KERNEL_METHODS, expected_attention, tables
+from test_triton_decode import KERNEL_METHODS, expected_attention, offset_tables, tables
 
 from gali_cli.engine import native_decode, native_noise, static_decode
 from gali_cli.engine.native_decode import native_decode_attention
@@ -28,20 +28,24 @@ CASES = [  # batch, kv heads, heads per kv head, head dim, cache rows, runs per 
 
 
 @pytest.mark.parametrize("batch, kv_heads, group, dim, count, runs, indices", CASES)
-@pytest.mark.parametrize("variant", ["rotated-noisy", "rotated", "as-cached"])
+@pytest.mark.parametrize("variant", ["rotated-noisy", "rotated", "as-cached", "offset-table-noisy", "offset-table"])
 def test_kernel_equals_attention_from_its_definition(batch, kv_heads, group, dim, count, runs, indices, variant):
     torch.manual_seed(0)
     rows = torch.randn(batch, kv_heads, group, dim)
     keys, values = torch.randn(batch, kv_heads, count, dim), torch.randn(batch, kv_heads, count, dim)
     cos, sin = tables(count, dim, torch.float32, "cpu") if variant != "as-cached" else (None, None)
+    by_offset, own = {}, (cos, sin)
+    if variant.startswith("offset-table"):
+        by_offset = offset_tables(count, dim, torch.float32, "cpu")
+        cos, sin, own = by_offset.pop("cos"), by_offset.pop("sin"), by_offset.pop("own")
     noise = sigma = streams = None
-    if variant == "rotated-noisy":
+    if variant.endswith("noisy"):
         noise, sigma = Noise(seed=11, layer=2, scale=1.0), torch.rand(count) * 2.0
         sigma[::3] = 0.0
         streams = int32_bits(head_streams(noise, batch, kv_heads * group, torch.device("cpu")))
     for index in indices:
-        got = native_decode_attention(rows, keys, values, index, 0.2, cos, sin, sigma, streams, runs)
-        expected = expected_attention(rows, keys, values, index, 0.2, cos, sin, noise, sigma)
+        got = native_decode_attention(rows, keys, values, index, 0.2, cos, sin, sigma, streams, runs, **by_offset)
+        expected = expected_attention(rows, keys, values, index, 0.2, *own, noise, sigma)
         assert got.dtype == torch.float32 and got.shape == rows.shape
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -72,6 +76,7 @@ def test_bad_arguments_are_refused():
     is refused before the call."""
     rows, keys = torch.randn(1, 1, 2, 32), torch.randn(1, 1, 10, 32)
     cos, streams = torch.ones(10, 16), torch.zeros(2, dtype=torch.int32)
+    at = torch.zeros(10, dtype=torch.int32)
     for arguments, kwargs in (((rows, keys, keys), {"cos": cos}), ((rows, keys, keys), {"sigma": torch.zeros(10)}),
                               ((rows.double(), keys, keys), {}), ((rows, keys.half(), keys), {}),
                               ((torch.randn(1, 1, 2, 24), torch.randn(1, 1, 10, 24), torch.randn(1, 1, 10, 24)), {}),
@@ -81,7 +86,16 @@ def test_bad_arguments_are_refused():
                               ((rows, keys, keys), {"cos": cos[:9], "sin": cos[:9]}),
                               ((rows, keys, keys), {"sigma": torch.zeros(9), "streams": streams}),
                               ((rows, keys, keys), {"sigma": torch.zeros(10), "streams": streams[:1]}),
-                              ((rows, keys, keys), {"runs": -1})):
+                              ((rows, keys, keys), {"runs": -1}),
+                              ((rows, keys, keys), {"table_rows": at}),
+                              ((rows, keys, keys), {"cos": cos, "sin": cos, "mix": torch.zeros(10)}),
+                              ((rows, keys, keys), {"cos": cos, "sin": cos, "table_rows": at[:9]}),
+                              ((rows, keys, keys), {"cos": cos, "sin": cos, "table_rows": at.long()}),
+                              ((rows, keys, keys), {"cos": cos, "sin": cos, "table_rows": at, "mix": at.half()}),
+                              ((rows, keys, keys), {"cos": cos, "sin": cos, "table_rows": at + 10}),  # past the table
+                              ((rows, keys, keys), {"cos": cos, "sin": cos, "table_rows": at - 1}),  # before it
+                              ((rows, keys, keys), {"cos": cos, "sin": cos, "table_rows": at + 9,  # its next row,
+                                                    "mix": torch.zeros(10)})):  # mixed, past the table
         with pytest.raises(ValueError):
             native_decode_attention(*arguments, 3, 1.0, **kwargs)
     for index in (-1, 10):

@@ -192,3 +192,19 @@ def test_what_cannot_decode_statically_says_why(make_llama, monkeypatch):
         assert static_decode.static_decoder(model, cache) is None
         monkeypatch.setenv("GALI_DECODE", "static")
         assert static_decode.static_decoder(model, cache).route == "torch"
+
+
+@pytest.mark.parametrize("train_len, window", [(8, 0), (8, 4), (8, 7), (32, 16), (33, 5), (32, 0)])
+def test_galis_offsets_stay_within_the_reach_it_declares(make_llama, train_len, window):
+    """The kernels rotate GALI's keys from a table of reach + 2 rows: for every query up to 8x the window, every
+    key's offset up to the query is a whole number in [-reach, 0] (and the next row, its R(p - 1), is in the table)."""
+    from gali_cli.engine.hooks import installed_method
+
+    model = make_llama(train_len=train_len)
+    apply_method(model, "gali", MethodSettings(train_len=train_len, local_window=window, noise=True), 8 * train_len)
+    method, keys = installed_method(model), torch.arange(8 * train_len)
+    for query in range(8 * train_len):
+        placement = method.decode_placement(torch.tensor(query), keys)
+        offsets = placement.offset[: query + 1]
+        assert not offsets.is_floating_point() and placement.reach == train_len
+        assert offsets.min() >= -placement.reach and offsets.max() == 0 == offsets[query], query

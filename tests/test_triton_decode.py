@@ -52,6 +52,23 @@ def tables(count: int, dim: int, dtype: torch.dtype, device: str) -> tuple[torch
     return (torch.cat((f(angles), f(angles)), dim=-1).to(device, dtype) for f in (torch.cos, torch.sin))
 
 
+def offset_tables(count: int, dim: int, dtype: torch.dtype, device: str) -> dict:
+    """GALI's rotation from a RoPE table per offset: a table of 40 rows of random angles (D/2 wide), a row per key
+    (some the last but one, whose next row is the table's last) and a mix towards the next row (0 for a third of
+    the keys), as `rotating_decode_attention` takes them; and each key's own row of cos/sin (C, D) interpolated in
+    float64, as `expected_attention` takes them."""
+    angles = torch.rand(40, dim // 2, dtype=torch.float64) * 200.0
+    rows = torch.randint(0, 39, (count,), dtype=torch.int32)
+    rows[::7] = 38
+    mix = torch.rand(count, dtype=torch.float32)
+    mix[::3] = 0.0
+    own = [torch.lerp(f(angles)[rows.long()], f(angles)[rows.long() + 1], mix.double()[:, None])
+           for f in (torch.cos, torch.sin)]
+    return {"cos": torch.cos(angles).to(device, dtype), "sin": torch.sin(angles).to(device, dtype),
+            "table_rows": rows.to(device), "mix": mix.to(device),
+            "own": [torch.cat((x, x), dim=-1).to(dtype).double() for x in own]}
+
+
 CASES = [  # batch, kv heads, heads per kv head, head dim, cache rows, programs per key head, token indices
     (1, 2, 3, 64, 300, 3, [0, 63, 64, 200, 299]),  # a group of 3 (rows padded to 16); runs past the index empty
     (2, 1, 4, 32, 130, 2, [63, 64, 129]),  # batch 2, tiles cut short by the index
@@ -62,23 +79,27 @@ CASES = [  # batch, kv heads, heads per kv head, head dim, cache rows, programs 
 
 @pytest.mark.parametrize("batch, kv_heads, group, dim, count, splits, indices", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("variant", ["rotated-noisy", "rotated", "as-cached"])
+@pytest.mark.parametrize("variant", ["rotated-noisy", "rotated", "as-cached", "offset-table-noisy", "offset-table"])
 def test_kernel_equals_attention_from_its_definition(kernel, device, batch, kv_heads, group, dim, count, splits,
                                                      indices, dtype, variant):
     torch.manual_seed(0)
     rows = torch.randn(batch, kv_heads, group, dim).to(device, dtype)
     keys, values = (torch.randn(batch, kv_heads, count, dim).to(device, dtype) for _ in range(2))
     cos, sin = tables(count, dim, dtype, device) if variant != "as-cached" else (None, None)
+    by_offset, own = {}, (cos, sin)
+    if variant.startswith("offset-table"):
+        by_offset = offset_tables(count, dim, dtype, device)
+        cos, sin, own = by_offset.pop("cos"), by_offset.pop("sin"), by_offset.pop("own")
     noise = sigma = streams = None
-    if variant == "rotated-noisy":
+    if variant.endswith("noisy"):
         noise, sigma = Noise(seed=11, layer=2, scale=1.0), (torch.rand(count) * 2.0).to(device)
         sigma[::3] = 0.0  # the keys where c = 0 get none
         streams = head_streams(noise, batch, kv_heads * group, device)
     for index in indices:
         got = kernel.rotating_decode_attention(rows, keys, values, torch.tensor(index, device=device), 0.2, cos, sin,
-                                               sigma, streams, splits)
+                                               sigma, streams, splits, **by_offset)
         expected = expected_attention(rows.cpu(), keys.cpu(), values.cpu(), index, 0.2,
-                                      *(None if x is None else x.cpu() for x in (cos, sin)), noise,
+                                      *(None if x is None else x.cpu() for x in own), noise,
                                       None if sigma is None else sigma.cpu())
         assert got.dtype == torch.float32 and got.shape == rows.shape
         torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-4, atol=1e-4 if dtype == torch.float32
@@ -100,8 +121,11 @@ def test_keys_past_the_index_are_never_read(kernel, device):
 
 def test_bad_arguments_are_refused(kernel):
     rows, keys = torch.randn(1, 1, 2, 32), torch.randn(1, 1, 10, 32)
-    cos = torch.ones(10, 32)
-    for arguments in ({"cos": cos}, {"sigma": torch.zeros(10)}, {"cos": cos, "sin": cos.t().contiguous().t()}):
+    cos, at = torch.ones(10, 32), torch.zeros(10, dtype=torch.int32)
+    for arguments in ({"cos": cos}, {"sigma": torch.zeros(10)}, {"cos": cos, "sin": cos.t().contiguous().t()},
+                      {"table_rows": at}, {"cos": cos, "sin": cos, "mix": torch.zeros(10)},
+                      {"cos": cos, "sin": cos, "table_rows": at[:9]}, {"cos": cos, "sin": cos, "table_rows": at.long()},
+                      {"cos": cos, "sin": cos, "table_rows": at, "mix": torch.zeros(10).double()}):
         with pytest.raises(ValueError):
             kernel.rotating_decode_attention(rows, keys, keys, torch.tensor(3), 1.0, **arguments)
 

@@ -261,17 +261,19 @@ static inline float vector_dot(const float *restrict a, const float *restrict b,
 
 /* Keys [start, end) of one key head for its `group` query rows (row r at q + r * q_stride): an online softmax over
  * tiles of TILE keys, each key rotated first where cos/sin are given ([k1, k2] -> [k1 c - k2 s, k2 c + k1 s], c and
- * s the key's row of `half` values), GALI's noise added after scaling where sigma is given (the draw of
- * noise.standard_normal for the row's hash and key j, times sigma[j]). Writes the rows' normalised outputs and
- * log-sum-exps (-inf for an empty run). Always inlined: gali_decode_attention calls it with the common head dims as
- * literals, and the loops over dim are then unrolled (10% faster on SmolLM2's heads). */
+ * s `half` values: the table's row j for key j, or row table_row[j] where that is given, and then, where mix[j] is
+ * not 0, interpolated towards the next row by mix[j]), GALI's noise added after scaling where sigma is given (the
+ * draw of noise.standard_normal for the row's hash and key j, times sigma[j]). Writes the rows' normalised outputs
+ * and log-sum-exps (-inf for an empty run). Always inlined: gali_decode_attention calls it with the common head dims
+ * as literals, and the loops over dim are then unrolled (10% faster on SmolLM2's heads). */
 static inline __attribute__((always_inline)) void decode_run(
     const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-    const float *cos, const float *sin, int64_t table_stride, const float *sigma, const uint32_t *row_hash,
-    int64_t group, int64_t dim, int64_t start, int64_t end, float scale, float *out, float *lse) {
+    const float *cos, const float *sin, int64_t table_stride, const int32_t *table_row, const float *mix,
+    const float *sigma, const uint32_t *row_hash, int64_t group, int64_t dim, int64_t start, int64_t end,
+    float scale, float *out, float *lse) {
     const int64_t half = dim / 2;
     float acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
-    float logits[MAX_GROUP][TILE], turned[MAX_DIM], strength[TILE];
+    float logits[MAX_GROUP][TILE], turned[MAX_DIM], strength[TILE], mixed_cos[MAX_DIM / 2], mixed_sin[MAX_DIM / 2];
     for (int64_t r = 0; r < group; r++) {
         top[r] = -__builtin_inff();
         total[r] = 0.0f;
@@ -282,7 +284,16 @@ static inline __attribute__((always_inline)) void decode_run(
         for (int64_t t = 0; t < n; t++) {
             const float *key = k + (first + t) * k_stride;
             if (cos) {
-                const float *c = cos + (first + t) * table_stride, *s = sin + (first + t) * table_stride;
+                int64_t row = table_row ? table_row[first + t] : first + t;
+                const float *c = cos + row * table_stride, *s = sin + row * table_stride;
+                if (mix && mix[first + t] != 0.0f) { /* GALI: (1 - w) R(p) + w R(p - 1), the next row */
+                    float w = mix[first + t];
+                    for (int64_t d = 0; d < half; d++) {
+                        mixed_cos[d] = c[d] + w * (c[d + table_stride] - c[d]);
+                        mixed_sin[d] = s[d] + w * (s[d + table_stride] - s[d]);
+                    }
+                    c = mixed_cos, s = mixed_sin;
+                }
                 for (int64_t d = 0; d < half; d++) {
                     turned[d] = key[d] * c[d] - key[d + half] * s[d];
                     turned[d + half] = key[d + half] * c[d] + key[d] * s[d];
@@ -368,13 +379,15 @@ void gali_merge_runs(const float *partial, const float *lse, int64_t pairs, int6
  * (batch, key head, run): each key head's keys up to the index are cut into `runs` runs of whole pairs, and item
  * w = (b * kv_heads + h) * runs + run writes its rows' partial output (group, dim) at out + w * group * dim and their
  * log-sum-exps at lse + w * group, merged by the caller. rows (B, Hkv, group, dim), keys and values (B, Hkv, C, dim)
- * have contiguous last dims (strides in elements); cos/sin (C, >= dim / 2) rotate each key (NULL: attended as they
- * are); sigma (C,) and head_stream (B * H,) add GALI's noise (NULL: none). Items are shared among `threads` threads
- * as gali_noisy_softmax shares its rows. */
+ * have contiguous last dims (strides in elements); cos/sin (rows, >= dim / 2) rotate each key (NULL: attended as
+ * they are) by row j for key j, or by row table_row[j] (C,) mixed with the next by mix[j] (C,) where those are given
+ * (the caller has checked that every row read lies in the table); sigma (C,) and head_stream (B * H,) add GALI's
+ * noise (NULL: none). Items are shared among `threads` threads as gali_noisy_softmax shares its rows. */
 void gali_decode_attention(const float *rows, int64_t row_b, int64_t row_h, int64_t row_g, const float *keys,
                            int64_t key_b, int64_t key_h, int64_t key_n, const float *values, int64_t value_b,
                            int64_t value_h, int64_t value_n, const float *cos, const float *sin, int64_t table_n,
-                           const float *sigma, const int32_t *head_stream, int64_t kv_heads, int64_t group,
+                           const int32_t *table_row, const float *mix, const float *sigma,
+                           const int32_t *head_stream, int64_t kv_heads, int64_t group,
                            int64_t dim, int64_t index, float scale, int64_t runs, int64_t item_begin,
                            int64_t item_end, float *out, float *lse, int threads) {
     int64_t count = index + 1, per_run = (count + runs - 1) / runs;
@@ -393,14 +406,14 @@ void gali_decode_attention(const float *rows, int64_t row_b, int64_t row_h, int6
         int64_t stop = start < end ? end : start;
         float *run_out = out + item * group * dim, *run_lse = lse + item * group;
         if (dim == 64) /* the common head dims as constants (decode_run is inlined): its loops over dim unrolled */
-            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, sigma, row_hash, group, 64, start, stop,
-                       scale, run_out, run_lse);
+            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, table_row, mix, sigma, row_hash, group,
+                       64, start, stop, scale, run_out, run_lse);
         else if (dim == 128)
-            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, sigma, row_hash, group, 128, start, stop,
-                       scale, run_out, run_lse);
+            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, table_row, mix, sigma, row_hash, group,
+                       128, start, stop, scale, run_out, run_lse);
         else
-            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, sigma, row_hash, group, dim, start, stop,
-                       scale, run_out, run_lse);
+            decode_run(q, row_g, k, key_n, v, value_n, cos, sin, table_n, table_row, mix, sigma, row_hash, group,
+                       dim, start, stop, scale, run_out, run_lse);
     }
 }
 

@@ -96,8 +96,8 @@ def load_kernel() -> Kernel:
                          ctypes.c_float, size, size, pointer, pointer, ctypes.c_int]
     function.restype = None
     decode.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size, pointer,
-                       pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, size, size, size,
-                       pointer, pointer, ctypes.c_int]
+                       pointer, size, pointer, pointer, pointer, pointer, size, size, size, size, ctypes.c_float, size,
+                       size, size, pointer, pointer, ctypes.c_int]
     decode.restype = None
     merge_runs.argtypes = [pointer, pointer, size, size, size, size, pointer]
     merge_runs.restype = None

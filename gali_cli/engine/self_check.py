@@ -178,7 +178,8 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
     kernel (`path` "Triton") or native_decode's ("native": float32 on the CPU) — keys rotated as read, GALI's noise
     drawn in it, rows past the token unread — against the same attention in float64; timed beside the static step's
     PyTorch route (keys rotated first, noise and mask as a bias), which on an H200 in float32 was itself 4-9e-5 from
-    float64 where the kernel was 1e-7."""
+    float64 where the kernel was 1e-7. Head dim 64 rotates each key as GALI's step does, by a row of a RoPE table
+    per offset (a 1k window's) mixed with the next; the others by each key's own row of a table."""
     from .noise import head_streams, standard_normal
     from .rope import rotate_fused
     from .static_decode import split_key_attention
@@ -187,13 +188,28 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
     group = heads // kv_heads
     shapes = ((1, kv_heads, group, head_dim), (1, kv_heads, keys, head_dim), (1, kv_heads, keys, head_dim))
     rows, key, value = (torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
-    angles = torch.rand(keys, head_dim // 2, generator=generator, dtype=torch.float64).to(device) * keys
-    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    by_offset = {}
+    if head_dim == 64:
+        frequencies = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        offsets = -torch.arange(1026, dtype=torch.float64).unsqueeze(-1) * frequencies
+        table_rows = torch.randint(0, 1025, (keys,), generator=generator, dtype=torch.int32)
+        mix = torch.rand(keys, generator=generator) * (torch.arange(keys) % 3 > 0)
+        by_offset = {"table_rows": table_rows.to(device), "mix": mix.to(device)}
+        table = [f(offsets).float().to(device) for f in (torch.cos, torch.sin)]
+        own = [torch.lerp(f(offsets)[table_rows.long()], f(offsets)[table_rows.long() + 1], mix.double()[:, None])
+               for f in (torch.cos, torch.sin)]
+    else:
+        angles = torch.rand(keys, head_dim // 2, generator=generator, dtype=torch.float64) * keys
+        own = [f(angles) for f in (torch.cos, torch.sin)]
+    cos, sin = (torch.cat((x, x), dim=-1).to(device, dtype) for x in own)
+    # What the kernel rotates by: the table's float32 rows mixed (held to the float64 mix), or the rows as given.
+    exact_cos, exact_sin = (torch.cat((x, x), dim=-1).to(device) for x in own) if by_offset else (cos, sin)
     index, noise = 3 * keys // 4, Noise(seed=4, layer=1, scale=1.0)
     sigma = torch.rand(keys, generator=generator).to(device)
     streams, scale = head_streams(noise, 1, heads, device), head_dim**-0.5
     name = (f"a decoding step's attention, {path} vs float64: head dim {head_dim}, {heads}/{kv_heads} heads, "
-            f"{str(dtype).removeprefix('torch.')}, {keys} keys, noise on")
+            f"{str(dtype).removeprefix('torch.')}, {keys} keys, noise on, keys rotated by "
+            f"{'a table per offset, mixed (GALI)' if by_offset else 'rows of their own'}")
 
     draws = standard_normal(noise, 1, heads, torch.tensor([index], device=device), keys) * sigma
 
@@ -205,7 +221,7 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
 
     def float64() -> torch.Tensor:
         turned = torch.cat((-key[..., head_dim // 2 :], key[..., : head_dim // 2]), dim=-1).double()
-        rotated = key.double() * cos.double() + turned * sin.double()
+        rotated = key.double() * exact_cos.double() + turned * exact_sin.double()
         logits = (rows.double() @ rotated.transpose(-1, -2)) * scale + draws.double().view(1, kv_heads, group, keys)
         return torch.softmax(logits[..., : index + 1], dim=-1) @ value[:, :, : index + 1].double()
 
@@ -215,15 +231,18 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
                 from .triton_decode import rotating_decode_attention
 
                 at = torch.tensor(index, device=device)
-                got, fast = _timed(lambda: rotating_decode_attention(rows, key, value, at, scale, cos, sin, sigma,
-                                                                     streams), (), device)
+                kernel_cos, kernel_sin = table if by_offset else (cos, sin)
+                got, fast = _timed(lambda: rotating_decode_attention(rows, key, value, at, scale, kernel_cos,
+                                                                     kernel_sin, sigma, streams, **by_offset), (),
+                                   device)
             else:
                 from .native_decode import native_decode_attention
                 from .native_noise import int32_bits
 
                 bits = int32_bits(streams)
-                got, fast = _timed(lambda: native_decode_attention(rows, key, value, index, scale, cos, sin, sigma,
-                                                                   bits), (), device)
+                kernel_cos, kernel_sin = table if by_offset else (cos.float(), sin.float())
+                got, fast = _timed(lambda: native_decode_attention(rows, key, value, index, scale, kernel_cos,
+                                                                   kernel_sin, sigma, bits, **by_offset), (), device)
         except Exception as error:  # a missing triton, a compile, build or launch failure is this check's finding
             return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:160]})", float("nan"),
                          0.0, {})

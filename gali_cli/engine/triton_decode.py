@@ -30,9 +30,9 @@ from .triton_attention import _GOLDEN, _LOG2E, _TURN, _UNIT, _mix32
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit(do_not_specialize=["kv_heads", "group", "heads"])
+@triton.jit(do_not_specialize=["table_rows", "kv_heads", "group", "heads"])
 def _decode_splits(
-    rows, key, value, cos, sin, index_at, sigma, streams, out, lse,
+    rows, key, value, cos, sin, table_row, mix, table_rows, index_at, sigma, streams, out, lse,
     stride_rb, stride_rh, stride_rg, stride_rd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -40,7 +40,7 @@ def _decode_splits(
     stride_ob, stride_os, stride_og, stride_od,
     kv_heads, group, heads, scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROTATE: tl.constexpr, NOISE: tl.constexpr, PRECISION: tl.constexpr,
+    ROTATE: tl.constexpr, GATHER: tl.constexpr, MIX: tl.constexpr, NOISE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0)
     splits = tl.num_programs(0)
@@ -79,9 +79,19 @@ def _decode_splits(
         k1 = tl.load(at + half[None, :] * stride_kd, mask=live[:, None], other=0.0).to(tl.float32)
         k2 = tl.load(at + (half[None, :] + HALF) * stride_kd, mask=live[:, None], other=0.0).to(tl.float32)
         if ROTATE:  # rope.rotate_fused: [k1, k2] -> [k1 c - k2 s, k2 c + k1 s], the tables' halves being equal
-            table = cols[:, None] * stride_cn + half[None, :] * stride_cd
-            c = tl.load(cos + table, mask=live[:, None], other=0.0).to(tl.float32)
-            s = tl.load(sin + table, mask=live[:, None], other=0.0).to(tl.float32)
+            read = live
+            if GATHER:  # key j's row of a table of offsets (masked to the table: a row outside it reads nothing)
+                row = tl.load(table_row + cols, mask=live, other=0)
+                read = live & (row >= 0) & (row < table_rows - MIX)
+            else:  # row j: a table of the cache's rows
+                row = cols
+            table = row[:, None].to(tl.int64) * stride_cn + half[None, :] * stride_cd
+            c = tl.load(cos + table, mask=read[:, None], other=0.0).to(tl.float32)
+            s = tl.load(sin + table, mask=read[:, None], other=0.0).to(tl.float32)
+            if MIX:  # GALI: (1 - w) R(p) + w R(p - 1), the next row
+                w = tl.load(mix + cols, mask=live, other=0.0)[:, None]
+                c += w * (tl.load(cos + table + stride_cn, mask=read[:, None], other=0.0).to(tl.float32) - c)
+                s += w * (tl.load(sin + table + stride_cn, mask=read[:, None], other=0.0).to(tl.float32) - s)
             k1, k2 = k1 * c - k2 * s, k2 * c + k1 * s
         logits = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         logits += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
@@ -124,6 +134,8 @@ def rotating_decode_attention(
     sigma: torch.Tensor | None = None,
     streams: torch.Tensor | None = None,
     splits: int | None = None,
+    table_rows: torch.Tensor | None = None,
+    mix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query's attention, its heads sharing a key head stacked as `rows` (B, Hkv, g, D), over the cache's keys
     and values (B, Hkv, C, D) up to the token index `index` (a one-element tensor), the rest never read.
@@ -131,6 +143,9 @@ def rotating_decode_attention(
     Args:
         cos, sin: (C, D/2), or (C, D) with equal halves (the first D/2 columns are read), rotating each key as
             rope.rotate_fused does before it is attended (None: the keys are attended as they are).
+        table_rows: (C,) int32: key j is rotated by row table_rows[j] of cos/sin, a table of any length (a row
+            outside it reads zeros: the caller keeps them inside, as GALI's closed form does); `mix` (C,) float32:
+            that row interpolated towards the next by mix[j] (GALI's offsets from a RoPE table per offset).
         sigma: GALI's noise strength per key, float32 (C,), added after scaling to the logit of key j with
             noise.standard_normal's draw for (stream, index, j); `streams`: the layer's noise.head_streams (B * H,).
         splits: programs per (batch, key head), each attending a run of the keys up to the index (flash-decoding;
@@ -144,6 +159,11 @@ def rotating_decode_attention(
         raise ValueError("cos and sin go together, and so do sigma and streams")
     if cos is not None and cos.stride() != sin.stride():
         raise ValueError("cos and sin must have the same layout")
+    if (table_rows is None and mix is not None) or (table_rows is not None and cos is None) or any(
+            x is not None and (x.shape != (keys.shape[2],) or x.stride(0) != 1) for x in (table_rows, mix)) or (
+            table_rows is not None and table_rows.dtype != torch.int32) or (mix is not None and mix.dtype !=
+                                                                             torch.float32):
+        raise ValueError("table rows go with a table, a mix with table rows: int32 and float32, one per cache row")
     splits = splits or decode_splits(rows.device, batch * kv_heads, keys.shape[2])
     out = torch.empty(batch * kv_heads, splits, group, dim, dtype=torch.float32, device=rows.device)
     lse = torch.empty(batch * kv_heads, splits, group, dtype=torch.float32, device=rows.device)
@@ -153,12 +173,15 @@ def rotating_decode_attention(
     tile = 32 if noise or rows.dtype == torch.float32 or dim > 128 else 64
     with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():
         _decode_splits[(splits, batch * kv_heads)](
-            rows, keys, values, table, sin if sin is not None else keys, index,
+            rows, keys, values, table, sin if sin is not None else keys,
+            table_rows if table_rows is not None else index, mix if mix is not None else lse,
+            table.shape[0] if cos is not None else 0, index,
             sigma if noise else lse, streams if noise else lse, out, lse,
             *rows.stride(), *keys.stride(), *values.stride(), *table.stride()[-2:], *out.stride(),
             kv_heads, group, group * kv_heads, scale,
             HEAD_DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tile, ROTATE=cos is not None,
-            NOISE=noise, PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+            GATHER=table_rows is not None, MIX=mix is not None, NOISE=noise,
+            PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
         )
     return merge_runs(out.view(batch, kv_heads, splits, group, dim), lse.view(batch, kv_heads, splits, group))
 

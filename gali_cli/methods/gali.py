@@ -81,7 +81,9 @@ class Gali(PositionalAttention):
             sigma = torch.where(fractional, (query - keys).float() * self.config.noise_scale / total.float(), 0.0)
         at = ceil.gather(0, query.view(1))  # the query's own position (gather: no index read on the host)
         weight = torch.where(fractional, (group - remainder) / group, 0.0).double()
-        return Placement((ceil - at).double(), weight, sigma)
+        # Positions lie in [0, train_len - 1] (train_len: a query's own, with no local window), the query's the
+        # largest: offsets in [-train_len, 0] (tests/test_static_decode.py).
+        return Placement(ceil - at, weight, sigma, reach=train_len)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
