@@ -28,7 +28,7 @@ from bench_speed import SHAPES, build_model, synchronize
 from gali_cli.config import MethodSettings
 from gali_cli.engine.kv_cache import new_cache, reserve
 from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder, difference, model_route, why_not_static
+from gali_cli.engine.static_decode import ROUTES, StaticDecoder, difference, model_route, why_not_static
 from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, prefill_spans
 
@@ -118,6 +118,9 @@ def main() -> None:
                         "PyTorch even where their weights lie on grids); default torch and the device's kernel")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    unknown = set(args.routes.split(",") if args.routes else ()) - {*ROUTES, "native-float"}
+    if unknown:  # a GPU session once measured the PyTorch route under the name "kernel", with only a warning
+        parser.error(f"unknown routes {', '.join(sorted(unknown))}: use {', '.join(ROUTES)} or native-float")
     model = build_model(args)
     kernel = model_route(model)
     routes = args.routes.split(",") if args.routes else sorted({"torch", kernel}, key=["torch", kernel].index)

@@ -208,3 +208,11 @@ def test_galis_offsets_stay_within_the_reach_it_declares(make_llama, train_len, 
         offsets = placement.offset[: query + 1]
         assert not offsets.is_floating_point() and placement.reach == train_len
         assert offsets.min() >= -placement.reach and offsets.max() == 0 == offsets[query], query
+
+
+def test_an_unknown_route_is_refused(make_llama):
+    """A route name the step does not have (a benchmark once asked for "kernel") is an error, not a kernel call that
+    fails on the first step and falls back to PyTorch with a warning."""
+    model, cache, _ = prefilled(make_llama, "gali", 40, 4)
+    with pytest.raises(ValueError, match="route must be one of triton, native, torch"):
+        StaticDecoder(model, cache, route="kernel")

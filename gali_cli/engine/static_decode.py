@@ -40,6 +40,7 @@ from .noise import Noise, head_streams, standard_normal
 from .rope import rotate, rotate_fused
 
 DECODE_CHOICES = ("auto", "eager", "static")
+ROUTES = ("triton", "native", "torch")  # how a static step attends over the cache (`attention_route`)
 # The first step's logits against the model's own forward: max difference / largest logit. In half precision the
 # two round differently, and random weights amplify it layer after layer: measured 0.008-0.013 on a 4-layer random
 # model and 0.04-0.077 on a random 32-layer Llama-3-8B in bfloat16 on an H200, every method alike, the unpatched
@@ -199,6 +200,8 @@ class StaticDecoder:
         embedding = model.get_input_embeddings().weight
         self.device, self.dtype = embedding.device, embedding.dtype
         self.key_block = KEY_BLOCK.get(self.device.type)
+        if route not in (None, *ROUTES):
+            raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
         self.route = route or model_route(model)
         self.streams: dict[int, torch.Tensor] = {}  # each layer's noise streams, for the Triton kernel
         self.offset_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by reach (`_offset_table`)
