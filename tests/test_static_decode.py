@@ -194,19 +194,26 @@ def test_what_cannot_decode_statically_says_why(make_llama, monkeypatch):
         assert static_decode.static_decoder(model, cache).route == "torch"
 
 
-@pytest.mark.parametrize("train_len, window", [(8, 0), (8, 4), (8, 7), (32, 16), (33, 5), (32, 0)])
-def test_galis_offsets_stay_within_the_reach_it_declares(make_llama, train_len, window):
-    """The kernels rotate GALI's keys from a table of reach + 2 rows: for every query up to 8x the window, every
-    key's offset up to the query is a whole number in [-reach, 0] (and the next row, its R(p - 1), is in the table)."""
+REACHES = [("gali", {"local_window": 0}), ("gali", {"local_window": 4}), ("gali", {"local_window": 7}),
+           ("self-extend", {}), ("self-extend", {"group_size": 20, "neighbor_window": 5}), ("chunk-llama", {}),
+           ("chunk-llama", {"dca_chunk_size": 6}), ("rerope", {}), ("gali", {"chunk_size": 3})]
+
+
+@pytest.mark.parametrize("train_len", [8, 13])
+@pytest.mark.parametrize("method, settings", REACHES)
+def test_offsets_stay_within_the_reach_a_method_declares(make_llama, train_len, method, settings):
+    """The kernels rotate keys from a table of reach + 2 rows per offset where a method declares a reach: for every
+    query up to 8x the window, every key's offset up to the query is a whole number in [-reach, 0], the query's own
+    0 (the row after the farthest, GALI's R(p - 1), is in the table too)."""
     from gali_cli.engine.hooks import installed_method
 
     model = make_llama(train_len=train_len)
-    apply_method(model, "gali", MethodSettings(train_len=train_len, local_window=window, noise=True), 8 * train_len)
+    apply_method(model, method, MethodSettings(train_len=train_len, noise=True, **settings), 8 * train_len)
     method, keys = installed_method(model), torch.arange(8 * train_len)
     for query in range(8 * train_len):
         placement = method.decode_placement(torch.tensor(query), keys)
         offsets = placement.offset[: query + 1]
-        assert not offsets.is_floating_point() and placement.reach == train_len
+        assert not offsets.is_floating_point() and placement.reach is not None
         assert offsets.min() >= -placement.reach and offsets.max() == 0 == offsets[query], query
 
 

@@ -48,7 +48,8 @@ class DualChunkAttention(PositionalAttention):
         successive = torch.where(within < self.local_window, size + within, top)
         chunk = keys // size - query // size  # 0: the query's own chunk, -1: the previous one
         at = torch.where(chunk == 0, within, torch.where(chunk == -1, successive, top))
-        return Placement((keys % size - at).double())
+        # Keys at 0..s - 1, the query at most at max(c - 1, s + local window - 1): offsets of at most that size.
+        return Placement(keys % size - at, reach=max(top, size + self.local_window))
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

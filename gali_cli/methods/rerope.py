@@ -54,7 +54,10 @@ class ReRoPE(PositionalAttention):
         scale = 1.0
         if self.logn:  # as _logn: max(1, log(i + 1) / log(train_len)), float64 rounded to float32
             scale = ((query + 1).double().log() / math.log(self.train_len)).clamp(min=1).float()
-        return Placement(torch.where(query - keys < window, distance, far), query_scale=scale)
+        placed = torch.where(query - keys < window, distance, far)
+        if self.factor is None:  # whole offsets: -(w - 1)..0 near, -w far
+            return Placement(placed.long(), query_scale=scale, reach=window)
+        return Placement(placed, query_scale=scale)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:

@@ -51,7 +51,9 @@ class SelfExtend(PositionalAttention):
     def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
         size, window = self.group_size, self.neighbor_window
         grouped = keys // size - (query // size + group_shift(size, window))
-        return Placement(torch.where(query - keys < window, keys - query, grouped).double())
+        # Neighbours at -(W - 1)..0; grouped keys from j // G - i // G - shift, least at j = 0 and i = C - 1.
+        reach = max(window - 1, (keys.shape[0] - 1) // size + group_shift(size, window))
+        return Placement(torch.where(query - keys < window, keys - query, grouped), reach=reach)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
