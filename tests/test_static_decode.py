@@ -63,6 +63,21 @@ def test_every_step_equals_the_models_own_forward(make_llama, method):
     assert worst < 2e-5, worst
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("method", ["rerope", "gali", "self-extend", "chunk-llama", "leaky-rerope"])
+def test_every_step_equals_the_forward_on_a_yarn_model(make_llama, method):
+    """A model whose RoPE scales its cos/sin (YaRN's attention scaling, 1.14 here): every rotated query-key pair
+    has it twice. ReRoPE's eager far keys are stored un-rotated and missed one (its steps were 0.49 of the largest
+    logit off the static step's); the native kernel's heads (4 heads of 16) rotate from its table per offset."""
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(make_llama, method, 40, 30, heads=4, kv_heads=2, hidden=64,
+                                         rope_parameters=YARN)
+        worst = worst_step_difference(StaticDecoder(model, cache), model, cache, tokens, 40)
+    assert worst < 2e-5, worst
+
+
 @pytest.mark.parametrize("method", ["gali-noise", "chunk-llama", "original"])
 def test_keys_cut_into_blocks_give_the_same_steps(make_llama, method, monkeypatch):
     """The step's attention cut into blocks of 16 keys (on a GPU: 256), with a last partial block and blocks wholly
@@ -223,3 +238,22 @@ def test_an_unknown_route_is_refused(make_llama):
     model, cache, _ = prefilled(make_llama, "gali", 40, 4)
     with pytest.raises(ValueError, match="route must be one of triton, native, torch"):
         StaticDecoder(model, cache, route="kernel")
+
+
+def test_a_method_whose_offsets_leave_its_reach_is_attended_in_pytorch(make_llama, monkeypatch):
+    """A reach too small for the offsets (a method's mistake) would make a kernel read past its table: the first
+    step finds it, warns, and takes the PyTorch route, whose steps still equal the forward."""
+    from gali_cli.methods.self_extend import SelfExtend
+
+    declared = SelfExtend.decode_placement
+    monkeypatch.setattr(SelfExtend, "decode_placement",
+                        lambda self, query, keys: declared(self, query, keys)._replace(reach=3))
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(make_llama, "self-extend", 40, 12, heads=4, kv_heads=2, hidden=64)
+        decoder = StaticDecoder(model, cache)
+        assert decoder.route == "native"
+        given = with_cache(model, cache)
+        with pytest.warns(GaliWarning, match="leave its declared reach 3"):
+            decoder.first_step(tokens[0], 40, lambda: model(input_ids=torch.tensor([[tokens[0]]]), **given,
+                                                               use_cache=True).logits[0, -1].float())
+        assert decoder.route == "torch" and decoder.checked

@@ -130,8 +130,8 @@ def test_bad_arguments_are_refused(kernel):
             kernel.rotating_decode_attention(rows, keys, keys, torch.tensor(3), 1.0, **arguments)
 
 
-KERNEL_METHODS = ["original", "gali", "gali-noise", "self-extend", "chunk-llama", "leaky-rerope", "dpe", "string",
-                  "lampe", "yarn"]
+KERNEL_METHODS = ["original", "gali", "gali-noise", "gali-window-0", "self-extend", "chunk-llama", "rerope",
+                  "leaky-rerope", "dpe", "string", "lampe", "yarn"]
 
 
 @pytest.mark.parametrize("method", KERNEL_METHODS)

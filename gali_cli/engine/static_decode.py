@@ -295,12 +295,27 @@ class StaticDecoder:
         if self.route == "native" and self.grid_weights:
             self.projections = grid_projections(self.model)
         try:
+            self._check_reach(index)
             return self.step(token, index).clone()
         except Exception as failure:  # whatever Triton raises compiling or launching is this check's finding
             warnings.warn(f"the decoding kernel cannot run here ({type(failure).__name__}: "
                           f"{' '.join(str(failure).split())[:160]}); attending in PyTorch", GaliWarning, stacklevel=3)
             self.route, self.projections = "torch", module_projections(self.model)
             return self.step(token, index).clone()
+
+    def _check_reach(self, index: int) -> None:
+        """Where the method declares a reach, that its offsets keep to it at this token and at the last this step
+        will see (whose keys lie farthest; tests/test_static_decode.py sweeps every token): a kernel reads its table
+        rows by them, and a graph reads nothing on the host afterwards."""
+        for query in {index, self.capacity - 1}:
+            placement = self.method.decode_placement(torch.tensor(query, device=self.device), self.keys) if (
+                self.method is not None) else None
+            if placement is None or placement.reach is None:
+                return
+            offsets = placement.offset[: query + 1]
+            if offsets.is_floating_point() or int(offsets.min()) < -placement.reach or int(offsets.max()) > 0:
+                raise ValueError(f"{type(self.method).__name__}'s offsets at token {query} leave its declared reach "
+                                 f"{placement.reach} ({int(offsets.min())}..{int(offsets.max())})")
 
     def _step(self) -> torch.Tensor:
         """The step itself: (B, 1, vocab) float32 logits. Every tensor it reads that changes from token to token is
