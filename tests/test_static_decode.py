@@ -211,7 +211,8 @@ def test_what_cannot_decode_statically_says_why(make_llama, monkeypatch):
 
 REACHES = [("gali", {"local_window": 0}), ("gali", {"local_window": 4}), ("gali", {"local_window": 7}),
            ("self-extend", {}), ("self-extend", {"group_size": 20, "neighbor_window": 5}), ("chunk-llama", {}),
-           ("chunk-llama", {"dca_chunk_size": 6}), ("rerope", {}), ("gali", {"chunk_size": 3})]
+           ("chunk-llama", {"dca_chunk_size": 6}), ("rerope", {}), ("gali", {"chunk_size": 3}), ("string", {}),
+           ("string", {"shifted_offset": 3}), ("string", {"shifted_offset": 5, "local_window": 2})]
 
 
 @pytest.mark.parametrize("train_len", [8, 13])

@@ -79,8 +79,10 @@ class StringRoPE(PositionalAttention):
 
     def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
         far = keys - (query - self.shift + self.window)  # the query at i - S + W, far keys where they are
-        return Placement(torch.where(query - keys < self.shift, keys - query, far).double(),
-                         query_scale=self.logit_scale)
+        # Near keys at -(S - 1)..0; far ones at (j - i) + S - W, least at j = 0 and i = C - 1.
+        reach = max(self.shift - 1, keys.shape[0] - 1 - self.shift + self.window)
+        return Placement(torch.where(query - keys < self.shift, keys - query, far), query_scale=self.logit_scale,
+                         reach=reach)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
