@@ -38,6 +38,7 @@ from .kernel_choice import kernel_choice, triton_installed
 from .kv_cache import GrowingLayer
 from .noise import Noise, head_streams, standard_normal
 from .rope import rotate, rotate_fused
+from .rope import rotation as rope_rotation
 
 DECODE_CHOICES = ("auto", "eager", "static")
 ROUTES = ("triton", "native", "torch")  # how a static step attends over the cache (`attention_route`)
@@ -56,7 +57,7 @@ class _Rotation(NamedTuple):
     """What a step's layers share: with `placement` None, cos/sin (B, 1, 1, D) of the token's index, rotating the new
     query and key (the cache holds keys rotated as transformers rotates them); else cos/sin (C, D or D/2) rotating each
     cached key by its offset from the un-rotated query, with the rest of the method's `placement`; or, with
-    `table_rows`, cos/sin (reach + 2, D/2) float32 of the offsets 0, -1, -2, ..., key j rotated by row table_rows[j]
+    `table_rows`, cos/sin (reach + 2, D) float32 of the offsets 0, -1, -2, ..., key j rotated by row table_rows[j]
     (minus its offset) mixed towards the next row by `mix` (GALI's weight; None: not mixed)."""
 
     cos: torch.Tensor
@@ -307,10 +308,11 @@ class StaticDecoder:
         """Where the method declares a reach, that its offsets keep to it at this token and at the last this step
         will see (whose keys lie farthest; tests/test_static_decode.py sweeps every token): a kernel reads its table
         rows by them, and a graph reads nothing on the host afterwards."""
+        if self.method is None:
+            return
         for query in {index, self.capacity - 1}:
-            placement = self.method.decode_placement(torch.tensor(query, device=self.device), self.keys) if (
-                self.method is not None) else None
-            if placement is None or placement.reach is None:
+            placement = self.method.decode_placement(torch.tensor(query, device=self.device), self.keys)
+            if placement.reach is None:
                 return
             offsets = placement.offset[: query + 1]
             if offsets.is_floating_point() or int(offsets.min()) < -placement.reach or int(offsets.max()) > 0:
@@ -364,13 +366,12 @@ class StaticDecoder:
         return _Rotation(cos, sin, placement)
 
     def _offset_table(self, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (reach + 2, D/2) float32 of the offsets 0, -1, ..., -(reach + 1) (row d: offset -d; the last row
-        is GALI's R(p - 1) at the farthest key), from float64 angles, as `_key_rotation`'s table. Made at the first
-        step, before a CUDA graph is recorded, and kept."""
+        """cos/sin (reach + 2, D) float32 of the offsets 0, -1, ..., -(reach + 1) (row d: offset -d; the last row
+        is GALI's R(p - 1) at the farthest key; the kernels read the first of the equal halves), as `_key_rotation`'s
+        table. Made at the first step, before a CUDA graph is recorded, and kept."""
         if reach not in self.offset_tables:
-            angles = torch.arange(reach + 2, dtype=torch.float64, device=self.device).neg().unsqueeze(-1)
-            angles = angles * self.inv_freq
-            self.offset_tables[reach] = tuple(f(angles).mul(self.scaling).float() for f in (torch.cos, torch.sin))
+            offsets = torch.arange(reach + 2, device=self.device).neg().unsqueeze(-1)
+            self.offset_tables[reach] = rope_rotation(offsets, self.inv_freq, self.scaling, torch.float32)
         return self.offset_tables[reach]
 
     def _attend(self, number: int, scaling: float, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -68,8 +68,8 @@ class ReRoPE(PositionalAttention):
             query = query * forward.memo(("logn", query.device), lambda: self._logn(start, stop, query.device))
         if self.factor is None:  # distance w for every far pair: queries at w, keys where they are (un-rotated)
             # The un-rotated keys miss RoPE's attention scaling (YaRN's), which every rotated pair has twice.
-            far_query = rotate(query, table.cos32[window] * forward.installed.rotary.attention_scaling,
-                               table.sin32[window] * forward.installed.rotary.attention_scaling)
+            scale = forward.installed.rotary.attention_scaling
+            far_query = rotate(query, table.cos32[window] * scale, table.sin32[window] * scale)
             far_key, at_token_index = key[:, :, : max(0, stop - window)], None
         else:
             cos, sin = forward.memo(("leaky-query", query.device), lambda: self._leaky(
