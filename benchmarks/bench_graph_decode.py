@@ -121,6 +121,10 @@ def main() -> None:
     unknown = set(args.routes.split(",") if args.routes else ()) - {*ROUTES, "native-float"}
     if unknown:  # a GPU session once measured the PyTorch route under the name "kernel", with only a warning
         parser.error(f"unknown routes {', '.join(sorted(unknown))}: use {', '.join(ROUTES)} or native-float")
+    methods = args.methods.split(",")
+    unknown = {method.removesuffix("-noise") for method in methods} - set(METHODS)
+    if unknown:  # before the model loads, not after the first methods ran
+        parser.error(f"unknown methods {', '.join(sorted(unknown))}: use {', '.join(METHODS)} (-noise: with noise)")
     model = build_model(args)
     kernel = model_route(model)
     routes = args.routes.split(",") if args.routes else sorted({"torch", kernel}, key=["torch", kernel].index)
@@ -129,7 +133,7 @@ def main() -> None:
           "difference (first, last) |\n|---|---|---|---|---|---|---|---|", flush=True)
     with torch.inference_mode():
         for length in (int(length) for length in args.lengths.split(",")):
-            for method in args.methods.split(","):
+            for method in methods:
                 try:
                     measured = measure(model, method, length, args.tokens, args.train_len, args.verify, routes)
                 except torch.OutOfMemoryError as error:

@@ -273,7 +273,7 @@ static inline __attribute__((always_inline)) void decode_run(
     float scale, float *out, float *lse) {
     const int64_t half = dim / 2;
     float acc[MAX_GROUP][MAX_DIM], top[MAX_GROUP], total[MAX_GROUP];
-    float logits[MAX_GROUP][TILE], turned[MAX_DIM], strength[TILE], mixed_cos[MAX_DIM / 2], mixed_sin[MAX_DIM / 2];
+    float logits[MAX_GROUP][TILE], turned[MAX_DIM], strength[TILE];
     for (int64_t r = 0; r < group; r++) {
         top[r] = -__builtin_inff();
         total[r] = 0.0f;
@@ -285,18 +285,20 @@ static inline __attribute__((always_inline)) void decode_run(
             const float *key = k + (first + t) * k_stride;
             if (cos) {
                 int64_t row = table_row ? table_row[first + t] : first + t;
-                const float *c = cos + row * table_stride, *s = sin + row * table_stride;
-                if (mix && mix[first + t] != 0.0f) { /* GALI: (1 - w) R(p) + w R(p - 1), the next row */
-                    float w = mix[first + t];
+                const float *restrict c = cos + row * table_stride, *restrict s = sin + row * table_stride;
+                float w = mix ? mix[first + t] : 0.0f;
+                if (w != 0.0f) { /* GALI: (1 - w) R(p) + w R(p - 1), the next row, mixed as the key turns */
+                    const float *restrict c1 = c + table_stride, *restrict s1 = s + table_stride;
                     for (int64_t d = 0; d < half; d++) {
-                        mixed_cos[d] = c[d] + w * (c[d + table_stride] - c[d]);
-                        mixed_sin[d] = s[d] + w * (s[d + table_stride] - s[d]);
+                        float cd = c[d] + w * (c1[d] - c[d]), sd = s[d] + w * (s1[d] - s[d]);
+                        turned[d] = key[d] * cd - key[d + half] * sd;
+                        turned[d + half] = key[d + half] * cd + key[d] * sd;
                     }
-                    c = mixed_cos, s = mixed_sin;
-                }
-                for (int64_t d = 0; d < half; d++) {
-                    turned[d] = key[d] * c[d] - key[d + half] * s[d];
-                    turned[d + half] = key[d + half] * c[d] + key[d] * s[d];
+                } else {
+                    for (int64_t d = 0; d < half; d++) {
+                        turned[d] = key[d] * c[d] - key[d + half] * s[d];
+                        turned[d + half] = key[d + half] * c[d] + key[d] * s[d];
+                    }
                 }
                 key = turned;
             }
