@@ -196,6 +196,12 @@ class RepetitionGuard:
         return False
 
 
+# Rows of the cache made ready for the answer before it starts (the static step decodes within them; a longer answer
+# goes on eagerly, the cache growing with it). Not --max-new-tokens itself: a limit of a million tokens (a server's
+# client may ask for it) once allocated its rows up front, 24 GB for SmolLM2, and the kernel killed the process.
+ANSWER_ROWS_RESERVED = 4096
+
+
 @torch.inference_mode()  # the generator form: only this function's own steps run in inference mode, not the caller's
 def stream_generate(
     model: PreTrainedModel,
@@ -219,7 +225,7 @@ def stream_generate(
     reset_peak_memory(device)
     started = time.perf_counter()
     cache = cache if cache is not None else new_cache(model)
-    reserve(cache, len(prompt_ids) + max_new_tokens)
+    reserve(cache, len(prompt_ids) + min(max_new_tokens, ANSWER_ROWS_RESERVED))
     if spans[0][0] != cache.get_seq_length():
         raise ValueError(f"the cache holds {cache.get_seq_length()} tokens but the spans start at {spans[0][0]}")
     logits = prefill(model, ids, cache, spans, progress)

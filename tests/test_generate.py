@@ -5,8 +5,10 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig, apply_gali
+from gali_cli.engine.kv_cache import new_cache
 from gali_cli.engine.positions import chunk_plan
 from gali_cli.generate import (
+    ANSWER_ROWS_RESERVED,
     Finished,
     TextPiece,
     _Detokenizer,
@@ -128,3 +130,16 @@ def test_the_verbose_line_says_what_was_read_and_rates_that_mean_something():
     described = replace(finished(100, 100, 5, 2.0), decode_path="static step, native attention")
     assert "generated 5 tokens (2.0 tokens/s after the first: static step, native attention), length" in stats_line(
         described)
+
+
+def test_a_huge_token_limit_reserves_rows_for_a_plausible_answer_only(tiny):
+    """--max-new-tokens 1000000 (or a server client's max_tokens) once reserved a million rows per layer up front:
+    24 GB for SmolLM2, and the process was killed. The answer below stops on the first token all the same."""
+    model, tokenizer = tiny
+    stops = stop_token_ids(model, tokenizer)
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    cache = new_cache(model)
+    events = list(stream_generate(model, tokenizer, [0, 5, 6], lambda logits: eot, 10**12, stops, [(0, 3)],
+                                  cache=cache))
+    assert events[-1].reason == "stop"
+    assert {layer.storage()[0].shape[2] for layer in cache.layers} == {3 + ANSWER_ROWS_RESERVED}
