@@ -34,6 +34,9 @@ def test_model_sources(tmp_path):
     for path in ["./missing-model", "/no/such/dir", "~/nothing-here-either", "model.Q4_K_M.gguf"]:
         with pytest.raises(ModelLoadError, match="no such file or directory"):
             resolve_source(path)
+    for typo, meant in [("smolm2", "smollm2"), ("SmolLM-2", "smollm2"), ("dmeo", "demo")]:
+        with pytest.raises(ModelLoadError, match=f"did you mean -m {meant}\\?$"):
+            resolve_source(typo)
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelLoadError, match=r"a directory \(with config.json\) or a GGUF file"):
         resolve_source(str(tmp_path / "weights.bin"))

@@ -5,6 +5,7 @@ imported: the fields it needs are plain JSON in a config.json, or key-values in 
 transformers reads them (rope parameters included); tests/test_model_config.py holds the two readings side by side.
 """
 
+import difflib
 import importlib.util
 import json
 import math
@@ -90,6 +91,10 @@ def resolve_source(name: str) -> ModelSource:
                              "this is neither")
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.lower().endswith(".gguf"):
         raise ModelLoadError(f"--model {name}: no such file or directory")
+    close = difflib.get_close_matches(name.lower(), [SMOLLM2, DEMO], n=1, cutoff=0.7) if "/" not in name else []
+    if close:  # else the hub is asked, which retries for half a minute on a machine offline
+        raise ModelLoadError(f"--model {name}: no such file or directory, and not a hub id (owner/name); "
+                             f"did you mean -m {close[0]}?")
     return ModelSource(name)
 
 
