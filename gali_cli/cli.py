@@ -460,12 +460,31 @@ def _options(
     """Read documents longer than a Llama's training window, with Greedy Attention Logit Interpolation (GALI)."""
 
 
+def _usage_message(error: typer.TyperException) -> str:
+    """Click's message, but for `gali ask FILE` with no question: Click fills QUESTION first (from the end) and
+    then says DOCS is missing, blaming the argument that was given."""
+    parameter, context = getattr(error, "param", None), getattr(error, "ctx", None)
+    names = [param.name for param in context.command.params] if context else []
+    missing = type(error).__name__ == "MissingParameter"  # Click's, or the copy of it newer Typers carry
+    if missing and parameter is not None and parameter.name == "files" and "question" in names:
+        return "missing DOCS or QUESTION: the documents come first, then the question, e.g. gali ask notes.txt " \
+               '"What is due on Friday?"'
+    return error.format_message()
+
+
+def _help_command(error: typer.TyperException) -> str:
+    """`gali ask --help` for an error in `gali ask`'s arguments; `gali --help` where no command was found."""
+    context = getattr(error, "ctx", None)
+    words = context.command_path.split()[1:] if context else []
+    return " ".join(["gali", *words, "--help"])
+
+
 def main(args: list[str] | None = None) -> int:
     """The `gali` executable: like `app()`, but usage errors too are one line on stderr."""
     try:
         code = app(args=args, standalone_mode=False)
     except typer.TyperException as error:  # a usage error: unknown option, bad value, missing argument
-        fail(f"{error.format_message()} (see gali --help)")
+        fail(f"{_usage_message(error)} (see {_help_command(error)})")
         return error.exit_code
     except typer.Abort:
         return 1

@@ -668,3 +668,17 @@ def test_cache_list_says_what_sets_alike_entries_apart(gali, doc, tmp_path):
     assert {entry["identity"]["transformers"] for entry in listed} == {transformers.__version__}
     table = gali("cache", "list", env=env, model=False).stdout
     assert "differs by" in table and "chunk_size 8" in table and "chunk_size 16" in table
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ask", "notes.txt"], 'missing DOCS or QUESTION: the documents come first, then the question, e.g. gali ask '
+                           'notes.txt "What is due on Friday?" (see gali ask --help)'),
+    (["summarize", "--top-p", "2"], "(see gali summarize --help)"),
+    (["cache", "bogus"], "No such command 'bogus'. (see gali cache --help)"),
+    (["bogus"], "No such command 'bogus'. (see gali --help)"),
+])
+def test_a_usage_error_names_what_is_missing_and_the_help_to_read(args, message, capsys):
+    """`gali ask FILE` without a question once said "Missing argument 'DOCS'" (Click fills QUESTION from the end),
+    and every usage error pointed at `gali --help`, not the command's own."""
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err.strip().endswith(message)
