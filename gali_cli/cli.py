@@ -474,8 +474,10 @@ def _usage_message(error: typer.TyperException) -> str:
 
 def _help_command(error: typer.TyperException) -> str:
     """`gali ask --help` for an error in `gali ask`'s arguments; `gali --help` where no command was found."""
-    context = getattr(error, "ctx", None)
-    words = context.command_path.split()[1:] if context else []
+    context, words = getattr(error, "ctx", None), []
+    while context is not None and context.parent is not None:  # the root's name is the program's, whatever ran it
+        words.insert(0, context.info_name)
+        context = context.parent
     return " ".join(["gali", *words, "--help"])
 
 
