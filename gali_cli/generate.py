@@ -319,6 +319,7 @@ class _Detokenizer:
         return piece
 
     def finish(self) -> str:
-        """Whatever is still held back when generation ends."""
+        """Whatever is still held back when generation ends, less a last character the answer stopped inside
+        (--max-new-tokens reached mid-character): its bytes would print as U+FFFD."""
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return text[len(self.text) :]
+        return text[len(self.text) :].rstrip("\ufffd")

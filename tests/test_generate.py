@@ -99,6 +99,10 @@ def test_detokenizer_holds_back_partial_characters(tiny):
     detokenizer = _Detokenizer(tokenizer)
     pieces = [detokenizer.add(token) for token in ids]
     assert "".join(pieces) == "東京 café" and not any("\ufffd" in piece for piece in pieces)
+    cut = _Detokenizer(tokenizer)  # an answer that ends inside a character: its bytes are left out
+    whole = [cut.add(token) for token in tokenizer("東", add_special_tokens=False).input_ids]
+    partial = [cut.add(token) for token in tokenizer("京", add_special_tokens=False).input_ids[:-1]]
+    assert "".join(whole) == "東" and partial == [""] * len(partial) and cut.finish() == ""
 
 
 def test_only_the_generator_runs_in_inference_mode(tiny):
