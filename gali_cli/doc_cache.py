@@ -13,6 +13,11 @@ fails is ignored, deleted and rebuilt. Least recently used entries go first when
 limit, which counts what running writers are writing (each locks its own temporary folder: file_locks.py) and deletes
 what killed ones left.
 
+The cache owns only what it wrote. A file is an entry when its safetensors header says gali wrote it for the key its
+name carries (`_owned`), never because of its extension: users point `--cache-dir` at folders that hold models, and
+`clear`, eviction and a damaged-entry rebuild must never touch those. Anything else in the directory is left alone,
+and named once in a warning.
+
 Why CRC-32: the checksum guards against damage (a disk, a copy, a stray write), not against someone who can write the
 cache directory (they could rewrite any digest stored beside the data). CRC-32 catches every burst of up to 32 bits
 and any other damage but one in 2^32, and zlib computes it at about 3 GiB/s, 2.6x SHA-256 and 4.7x BLAKE2b on our
@@ -24,9 +29,10 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
@@ -44,6 +50,7 @@ from .file_locks import hold, left_behind
 from .printable import encodable
 
 FORMAT = "2"  # 2: with checksums
+WRITER = "gali document cache"  # every entry's header says so (entries written before it carry their key alone)
 SUFFIX = ".safetensors"
 PARTIAL = ".partial-"  # a folder an entry is written in, before it is renamed into place
 LEFTOVER = "(an unfinished write; the gali writing it was killed)"  # how a killed writer's folder is listed
@@ -132,6 +139,7 @@ class DocumentCache:
         self.directory = directory
         self.limit = limit
         self.warn = warn
+        self._warned_foreign = False
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
@@ -140,12 +148,16 @@ class DocumentCache:
         """The cached K/V of `prefix_ids` as a DynamicCache on the model's devices, or None (absent or unusable)."""
         path = self.path(key)
         try:
-            inode = path.stat().st_ino
+            status = path.stat()
         except FileNotFoundError:
             return None
         except OSError as error:
             self.warn(f"cannot read the document cache in {self.directory}: {error}")
             return None
+        if not stat.S_ISREG(status.st_mode):  # a FIFO would block the open forever; a folder is no entry
+            self.warn(f"ignoring {path}: not a regular file (the document will be read again, and not cached)")
+            return None
+        inode = status.st_ino
         try:
             with safe_open(path, framework="pt") as file:  # one handle: a concurrent replace cannot mix two files
                 metadata = file.metadata() or {}
@@ -180,7 +192,8 @@ class DocumentCache:
             self.warn(f"not caching the document: its state takes {size / 2**30:.2f} GiB, more than the cache "
                       f"limit of {self.limit / 2**30:.2f} GiB (GALI_CACHE_LIMIT)")
             return
-        metadata = {"format": FORMAT, "key": key, "tokens": str(tokens), "ids_sha256": _ids_digest(prefix_ids),
+        metadata = {"format": FORMAT, "writer": WRITER, "key": key, "tokens": str(tokens),
+                    "ids_sha256": _ids_digest(prefix_ids),
                     "crc32": json.dumps(checksums(tensors)),
                     **{name: encodable(value) for name, value in description.items()}}  # a name not UTF-8
         temporary, lock = None, None
@@ -206,33 +219,57 @@ class DocumentCache:
                 os.close(lock)
 
     def entries(self) -> list[Entry]:
-        """Every entry, most recently used first; a file that is not one of ours is listed with what can be said,
-        and what a killed gali left of a write as an unfinished write (LEFTOVER)."""
+        """Every entry, most recently used first, and what a killed gali left of a write (LEFTOVER); a file gali did
+        not write is no entry (it is named in one warning: `foreign`)."""
         found = []
-        for path in [*self._partials(), *self._files()]:
-            partial = path.name.startswith(PARTIAL)
-            if partial and not left_behind(path):
+        for path in self._partials():
+            if not left_behind(path):
                 continue  # a running gali's
             try:
                 stat = path.stat()
             except OSError:
                 continue  # gone meanwhile
-            if partial:
-                found.append(Entry(path, _size(path), stat.st_mtime, 0, LEFTOVER, "?", "?", {}))
+            found.append(Entry(path, _size(path), stat.st_mtime, 0, LEFTOVER, "?", "?", {}))
+        for path, metadata in self._owned_files():
+            try:
+                stat = path.stat()
+            except OSError:
                 continue
             try:
-                metadata = _metadata(path)
                 tokens = int(metadata.get("tokens", 0))
-            except (OSError, SafetensorError, ValueError, TypeError, AttributeError):
-                metadata, tokens = {}, 0
+            except (ValueError, TypeError):
+                tokens = 0
             found.append(Entry(path, stat.st_size, stat.st_mtime, tokens, str(metadata.get("document", "?")),
                                str(metadata.get("model", "?")), str(metadata.get("method", "?")),
                                _identity(metadata)))
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
+    def foreign(self) -> list[Path]:
+        """What the directory holds that gali did not write (a model's files, say), largest first: never listed,
+        moved or deleted."""
+        try:
+            with os.scandir(self.directory) as found:
+                names = [Path(entry.path) for entry in found]
+        except OSError:
+            return []
+        ours = {path for path, _ in self._owned_files()} | set(self._partials())
+        return sorted((path for path in names if path not in ours and not _partial_name(path.name)),
+                      key=lambda path: (-_size(path), path.name))
+
+    def warn_about_foreign_files(self) -> None:
+        """One warning (per DocumentCache) naming the files in the directory that are not the cache's."""
+        if self._warned_foreign:
+            return
+        foreign = self.foreign()
+        if foreign:
+            self._warned_foreign = True
+            self.warn(f"the document cache directory {self.directory} also holds {_names(foreign)}, which gali did "
+                      "not write: they are left alone (give the cache a folder of its own: --cache-dir, "
+                      "GALI_CACHE_DIR)")
+
     def clear(self) -> Cleared:
         """Delete every entry (and what killed writers left); says what was removed and what could not be. What a
-        running gali is writing is left to it."""
+        running gali is writing is left to it, and what gali did not write is never touched."""
         removed, kept = [], []
         try:
             self._files(strict=True)
@@ -240,6 +277,7 @@ class DocumentCache:
             return Cleared((), ())
         except OSError as error:
             return Cleared((), ((self.directory, 0, error.strerror or str(error)),))
+        self.warn_about_foreign_files()
         for entry in self.entries():
             try:
                 _remove(entry.path)
@@ -251,28 +289,40 @@ class DocumentCache:
         return Cleared(tuple(removed), tuple(kept))
 
     def _files(self, strict: bool = False) -> list[Path]:
-        """The regular files in the directory that look like entries; an unreadable directory has none, or with
-        `strict` raises OSError."""
+        """The regular files in the directory with an entry's suffix (whether they are ours, _owned_files says); an
+        unreadable directory has none, or with `strict` raises OSError."""
         try:
             with os.scandir(self.directory) as found:
-                return [Path(entry.path) for entry in found if entry.name.endswith(SUFFIX) and entry.is_file()
-                        and not entry.name.startswith(PARTIAL)]
+                return [Path(entry.path) for entry in found
+                        if entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False)]
         except OSError:
             if strict:
                 raise
             return []
 
+    def _owned_files(self) -> Iterable[tuple[Path, dict[str, str]]]:
+        """The entries gali wrote, with their metadata: named by their key, and saying so in their header."""
+        for path in self._files():
+            metadata = _owned(path)
+            if metadata is not None:
+                yield path, metadata
+
     def _partials(self) -> list[Path]:
-        """Writes under way or left unfinished: folders (and the files earlier releases wrote) named PARTIAL..."""
+        """Writes under way or left unfinished: the folders gali makes to write an entry in (named PARTIAL..., and
+        holding nothing but what an entry's write puts there), and the files earlier releases wrote instead."""
         try:
             with os.scandir(self.directory) as found:
-                return [Path(entry.path) for entry in found if entry.name.startswith(PARTIAL)]
+                candidates = [entry for entry in found if _partial_name(entry.name)]
         except OSError:
             return []
+        return [Path(entry.path) for entry in candidates
+                if (entry.is_dir(follow_symlinks=False) and _only_entry_files(Path(entry.path)))
+                or (entry.is_file(follow_symlinks=False) and entry.name.endswith(SUFFIX))]
 
     def _evict(self, keep: int) -> None:
         """Delete what killed writers left, then least recently used entries until the others, with what running
-        writers are writing, take at most `keep` bytes."""
+        writers are writing, take at most `keep` bytes. Files gali did not write are neither counted nor touched."""
+        self.warn_about_foreign_files()
         entries = []
         for entry in self.entries():
             if entry.document == LEFTOVER:
@@ -286,6 +336,41 @@ class DocumentCache:
                 break
             entry.path.unlink(missing_ok=True)
             total -= entry.size
+
+
+def _owned(path: Path) -> dict[str, str] | None:
+    """The metadata of the entry at `path` when gali wrote it (its header names the key its file is named by, and
+    gali as its writer, or, in entries written before the writer was recorded, the format and the token digest);
+    None for anything else, or a header that cannot be read."""
+    try:
+        metadata = _metadata(path)
+    except (OSError, SafetensorError, ValueError, TypeError, AttributeError):
+        return None
+    if not isinstance(metadata, dict) or metadata.get("key") != path.name.removesuffix(SUFFIX):
+        return None
+    if metadata.get("writer") == WRITER or ("format" in metadata and "ids_sha256" in metadata):
+        return metadata
+    return None
+
+
+def _partial_name(name: str) -> bool:
+    return name.startswith(PARTIAL)
+
+
+def _only_entry_files(folder: Path) -> bool:
+    """Whether `folder` holds nothing but files named like an entry (what a write in progress puts there)."""
+    try:
+        with os.scandir(folder) as found:
+            return all(entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False) for entry in found)
+    except OSError:
+        return False
+
+
+def _names(paths: list[Path], shown: int = 3) -> str:
+    """"a, b, c and 4 more" (names only)."""
+    names = [path.name for path in paths[:shown]]
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(names) + more
 
 
 def _size(path: Path) -> int:

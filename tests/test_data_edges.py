@@ -217,7 +217,7 @@ def live_writer(tmp_path):
 
     def writing(path: Path, size: int) -> Path:
         path.mkdir(parents=True)
-        (path / "data").write_bytes(bytes(size))
+        (path / "entry.safetensors").write_bytes(bytes(size))
         held.append(os.open(path, os.O_RDONLY))
         fcntl.flock(held[-1], fcntl.LOCK_EX)
         backdate(path)
@@ -280,6 +280,27 @@ def test_a_killed_dequantizations_leftover_is_listed_and_removed_a_live_ones_is_
     removed = run("cache", command, *(["--models"] if command == "clear" else []))
     assert removed.exit_code == 0 and "Removed 1 dequantized model (1.0 MiB)" in removed.stderr, removed.stderr
     assert not leftover.exists() and live.exists()
+
+
+@pytest.mark.parametrize("command", ["clear", "prune"])
+def test_a_folder_of_models_used_as_the_model_cache_loses_nothing(command, run, tmp_path, monkeypatch):
+    """GALI_MODEL_CACHE pointed at a folder of models: clear and prune touch none of them, and say so once."""
+    import shutil
+
+    from gali_cli.model.config import demo_model_path
+
+    models = tmp_path / "models"
+    shutil.copytree(demo_model_path(), models / "demo")
+    lookalike = models / "notes.float32.transformers-5.0.0"  # named almost as gali names entries, no manifest
+    lookalike.mkdir()
+    (lookalike / "model.safetensors").write_bytes(b"mine")
+    (models / "llama.gguf").write_bytes(b"GGUF")
+    before = sorted(str(path.relative_to(models)) for path in models.rglob("*"))
+    monkeypatch.setenv("GALI_MODEL_CACHE", str(models))
+    removed = run("cache", command, *(["--models"] if command == "clear" else []))
+    assert removed.exit_code == 0 and "Removed 0 dequantized models" in removed.stderr, removed.stderr
+    assert "which gali did not write" in removed.stderr and "demo" in removed.stderr
+    assert sorted(str(path.relative_to(models)) for path in models.rglob("*")) == before
 
 
 class FullDisk:

@@ -249,7 +249,7 @@ def test_the_state_is_stored_once_the_answer_is_complete(loaded, store):
     assert len(store.entries()) == 1 and conversation.questions == [SUMMARIZE]
 
 
-def test_odd_files_in_the_directory_are_listed_or_skipped_never_fatal(loaded, store):
+def test_odd_files_in_the_directory_are_left_alone_never_fatal(loaded, store):
     import json
 
     store.directory.mkdir(parents=True)
@@ -259,15 +259,42 @@ def test_odd_files_in_the_directory_are_listed_or_skipped_never_fatal(loaded, st
     (store.directory / "list.safetensors").write_bytes(len(listed).to_bytes(8, "little") + listed)
     (store.directory / "dangling.safetensors").symlink_to(store.directory / "nowhere")
     (store.directory / "folder.safetensors").mkdir()
-    entries = {entry.path.name: entry for entry in store.entries()}
-    assert set(entries) == {"bad-tokens.safetensors", "list.safetensors"}
-    assert entries["bad-tokens.safetensors"].tokens == 0 and entries["bad-tokens.safetensors"].document == "?"
+    (store.directory / ".partial-notgalis").mkdir()  # a folder named like a write, holding what a write never does
+    (store.directory / ".partial-notgalis" / "notes.txt").write_text("mine")
+    odd = sorted(path.name for path in store.directory.iterdir())
+    assert store.entries() == []
     ids, cache = filled_cache(loaded, 6)
     store.save(entry_key({}, ids), ids, cache, {"document": "[notes] draft.txt"})  # eviction reads them all
-    assert store.load(entry_key({}, ids), ids, loaded.model) is not None and store.warnings == []
+    assert store.load(entry_key({}, ids), ids, loaded.model) is not None
+    warning, = store.warnings
+    assert "bad-tokens.safetensors" in warning and "left alone" in warning
     remaining = store.entries()
-    assert len(remaining) == 3 and store.clear().removed_bytes == sum(entry.size for entry in remaining)
-    assert store.entries() == []
+    assert len(remaining) == 1 and store.clear().removed_bytes == remaining[0].size
+    assert store.entries() == [] and sorted(path.name for path in store.directory.iterdir()) == odd
+    assert len(store.warnings) == 1  # named once
+
+
+def test_a_folder_of_model_weights_used_as_the_cache_loses_nothing(loaded, tmp_path):
+    """Pointing the cache at a model's folder: clear and eviction remove only the states gali wrote there."""
+    import shutil
+
+    from gali_cli.model.config import demo_model_path
+
+    folder = tmp_path / "demo"
+    shutil.copytree(demo_model_path(), folder)
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    warnings = []
+    ids, cache = filled_cache(loaded, 6)
+    DocumentCache(tmp_path / "probe", 2**30, print).save("probe", ids, cache, {})
+    entry_size = (tmp_path / "probe" / "probe.safetensors").stat().st_size
+    store = DocumentCache(folder, entry_size + 1, warnings.append)  # room for one entry: the second evicts
+    store.save(entry_key({"n": 1}, ids), ids, cache, {})
+    store.save(entry_key({"n": 2}, ids), ids, cache, {})
+    assert [entry.path.name for entry in store.entries()] == [f"{entry_key({'n': 2}, ids)}.safetensors"]
+    assert any("model.safetensors" in warning for warning in warnings)
+    cleared = store.clear()
+    assert len(cleared.removed) == 1 and cleared.kept == ()
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 
 def test_clear_says_what_it_could_not_remove(loaded, store, monkeypatch):
@@ -363,3 +390,12 @@ def test_an_interrupted_first_prefill_reads_the_document_again(loaded):
     assert conversation.cache is None
     _, finished = answer(conversation, SUMMARIZE, 3)
     assert finished.prefilled_tokens == finished.prompt_tokens
+
+
+def test_a_fifo_at_an_entrys_path_is_skipped_not_waited_on(loaded, store):
+    """Opening a FIFO blocks until a writer comes: an entry's path that is no regular file is passed over at once."""
+    ids, _ = filled_cache(loaded, 6)
+    store.directory.mkdir(parents=True)
+    os.mkfifo(store.path(entry_key({}, ids)))
+    assert store.load(entry_key({}, ids), ids, loaded.model) is None
+    assert "not a regular file" in store.warnings[-1] and store.path(entry_key({}, ids)).exists()

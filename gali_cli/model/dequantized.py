@@ -11,6 +11,10 @@ CRC-32, checked before the weights are used: a damaged entry is rebuilt with a w
 Entries another transformers release wrote are kept (another environment may use them) until they are unused for
 `UNUSED_DAYS`, or their GGUF is gone: each build prunes those, and `gali cache prune` prunes every entry this
 installation cannot use at once. An entry's modification time is the last time gali loaded it.
+
+The cache owns only what it wrote: a folder is an entry when it holds gali's manifest, or (damaged) is named as gali
+names entries; anything else in the directory (a model's own folder, say) is never listed, pruned or cleared, and is
+named once in a warning.
 """
 
 import copy
@@ -19,6 +23,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -44,6 +49,8 @@ FORMAT = "1"
 MANIFEST = "gali-gguf.json"
 WEIGHTS = "model.safetensors"
 _PARTIAL = ".partial-"  # a build's temporary directory, renamed into an entry when whole
+# An entry's name (_entry_name): the GGUF's stem, 16 hex digits of its identity, the dtype, the transformers release
+_ENTRY_NAME = re.compile(r".+-[0-9a-f]{16}\.[a-z0-9]+\.transformers-[^/]+")
 _TRANSFORMERS = f"transformers-{transformers.__version__}"
 UNUSED_DAYS = 30  # an entry this installation cannot use, unused this long, goes at the next build
 
@@ -83,6 +90,7 @@ class DequantizedModels:
     def __init__(self, directory: Path | None = None, notice: Callable[[str], None] | None = None) -> None:
         self.directory = directory or default_directory()
         self.notice = notice or (lambda message: None)
+        self._warned_foreign = False
 
     def config(self, gguf: GgufFile):
         """The model's config: from an entry of this file when there is one (instant), else from the GGUF."""
@@ -124,14 +132,36 @@ class DequantizedModels:
         entries = [_describe(path) for path in paths]
         return sorted((entry for entry in entries if entry), key=lambda entry: -entry.last_used)
 
+    def foreign(self) -> list[Path]:
+        """What the directory holds that gali did not write: never listed, pruned or cleared."""
+        try:
+            found = list(self.directory.iterdir())
+        except OSError:
+            return []
+        ours = {entry.path for entry in self.entries()}
+        return sorted(path for path in found if path not in ours and not path.name.startswith(_PARTIAL))
+
+    def warn_about_foreign_files(self) -> None:
+        """One warning naming what the directory holds that gali did not write (they are left alone)."""
+        foreign = self.foreign()
+        if foreign and not self._warned_foreign:
+            self._warned_foreign = True
+            names = ", ".join(path.name for path in foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                                                    if len(foreign) > 3 else "")
+            warnings.warn(f"the model cache {self.directory} also holds {names}, which gali did not write: they are "
+                          "left alone (give the cache a folder of its own: GALI_MODEL_CACHE)", GaliWarning,
+                          stacklevel=2)
+
     def prune(self, unused_seconds: float = 0.0) -> tuple[list[ModelEntry], list[ModelEntry]]:
         """Delete the entries this installation cannot use (another transformers release, a GGUF gone or changed,
         damaged) that have been unused for `unused_seconds`; returns (deleted, those that could not be)."""
         stale = time.time() - unused_seconds
+        self.warn_about_foreign_files()
         return _remove([entry for entry in self.entries() if not entry.usable and entry.last_used <= stale])
 
     def clear(self) -> tuple[list[ModelEntry], list[ModelEntry]]:
         """Delete every entry (a later load dequantizes again); returns (deleted, those that could not be)."""
+        self.warn_about_foreign_files()
         return _remove(self.entries())
 
     def _entries_of(self, gguf: GgufFile) -> list[Path]:
@@ -296,8 +326,8 @@ def _describe(path: Path) -> ModelEntry | None:
     try:
         manifest = _manifest(path, full=False)
     except ValueError as problem:
-        if not (path / MANIFEST).exists() and ".transformers-" not in path.name:
-            return None
+        if not (path / MANIFEST).is_file() and not _ENTRY_NAME.fullmatch(path.name):
+            return None  # not gali's: a model's own folder, say
         return ModelEntry(path, "?", "?", path.name.rpartition(".transformers-")[2] or "?", size, last_used, False,
                           str(problem))
     source = manifest.get("gguf") or {}

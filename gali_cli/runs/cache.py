@@ -12,6 +12,8 @@ def list_cache(cache_dir: str | None, json_output: bool) -> None:
     """The cached document states, then the dequantized models, most recently used first."""
     cache, models = store(cache_dir), DequantizedModels()
     entries, copies = cache.entries(), models.entries()
+    cache.warn_about_foreign_files()
+    models.warn_about_foreign_files()
     if json_output:
         print_json({"directory": str(cache.directory), "limit_bytes": cache.limit,
                     "entries": [{"document": entry.document, "model": entry.model, "method": entry.method,
