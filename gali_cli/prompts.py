@@ -64,21 +64,20 @@ def long_ids(tokenizer, text: str, split_special_tokens: bool = False) -> list[i
     (text_pieces): in one call the Rust tokenizer sets aside 16 bytes per byte of text before it starts, and a
     200 MB document made it abort the process (a failed allocation of 3.2 GB)."""
     ids: list[int] = []
-    for piece in text_pieces(tokenizer, text):
+    for piece in text_pieces(tokenizer, text, split_special_tokens):
         ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
     return ids
 
 
-def text_pieces(tokenizer, text: str, size: int | None = None) -> Iterator[str]:
-    """`text` in pieces of at most about `size` characters (PIECE_CHARACTERS), cut only where tokenizing the pieces
-    apart gives the ids of tokenizing them together: after a line break before a non-blank character, else before
-    a space between two words, where no pre-token of a Llama, GPT-2 or SmolLM tokenizer crosses; each seam is checked
-    on the text around it. Where none is found (no such place, or a tokenizer that adds text at a sequence's start
-    such as SentencePiece's "▁") the rest is one piece."""
-    size = size or PIECE_CHARACTERS
-    start = 0
+def text_pieces(tokenizer, text: str, split_special_tokens: bool = False) -> Iterator[str]:
+    """`text` in pieces of at most about PIECE_CHARACTERS characters, cut only where tokenizing the pieces apart
+    (with `split_special_tokens` as given) gives the ids of tokenizing them together: after a line break before a
+    non-blank character, else before a space between two words, where no pre-token of a Llama, GPT-2 or SmolLM
+    tokenizer crosses; each seam is checked on the text around it. Where none is found (no such place, or a
+    tokenizer that adds text at a sequence's start such as SentencePiece's "▁") the rest is one piece."""
+    size, start = PIECE_CHARACTERS, 0
     while len(text) - start > size:
-        seam = _seam(tokenizer, text, start + size // 2, start + size)
+        seam = _seam(tokenizer, text, start + size // 2, start + size, split_special_tokens)
         if seam is None:
             break
         yield text[start:seam]
@@ -86,12 +85,13 @@ def text_pieces(tokenizer, text: str, size: int | None = None) -> Iterator[str]:
     yield text[start:]
 
 
-def _seam(tokenizer, text: str, low: int, high: int) -> int | None:
+def _seam(tokenizer, text: str, low: int, high: int, split_special_tokens: bool) -> int | None:
     """The last place in text[low:high] that text_pieces may cut at, or None."""
     for candidates in (_after_line_breaks(text, low, high), _before_spaces(text, low, high)):
         for _, seam in zip(range(_SEAM_TRIES), candidates):
             left, right = text[max(0, seam - _SEAM_CONTEXT):seam], text[seam:seam + _SEAM_CONTEXT]
-            ids = [tokenizer(part, add_special_tokens=False).input_ids for part in (left + right, left, right)]
+            ids = [tokenizer(part, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
+                   for part in (left + right, left, right)]
             if ids[0] == ids[1] + ids[2]:
                 return seam
     return None
@@ -278,9 +278,9 @@ def _document_turn(tokenizer, template_part: str, document: str, after: str, spe
     many of them depend on the template text and the document alone, and where the question starts.
 
     Ordinary text is tokenized as one, as the template's own tokenization would (in pieces that change no token,
-    text_pieces, with the document's end in the last); the shared part ends where that
-    and the document's own tokens part (a pre-token may span the document's end, as ".\n\n" does in Llama 3), and
-    the question starts where it and the tokens of the document and the blank line part (as served_prompt cuts).
+    text_pieces, with the document's end in the last); the shared part ends where that and the document's own
+    tokens part (a pre-token may span the document's end, as ".\n\n" does in Llama 3), and the question starts where
+    it and the tokens of the document and the blank line part (as served_prompt cuts).
     Text that spells a special token is tokenized apart, as characters.
     """
     template_ids = tokenizer(template_part, add_special_tokens=False).input_ids if template_part else []
