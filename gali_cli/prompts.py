@@ -11,9 +11,10 @@ whose prefilled state can be reused (and the one `gali serve` cuts the same mess
 """
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
-from .errors import ModelLoadError
+from .errors import InputError, ModelLoadError
 from .model.chat_template import render_chat_template
 
 SUMMARIZE = "Summarize the document above."
@@ -64,9 +65,21 @@ def long_ids(tokenizer, text: str, split_special_tokens: bool = False) -> list[i
     (text_pieces): in one call the Rust tokenizer sets aside 16 bytes per byte of text before it starts, and a
     200 MB document made it abort the process (a failed allocation of 3.2 GB)."""
     ids: list[int] = []
-    for piece in text_pieces(tokenizer, text, split_special_tokens):
-        ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
+    with _memory_for(text):
+        for piece in text_pieces(tokenizer, text, split_special_tokens):
+            ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
     return ids
+
+
+@contextmanager
+def _memory_for(text: str) -> Iterator[None]:
+    """InputError for a MemoryError while `text` is tokenized: Python's list of its ids (about 40 bytes a token)
+    outgrew the memory; the Rust tokenizer's pieces are small."""
+    try:
+        yield
+    except MemoryError:
+        raise InputError(f"a text of {len(text):,} characters is too long to tokenize in the memory available: give "
+                         "a shorter document") from None
 
 
 def text_pieces(tokenizer, text: str, split_special_tokens: bool = False) -> Iterator[str]:
@@ -289,10 +302,11 @@ def _document_turn(tokenizer, template_part: str, document: str, after: str, spe
         return document_ids + text_ids(tokenizer, after), (len(document_ids), len(document_ids))
     ids: list[int] = []
     last = None
-    for piece in text_pieces(tokenizer, template_part + document):  # all but the last piece tokenized once
-        if last is not None:
-            ids += tokenizer(last, add_special_tokens=False).input_ids
-        last = piece
+    with _memory_for(document):
+        for piece in text_pieces(tokenizer, template_part + document):  # all but the last piece tokenized once
+            if last is not None:
+                ids += tokenizer(last, add_special_tokens=False).input_ids
+            last = piece
     together = tokenizer(last + after, add_special_tokens=False).input_ids
     alone = tokenizer(last, add_special_tokens=False).input_ids
     separator = after.index("\n\n") + 2 if after.startswith("\n\n") else 0  # a raw prompt's question follows at once

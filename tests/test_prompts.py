@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gali_cli import prompts
-from gali_cli.errors import ModelLoadError
+from gali_cli.errors import InputError, ModelLoadError
 from gali_cli.model.chat_template import MAX_SECONDS, render_chat_template
 from gali_cli.prompts import (
     SUMMARIZE,
@@ -266,3 +266,21 @@ def test_a_long_text_is_tokenized_in_pieces_with_the_ids_of_one_call(tiny_model_
     assert text_ids(tokenizer, document, add_special_tokens=True) == one_call[0]
     assert prompt_ids(tokenizer, document, ask_instruction("When?"), system="Be brief.") == one_call[1]
     assert len(document) > 100 * 60 and (max(seen) < 200) == (make_tokenizer != "sentencepiece")
+
+
+def test_a_text_too_long_for_the_memory_is_an_input_error(tiny_model_dir, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(prompts, "PIECE_CHARACTERS", 60)
+    original, calls = type(tokenizer).__call__, []
+
+    def filling(self, text, **options):
+        calls.append(text)
+        if len(calls) > 20:
+            raise MemoryError
+        return original(self, text, **options)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", filling)
+    for tokenize in (lambda: text_ids(tokenizer, _VARIED * 40), lambda: prompt_ids(tokenizer, _VARIED * 40, "Why?")):
+        calls.clear()
+        with pytest.raises(InputError, match=r"a text of 6,8\d\d characters is too long to tokenize in the memory"):
+            tokenize()
