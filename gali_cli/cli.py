@@ -207,8 +207,10 @@ def ppl(
                    verbose)
 
 
-def _parse_lengths(text: str | None) -> list[int]:
-    """"1k,2k,4k" -> [1024, 2048, 4096] (k = 1024, as in the paper); sorted, unique."""
+def _parse_lengths(text: str | None, shortest: int = 2, why: str = "perplexity needs at least 2 tokens",
+                   longest: int | None = None) -> list[int]:
+    """"1k,2k,4k" -> [1024, 2048, 4096] (k = 1024, as in the paper); sorted, unique, from `shortest` (`why` says
+    why) to `longest` tokens."""
     lengths = set()
     for part in (text or "").split(","):
         part = part.strip().lower()
@@ -218,8 +220,11 @@ def _parse_lengths(text: str | None) -> list[int]:
             value = int(part.removesuffix("k")) * (1024 if part.endswith("k") else 1)
         except ValueError:
             raise ConfigError(f"--lengths: {part!r} is not a length such as 4096 or 4k") from None
-        if value < 2:
-            raise ConfigError(f"--lengths: {part!r} is too short, perplexity needs at least 2 tokens")
+        if value < shortest:
+            raise ConfigError(f"--lengths: {part!r} is too short, {why}")
+        if longest and value > longest:
+            raise ConfigError(f"--lengths: {part!r} is past {longest // 1024}k tokens, the longest prompt gali eval "
+                              "builds")
         lengths.add(value)
     return sorted(lengths)
 
@@ -271,9 +276,9 @@ def eval_(
     Example: gali eval niah_single_2 --haystack report.pdf --method all --out eval.jsonl
     """
     from .evaluation.longbench import TRUNCATIONS
-    from .evaluation.tasks import check_tasks
+    from .evaluation.tasks import LONGEST, check_tasks
 
-    wanted = _parse_lengths(lengths)
+    wanted = _parse_lengths(lengths, 1, "a prompt needs at least 1 token", LONGEST)
     if not wanted:
         raise ConfigError("--lengths: give at least one length, e.g. 4k")
     if json_output and csv:

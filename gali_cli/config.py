@@ -6,6 +6,7 @@ heavy loads.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
@@ -93,6 +94,17 @@ def parse_size(text: str, setting: str) -> int:
     if unit not in _UNITS or not 0 <= value < float("inf"):
         raise ConfigError(f"{setting} must be a size such as 20G or 512M, got {text!r}")
     return int(value * _UNITS[unit])
+
+
+def expand_home(path: str, setting: str) -> Path:
+    """`path` with a leading "~" or "~user" as that home directory; ConfigError naming `setting` (a flag or variable)
+    when there is no such user or no home to expand to (pathlib raises RuntimeError)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        user = path.split("/", 1)[0]
+        raise ConfigError(f"{setting} {path}: cannot expand {user!r} (no such user or home directory); "
+                          "give the path in full") from None
 
 
 def format_size(count: int) -> str:

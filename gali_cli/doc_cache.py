@@ -44,7 +44,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
-from .config import parse_size
+from .config import expand_home, parse_size
 from .engine.kv_cache import new_cache
 from .file_locks import hold, left_behind
 from .printable import encodable
@@ -60,7 +60,7 @@ DEFAULT_LIMIT = 20 * 2**30
 def default_directory() -> Path:
     """$GALI_CACHE_DIR, else the platform's user cache directory (e.g. ~/.cache/gali/documents on Linux)."""
     if os.environ.get("GALI_CACHE_DIR"):
-        return Path(os.environ["GALI_CACHE_DIR"]).expanduser()
+        return expand_home(os.environ["GALI_CACHE_DIR"], "GALI_CACHE_DIR")
     return Path(platformdirs.user_cache_dir("gali")) / "documents"
 
 

@@ -2,7 +2,7 @@
 log: every control, format or separator character and lone surrogate written as its escape, so that `%0A` cannot
 forge a log line, `ESC [2J` cannot clear the operator's screen and U+202E cannot reverse what they read. And made
 writable as UTF-8 (a file, a JSON line, safetensors metadata) when a file name holds bytes that are not UTF-8, which
-Python keeps as lone surrogates (b"\\xff" is "\\udcff")."""
+Python keeps as lone surrogates (b"\\xff" is "\\udcff"); and JSON (--json, results files) with them escaped."""
 
 import json
 import unicodedata
@@ -34,7 +34,21 @@ def encodable(text: str) -> str:
 
 
 def json_text(value: object) -> str:
-    """`value` as JSON, other scripts as themselves and lone surrogates as \\u escapes: valid UTF-8, and json.loads
-    gives the very same strings back (a surrogate only ever stands inside a JSON string, where \\udcff is its
-    escape)."""
-    return encodable(json.dumps(value, ensure_ascii=False))
+    """`value` as JSON, other scripts as themselves and every unsafe character (as printable() finds them: C1
+    controls such as the 8-bit CSI U+009B, bidi overrides, lone surrogates) as its \\u escape, wherever the JSON
+    goes: shown on a terminal, it cannot move the cursor or reverse text, and a pipe or a file (often shown on a
+    terminal later) gets the same valid UTF-8 JSON, from which json.loads gives the very same strings back (each
+    such character only ever stands inside a JSON string, where \\u202e is its escape)."""
+    text = json.dumps(value, ensure_ascii=False)
+    if text.isprintable():  # the common case, at C speed
+        return text
+    return "".join(_json_escape(character) if unicodedata.category(character) in _UNSAFE else character
+                   for character in text)
+
+
+def _json_escape(character: str) -> str:
+    code = ord(character)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # JSON writes a character past U+FFFF as its UTF-16 surrogate pair
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"

@@ -10,15 +10,19 @@ line after the document, up to `question_start`, they are the prefix every quest
 whose prefilled state can be reused (and the one `gali serve` cuts the same message at, served_prompt).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
-from .errors import ModelLoadError
+from .errors import InputError, ModelLoadError
 from .model.chat_template import render_chat_template
 
 SUMMARIZE = "Summarize the document above."
 ASK = "Answer this question about the document above: {question}"
 _SLOT = "\x00gali-slot-{}\x00"  # stands for a message's text while the chat template is rendered
+PIECE_CHARACTERS = 2**20  # text tokenized at once, at most (pieces): the Rust tokenizer sets aside 16 bytes a byte
+_SEAM_CONTEXT = 256  # characters either side of a seam tokenized to check that cutting there changes no token
+_SEAM_TRIES = 32  # places looked at for a seam in each piece
 MIN_CUT_GAP = 64  # tokens, at least, between two places a served prompt's prefill ends a forward (_spaced)...
 FREE_CUTS = 16  # ...after its first FREE_CUTS, which may be closer (a system prompt, a short document, a question)
 
@@ -46,8 +50,80 @@ def chat_messages(document: str, instruction: str, system: str | None = None) ->
 
 
 def text_ids(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of user text, where a literal "<|eot_id|>" is just characters, never a control token."""
-    return tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True).input_ids
+    """Token ids of user text, where a literal "<|eot_id|>" is just characters, never a control token; a long text
+    is tokenized in pieces (long_ids), with the tokenizer's special tokens (BOS) around them all if asked."""
+    ids = long_ids(tokenizer, text, split_special_tokens=True)
+    if not add_special_tokens:
+        return ids
+    marked, plain = (tokenizer("a", add_special_tokens=special).input_ids for special in (True, False))
+    start = next((index for index in range(len(marked)) if marked[index:index + len(plain)] == plain), len(marked))
+    return marked[:start] + ids + marked[start + len(plain):]
+
+
+def long_ids(tokenizer, text: str, split_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text` without special tokens added, the same as in one call, tokenized a piece at a time
+    (text_pieces): in one call the Rust tokenizer sets aside 16 bytes per byte of text before it starts, and a
+    200 MB document made it abort the process (a failed allocation of 3.2 GB)."""
+    ids: list[int] = []
+    with _memory_for(text):
+        for piece in text_pieces(tokenizer, text, split_special_tokens):
+            ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
+    return ids
+
+
+@contextmanager
+def _memory_for(text: str) -> Iterator[None]:
+    """InputError for a MemoryError while `text` is tokenized: Python's list of its ids (about 40 bytes a token)
+    outgrew the memory; the Rust tokenizer's pieces are small."""
+    try:
+        yield
+    except MemoryError:
+        raise InputError(f"a text of {len(text):,} characters is too long to tokenize in the memory available: give "
+                         "a shorter document") from None
+
+
+def text_pieces(tokenizer, text: str, split_special_tokens: bool = False) -> Iterator[str]:
+    """`text` in pieces of at most about PIECE_CHARACTERS characters, cut only where tokenizing the pieces apart
+    (with `split_special_tokens` as given) gives the ids of tokenizing them together: after a line break before a
+    non-blank character, else before a space between two words, where no pre-token of a Llama, GPT-2 or SmolLM
+    tokenizer crosses; each seam is checked on the text around it. Where none is found (no such place, or a
+    tokenizer that adds text at a sequence's start such as SentencePiece's "▁") the rest is one piece."""
+    size, start = PIECE_CHARACTERS, 0
+    while len(text) - start > size:
+        seam = _seam(tokenizer, text, start + size // 2, start + size, split_special_tokens)
+        if seam is None:
+            break
+        yield text[start:seam]
+        start = seam
+    yield text[start:]
+
+
+def _seam(tokenizer, text: str, low: int, high: int, split_special_tokens: bool) -> int | None:
+    """The last place in text[low:high] that text_pieces may cut at, or None."""
+    for candidates in (_after_line_breaks(text, low, high), _before_spaces(text, low, high)):
+        for _, seam in zip(range(_SEAM_TRIES), candidates):
+            left, right = text[max(0, seam - _SEAM_CONTEXT):seam], text[seam:seam + _SEAM_CONTEXT]
+            ids = [tokenizer(part, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
+                   for part in (left + right, left, right)]
+            if ids[0] == ids[1] + ids[2]:
+                return seam
+    return None
+
+
+def _after_line_breaks(text: str, low: int, high: int) -> Iterator[int]:
+    found = text.rfind("\n", low, high - 1)
+    while found >= 0:
+        if not text[found + 1].isspace():
+            yield found + 1
+        found = text.rfind("\n", low, found)
+
+
+def _before_spaces(text: str, low: int, high: int) -> Iterator[int]:
+    found = text.rfind(" ", max(low, 1), high - 1)
+    while found >= 0:
+        if not text[found - 1].isspace() and not text[found + 1].isspace():
+            yield found
+        found = text.rfind(" ", max(low, 1), found)
 
 
 def prompt_ids(tokenizer, document: str, instruction: str, system: str | None = None) -> Prompt:
@@ -214,20 +290,28 @@ def _document_turn(tokenizer, template_part: str, document: str, after: str, spe
     """Ids of template text, document and what follows it in the same turn (a blank line, then the question); how
     many of them depend on the template text and the document alone, and where the question starts.
 
-    Ordinary text is tokenized as one, as the template's own tokenization would; the shared part ends where that
-    and the document's own tokens part (a pre-token may span the document's end, as ".\n\n" does in Llama 3), and
-    the question starts where it and the tokens of the document and the blank line part (as served_prompt cuts).
+    Ordinary text is tokenized as one, as the template's own tokenization would (in pieces that change no token,
+    text_pieces, with the document's end in the last); the shared part ends where that and the document's own
+    tokens part (a pre-token may span the document's end, as ".\n\n" does in Llama 3), and the question starts where
+    it and the tokens of the document and the blank line part (as served_prompt cuts).
     Text that spells a special token is tokenized apart, as characters.
     """
     template_ids = tokenizer(template_part, add_special_tokens=False).input_ids if template_part else []
     if any(special in text for special in specials for text in (document, after)):
         document_ids = template_ids + text_ids(tokenizer, document)
         return document_ids + text_ids(tokenizer, after), (len(document_ids), len(document_ids))
-    together = tokenizer(template_part + document + after, add_special_tokens=False).input_ids
-    alone = tokenizer(template_part + document, add_special_tokens=False).input_ids
+    ids: list[int] = []
+    last = None
+    with _memory_for(document):
+        for piece in text_pieces(tokenizer, template_part + document):  # all but the last piece tokenized once
+            if last is not None:
+                ids += tokenizer(last, add_special_tokens=False).input_ids
+            last = piece
+    together = tokenizer(last + after, add_special_tokens=False).input_ids
+    alone = tokenizer(last, add_special_tokens=False).input_ids
     separator = after.index("\n\n") + 2 if after.startswith("\n\n") else 0  # a raw prompt's question follows at once
-    blank = tokenizer(template_part + document + after[:separator], add_special_tokens=False).input_ids
-    return together, (_common_prefix(together, alone), _common_prefix(together, blank))
+    blank = tokenizer(last + after[:separator], add_special_tokens=False).input_ids
+    return ids + together, (len(ids) + _common_prefix(together, alone), len(ids) + _common_prefix(together, blank))
 
 
 def _common_prefix(first: list[int], second: list[int]) -> int:

@@ -99,6 +99,10 @@ def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, mon
     (["vt", "--lengths", "x"], "--lengths: 'x' is not a length"),
     (["vt", "--json", "--csv"], "--json and --csv both print on stdout"),
     (["unscorable"], "has no reference answer: it cannot be scored"),
+    (["vt", "--lengths", "1000000000000"], "'1000000000000' is past 16384k tokens, the longest prompt gali eval"),
+    (["vt", "--lengths", "99999999999999999999999999k"], "is past 16384k tokens"),
+    (["vt", "--lengths", "0"], "'0' is too short, a prompt needs at least 1 token"),
+    (["vt", "--lengths", "-1"], "'-1' is too short, a prompt needs at least 1 token"),
 ])
 def test_usage_errors_exit_2(gali, monkeypatch, args, message):
     def unscorable(name, request):
@@ -107,6 +111,18 @@ def test_usage_errors_exit_2(gali, monkeypatch, args, message):
     monkeypatch.setitem(tasks.TASKS, "unscorable", unscorable)
     result = gali(*args)
     assert result.exit_code == 2 and message in result.stderr and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and "perplexity" not in result.stderr
+
+
+def test_a_results_line_whose_score_is_not_a_number_is_a_one_line_error(gali, tmp_path):
+    out = tmp_path / "eval.jsonl"
+    args = ("niah_single_1", "--lengths", "512", "--samples", "1", "--method", "gali", "--out", str(out))
+    assert gali(*args).exit_code == 0
+    out.write_text(out.read_text().replace('"score": ', '"score": "abc", "was": '))
+    result = gali(*args)
+    assert result.exit_code == 3 and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1].endswith("(gali) has score 'abc', not a number: delete that line "
+                                                           "and gali eval answers the sample again")
 
 
 def test_without_out_with_ones_own_haystack_and_a_plot(gali, tmp_path):

@@ -330,3 +330,28 @@ def test_gali_cache_lists_prunes_and_clears_dequantized_models(tiny_gguf, tmp_pa
     assert code == 0 and err.startswith("Removed 1 dequantized model (") and list(fresh_cache.iterdir()) == [ours]
     code, out, err = gali("cache", "clear", "--models")
     assert code == 0 and err.startswith("Removed 1 dequantized model (") and list(fresh_cache.iterdir()) == []
+
+
+def test_a_model_cache_that_is_a_file_is_refused_before_loading(tiny_gguf, tmp_path, monkeypatch, dequantizations,
+                                                                 capsys):
+    (tmp_path / "cache-file").write_text("")
+    monkeypatch.setenv("GALI_MODEL_CACHE", str(tmp_path / "cache-file"))
+    (tmp_path / "doc.txt").write_text("The roof leaks. " * 10)
+    assert main(["ppl", str(tmp_path / "doc.txt"), "-m", str(tiny_gguf)]) == 4
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "cache-file: it is a file, not a directory" in error
+    assert not dequantizations
+
+
+def test_a_full_disk_under_the_model_cache_is_a_one_line_error(tiny_gguf, fresh_cache, monkeypatch, capsys):
+    """safetensors reports a full disk as a SafetensorError, which has no strerror."""
+    def full(*args, **kwargs):
+        raise model_cache.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                          'message: "No space left on device" })')
+
+    monkeypatch.setattr(model_cache, "save_file", full)
+    (fresh_cache.parent / "doc.txt").write_text("The roof leaks. " * 10)
+    assert main(["ppl", str(fresh_cache.parent / "doc.txt"), "-m", str(tiny_gguf)]) == 4
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "cannot write the model cache in" in error and error.endswith(
+        "No space left on device (GALI_MODEL_CACHE chooses another place)")

@@ -192,6 +192,7 @@ def test_longbench_e_names_use_their_datasets_prompts(tmp_path):
     (None, "qasper", InputError, "is not a directory"),
     ("", "qasper", InputError, r"no LongBench qasper under .*: looked for qasper.jsonl"),
     ("not json\n", "qasper", InputError, r"qasper.jsonl:1 is not JSON"),
+    ("\n", "qasper", InputError, r"qasper.jsonl holds no LongBench records"),
     ('{"input": "q", "context": "c", "answers": []}\n', "qasper", InputError, "needs a list of answers"),
     ('{"context": "c", "answers": ["a"]}\n', "qasper", InputError, "needs text under context and input"),
     ('{"input": "q", "context": "c", "answers": ["the second"]}\n', "passage_retrieval_en", ConfigError,

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import gali_cli.cli as cli
 from gali_cli import display
 from gali_cli.doc_cache import DocumentCache
-from gali_cli.printable import printable
+from gali_cli.printable import json_text, printable
 
 
 @pytest.mark.parametrize("text, shown", [
@@ -41,6 +41,26 @@ def test_gali_cache_list_escapes_what_a_label_carries(tmp_path):
     result = CliRunner().invoke(cli.app, ["cache", "list", "--cache-dir", str(tmp_path)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.stderr
     assert "\x1b" not in result.stdout and "report\\x1b[2J\\nforged.txt" in result.stdout
+
+
+def test_json_escapes_unsafe_characters_and_loads_back_the_same():
+    value = {"name": "a\u009b2Jb\u202ec\udcff\U000e0001\x7f", "plain": "ünïcödé 漢字 🙂\n\"q\""}
+    text = json_text(value)
+    assert text.isprintable() and "\\u009b" in text and "\\u202e" in text
+    assert json.loads(text) == value
+
+
+def test_gali_cache_list_json_escapes_c1_controls_and_bidi_overrides(tmp_path):
+    """--json to a terminal (or anywhere): the 8-bit CSI and a right-to-left override as \\u escapes, valid JSON."""
+    store = DocumentCache(tmp_path, 2**30, lambda message: None)
+    kv = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1, 1, 4, 2), values=torch.zeros(1, 1, 4, 2))])
+    label = "report\u009b2J\u202etxt.exe"
+    store.save("0" * 64, [1, 2, 3, 4], kv, {"document": label, "model": "tiny", "method": "gali",
+                                             "identity": json.dumps({})})
+    result = CliRunner().invoke(cli.app, ["cache", "list", "--json", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.stderr
+    assert "\u009b" not in result.stdout and "\u202e" not in result.stdout and "\\u202etxt" in result.stdout
+    assert label in json.dumps(json.loads(result.stdout), ensure_ascii=False)
 
 
 def test_gali_serve_escapes_a_model_path_in_its_one_line_error(capsys):

@@ -3,7 +3,8 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from gali_cli.errors import ModelLoadError
+from gali_cli import prompts
+from gali_cli.errors import InputError, ModelLoadError
 from gali_cli.model.chat_template import MAX_SECONDS, render_chat_template
 from gali_cli.prompts import (
     SUMMARIZE,
@@ -221,3 +222,65 @@ def test_a_hostile_chat_template_is_refused_within_bounds(tiny_model_dir, name):
         prompt_ids(tokenizer, "A document.", "Summarize it.")
     assert message in str(error.value) and "\n" not in str(error.value)
     assert time.monotonic() - started < MAX_SECONDS + 5
+
+
+_VARIED = ("The lease ends in March.\n\nIt's 12345 days, isn't it?  Two spaces.\n  Indented line.\n\n  \n"
+           "Tabs\tand\tmore.\n.\n\n東京は晴れ。絵文字 🙂 ok\r\nA line <|eot_id|> literal...\n- item one\n- item two\n")
+
+
+def _demo_tokenizer():
+    from pathlib import Path
+
+    import gali_cli
+    return AutoTokenizer.from_pretrained(Path(gali_cli.__file__).parent / "model" / "demo")
+
+
+def _sentencepiece_style_tokenizer():
+    """Llama 2's way: spaces as "▁", one prepended to the text (and so to each piece a text is cut into)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "<|eot_id|>"], show_progress=False)
+    tokenizer.train_from_iterator([_VARIED] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<|eot_id|>")
+
+
+@pytest.mark.parametrize("make_tokenizer", ["tiny", "llama3", "demo", "sentencepiece"])
+def test_a_long_text_is_tokenized_in_pieces_with_the_ids_of_one_call(tiny_model_dir, make_tokenizer, monkeypatch):
+    """Pieces of about 60 characters: the ids are those of one call, and the tokenizer never sees much more than a
+    piece (the Rust tokenizer aborted the process on a 200 MB document given at once). Where a piece would not
+    tokenize as it does in the whole (a "▁" prepended to each piece), the text is not cut there."""
+    tokenizer = {"tiny": lambda: AutoTokenizer.from_pretrained(tiny_model_dir), "llama3": llama3_style_tokenizer,
+                 "demo": _demo_tokenizer, "sentencepiece": _sentencepiece_style_tokenizer}[make_tokenizer]()
+    document = _VARIED * 40
+    one_call = (text_ids(tokenizer, document, add_special_tokens=True),
+                prompt_ids(tokenizer, document, ask_instruction("When?"), system="Be brief."))
+    seen = []
+    monkeypatch.setattr(prompts, "PIECE_CHARACTERS", 60)
+    monkeypatch.setattr(prompts, "_SEAM_CONTEXT", 40)
+    original = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, **options: (
+        seen.append(len(text)), original(self, text, **options))[1])
+    assert text_ids(tokenizer, document, add_special_tokens=True) == one_call[0]
+    assert prompt_ids(tokenizer, document, ask_instruction("When?"), system="Be brief.") == one_call[1]
+    assert len(document) > 100 * 60 and (max(seen) < 200) == (make_tokenizer != "sentencepiece")
+
+
+def test_a_text_too_long_for_the_memory_is_an_input_error(tiny_model_dir, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(prompts, "PIECE_CHARACTERS", 60)
+    original, calls = type(tokenizer).__call__, []
+
+    def filling(self, text, **options):
+        calls.append(text)
+        if len(calls) > 20:
+            raise MemoryError
+        return original(self, text, **options)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", filling)
+    for tokenize in (lambda: text_ids(tokenizer, _VARIED * 40), lambda: prompt_ids(tokenizer, _VARIED * 40, "Why?")):
+        calls.clear()
+        with pytest.raises(InputError, match=r"a text of 6,8\d\d characters is too long to tokenize in the memory"):
+            tokenize()

@@ -160,15 +160,25 @@ def read_records(data_dir: Path, name: str) -> list[dict]:
                          "the parquet copy) there")
     for jsonl in (data_dir / f"{name}.jsonl", data_dir / "data" / f"{name}.jsonl"):
         if jsonl.is_file():
-            return [_record(row, f"{jsonl}:{number}") for number, row in enumerate(_jsonl_rows(jsonl), 1)]
+            return _some([_record(row, f"{jsonl}:{number}") for number, row in enumerate(_jsonl_rows(jsonl), 1)],
+                         jsonl)
     for folder in (data_dir / name, data_dir / "data" / name):
         parquets = sorted(folder.rglob("*.parquet")) if folder.is_dir() else []
         if parquets:
-            return [_record(row, str(path)) for path in parquets for row in _parquet_rows(path)]
+            return _some([_record(row, str(path)) for path in parquets for row in _parquet_rows(path)], folder)
     if (data_dir / f"{name}.parquet").is_file():
-        return [_record(row, f"{name}.parquet") for row in _parquet_rows(data_dir / f"{name}.parquet")]
+        return _some([_record(row, f"{name}.parquet") for row in _parquet_rows(data_dir / f"{name}.parquet")],
+                     data_dir / f"{name}.parquet")
     raise InputError(f"no LongBench {name} under {data_dir}: looked for {name}.jsonl, data/{name}.jsonl and "
                      f"{name}/*.parquet")
+
+
+def _some(records: list[dict], where: Path) -> list[dict]:
+    """`records`, or InputError when there are none: an empty file scores nothing, and would pass for a finished
+    run (no table, exit 0)."""
+    if not records:
+        raise InputError(f"{where} holds no LongBench records: is this LongBench's data (an unfinished download?)")
+    return records
 
 
 def _jsonl_rows(path: Path) -> list:

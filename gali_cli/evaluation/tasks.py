@@ -15,6 +15,7 @@ from .sample import Request, Sample
 
 Builder = Callable[[str, Request], list[Sample]]
 LONGBENCH = "longbench"  # all 16 English datasets of the GALI paper's table; "longbench/NAME" for one dataset
+LONGEST = 2**24  # tokens: the longest prompt gali eval builds (its text, tokenized a few times, stays within a few GB)
 
 
 def build_longbench(task: str, request: Request) -> list[Sample]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from .gguf import GgufFile, check_llama, is_gguf, read_header
+from .hub import check_hub
 from .machine import cuda_available
 
 DEMO = "demo"
@@ -189,6 +190,7 @@ def _hub_file(repo: str, filename: str) -> str:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    check_hub(repo, filename)  # offline, hf_hub_download retries for 25 s
     try:
         return hf_hub_download(repo, filename)
     except (HfHubHTTPError, LocalEntryNotFoundError) as error:

@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ..config import expand_home
 from ..errors import GaliWarning, ModelLoadError
 from ..file_locks import hold, left_behind
 from .gguf import GgufFile
@@ -80,7 +81,7 @@ class ModelEntry:
 def default_directory() -> Path:
     """$GALI_MODEL_CACHE, else the platform's user cache directory (e.g. ~/.cache/gali/models on Linux)."""
     if os.environ.get("GALI_MODEL_CACHE"):
-        return Path(os.environ["GALI_MODEL_CACHE"]).expanduser()
+        return expand_home(os.environ["GALI_MODEL_CACHE"], "GALI_MODEL_CACHE")
     return Path(platformdirs.user_cache_dir("gali")) / "models"
 
 
@@ -91,6 +92,14 @@ class DequantizedModels:
         self.directory = directory or default_directory()
         self.notice = notice or (lambda message: None)
         self._warned_foreign = False
+
+    def check(self) -> None:
+        """Refuse at once a cache directory that cannot be one (a file, or a path under a file): a load calls it
+        before reading the GGUF, which takes a while, not when the first entry is written."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise self._unwritable(error) from error
 
     def config(self, gguf: GgufFile):
         """The model's config: from an entry of this file when there is one (instant), else from the GGUF."""
@@ -164,6 +173,17 @@ class DequantizedModels:
         self.warn_about_foreign_files()
         return _remove(self.entries())
 
+    def _unwritable(self, error: OSError | SafetensorError) -> ModelLoadError:
+        """The one-line error for a cache directory gali cannot write in. A SafetensorError has no strerror: its
+        text spells Rust's I/O error, whose message is what the user needs ("No space left on device")."""
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        if isinstance(error, SafetensorError):
+            reason = next(iter(re.findall(r'message: "([^"]+)"', reason)), reason)
+        if isinstance(error, FileExistsError) or self.directory.is_file():
+            reason = "it is a file, not a directory"
+        return ModelLoadError(f"cannot write the model cache in {self.directory}: {reason} (GALI_MODEL_CACHE "
+                              "chooses another place)")
+
     def _entries_of(self, gguf: GgufFile) -> list[Path]:
         try:
             return sorted(self.directory.glob(f"{glob.escape(_stem(gguf))}.*.{_TRANSFORMERS}"))
@@ -177,8 +197,7 @@ class DequantizedModels:
             self.prune(UNUSED_DAYS * 86400)
             temporary = Path(tempfile.mkdtemp(dir=self.directory, prefix=_PARTIAL))
         except OSError as error:
-            raise ModelLoadError(f"cannot write the model cache in {self.directory}: {error.strerror or error} "
-                                 "(GALI_MODEL_CACHE chooses another place)") from error
+            raise self._unwritable(error) from error
         lock = hold(temporary)  # while it is held, no other gali takes the directory for a killed build's
         try:
             _dequantize_into(gguf, dtype, temporary)
@@ -190,8 +209,7 @@ class DequantizedModels:
                     raise
                 # another gali built the same entry meanwhile: theirs serves
         except (OSError, SafetensorError) as error:  # e.g. a full disk
-            raise ModelLoadError(f"cannot write the model cache in {self.directory}: {error.strerror or error} "
-                                 "(GALI_MODEL_CACHE chooses another place)") from error
+            raise self._unwritable(error) from error
         finally:  # also on Ctrl-C: never leave half an entry (after kill -9, the next build or prune deletes it)
             shutil.rmtree(temporary, ignore_errors=True)
             if lock is not None:

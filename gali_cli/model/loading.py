@@ -106,8 +106,10 @@ def load_model(
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")
     target = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, target)
-    config = load_config(name)
     source = resolve_source(name)
+    if source.gguf is not None:
+        DequantizedModels().check()
+    config = load_config(name)
     location = source.location
     if source.gguf is not None:
         location = str(DequantizedModels(notice=notice).directory_for(source.gguf, torch_dtype))

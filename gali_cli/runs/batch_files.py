@@ -21,6 +21,7 @@ import json
 import math
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ from ..printable import json_text
 # Files a directory contributes; anything else in it (images, binaries, code) is left alone.
 DOCUMENT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".org", ".html", ".htm", ".pdf")
 _GLOB_CHARACTERS = set("*?[")
+MANIFEST_DEPTH = 16  # @manifests within @manifests, at most (a deeper chain is a mistake; Python's stack is finite)
+_MANIFEST_BYTES = 64 * 2**20  # a manifest larger than this is not a list of paths (@/dev/zero)
+_LONGEST_LINE = 64 * 2**20  # bytes: no line gali writes in a results file comes near (an answer is a few KB)
 
 
 def expand_documents(specs: list[str]) -> list[Path]:
@@ -53,14 +57,15 @@ def expand_documents(specs: list[str]) -> list[Path]:
 def _expand(spec: str, base: Path, manifests_seen: set[Path]) -> Iterator[Path]:
     if spec == "-":
         raise ConfigError("several documents are read from files, not from standard input ('-')")
+    if "\0" in spec:
+        raise InputError(f"{spec}: a path cannot hold a NUL byte (is this a list of paths?)")
     if spec.startswith("@"):
         manifest = (base / Path(spec[1:]).expanduser()).resolve()
         if manifest in manifests_seen:
             raise InputError(f"manifest {manifest} includes itself")
-        try:
-            lines = manifest.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as error:
-            raise InputError(f"cannot read manifest {spec[1:]}: {error}") from error
+        if len(manifests_seen) >= MANIFEST_DEPTH:
+            raise InputError(f"manifest {spec[1:]}: @manifests nested more than {MANIFEST_DEPTH} deep")
+        lines = _manifest_lines(manifest, spec[1:])
         for number, line in enumerate(lines, 1):
             line = line.strip()
             if line and not line.startswith("#"):
@@ -90,7 +95,35 @@ def _expand(spec: str, base: Path, manifests_seen: set[Path]) -> Iterator[Path]:
             raise InputError(f"{spec}: no file matches")
         yield from matches
     else:
-        raise InputError(f"{spec}: {link_problem(path) or 'no such file or directory'}")
+        raise InputError(f"{spec}: {_special_kind(path) or link_problem(path) or 'no such file or directory'}")
+
+
+def _manifest_lines(manifest: Path, name: str) -> list[str]:
+    """The lines of a manifest: a file, or a named pipe or process substitution (@<(ls *.txt)), read once."""
+    try:
+        with open(manifest, "rb") as file:
+            data = file.read(_MANIFEST_BYTES + 1)
+        if len(data) > _MANIFEST_BYTES:
+            raise InputError(f"manifest {name} is larger than {_MANIFEST_BYTES // 2**20}M: not a list of paths")
+        return data.decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"cannot read manifest {name}: {error}") from error
+
+
+def _special_kind(path: Path) -> str | None:
+    """What a path that is there but neither a file nor a directory is, and why batch mode cannot take it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISFIFO(mode):
+        return ("a named pipe or process substitution, which can be read only once: batch mode reads each document "
+                "twice (its hash, then its text); save it to a file, or give it alone (gali reads it once)")
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device, not a document (it may never end): save what it gives to a file"
+    if stat.S_ISSOCK(mode):
+        return "a socket, not a document"
+    return None
 
 
 def content_hash(path: Path) -> str:
@@ -325,37 +358,54 @@ def _check_ours(path: Path) -> None:
             return
         if not path.is_file():
             raise ConfigError(f"--out {path}: not a file")
-        lines = path.read_bytes().split(b"\n")
+        for number, line in enumerate(_lines(path), 1):
+            _check_our_line(path, number, line)
     except OSError as error:
         raise ConfigError(f"--out {path}: cannot read it ({error.strerror or error})") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip(b"\0 \t\r"):
-            continue
-        try:
-            record = json.loads(line)
-            ours = isinstance(record, dict) and "job" in record and "path" in record
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            ours = line.startswith(_OUR_START) or _OUR_START.startswith(line)  # our line, cut short
-        if not ours:
-            raise ConfigError(f"--out {path} exists and is not a gali results file (line {number}); it was left "
-                              "untouched: choose another name")
+
+
+def _check_our_line(path: Path, number: int, line: bytes | None) -> None:
+    """ConfigError unless `line` is blank or one of ours, whole or cut short (None: a line too long to be ours)."""
+    if line is not None and not line.strip(b"\0 \t\r"):
+        return
+    try:
+        record = json.loads(line) if line is not None else None
+        ours = isinstance(record, dict) and "job" in record and "path" in record
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        ours = line.startswith(_OUR_START) or _OUR_START.startswith(line)  # our line, cut short
+    if not ours:
+        longer = f", longer than {_LONGEST_LINE // 2**20}M" if line is None else ""
+        raise ConfigError(f"--out {path} exists and is not a gali results file (line {number}{longer}); it was "
+                          "left untouched: choose another name")
+
+
+def _lines(path: Path) -> Iterator[bytes | None]:
+    """The lines of `path` (without their newline), read one at a time; None for a line longer than _LONGEST_LINE, which
+    is skipped unread: a results file of one 2.5 GB line must not take 3.4 times that in memory."""
+    with open(path, "rb") as file:
+        while line := file.readline(_LONGEST_LINE + 1):
+            if len(line) > _LONGEST_LINE and not line.endswith(b"\n"):
+                while (rest := file.readline(2**20)) and not rest.endswith(b"\n"):
+                    pass
+                yield None
+            else:
+                yield line.removesuffix(b"\n")
 
 
 def _records(path: Path) -> Iterator[dict]:
     """The whole JSON lines of `path` (none if it does not exist); a line cut short by a kill is skipped."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        for line in _lines(path):
+            try:
+                record = json.loads(line.decode("utf-8", errors="replace")) if line else None
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                yield record
     except FileNotFoundError:
         return
     except OSError as error:
         raise GaliError(f"cannot read results file {path}: {error.strerror}") from None
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            yield record
 
 
 class Collective:

@@ -3,6 +3,7 @@ facts every answer reports."""
 
 import functools
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ import torch
 import transformers
 
 from .. import display
+from ..config import expand_home
 from ..conversation import Conversation
 from ..display import say, warn
 from ..doc_cache import DocumentCache, default_directory, default_limit
@@ -97,7 +99,8 @@ def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
 
 def store(directory: str | None) -> DocumentCache:
     """The document cache in `directory` (--cache-dir), or in the user cache directory."""
-    path = Path(directory).expanduser() if directory else default_directory()
+    setting = "GALI_CACHE_DIR" if directory == os.environ.get("GALI_CACHE_DIR") else "--cache-dir"  # its envvar
+    path = expand_home(directory, setting) if directory else default_directory()
     try:
         if path.exists() and not path.is_dir():
             raise ConfigError(f"--cache-dir {path}: not a directory")

@@ -3,6 +3,7 @@
 
 import hashlib
 import json
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -11,7 +12,7 @@ from pathlib import Path
 from .. import display
 from ..conversation import Conversation
 from ..display import print_json, say
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 from ..evaluation.longbench_paper import is_paper_model, paper_scores
 from ..evaluation.sample import Request, Sample
 from ..evaluation.tasks import LONGBENCH, build_samples
@@ -192,6 +193,7 @@ def score_rows(records: list[dict], jobs: dict[str, dict], samples: list[Sample]
     for method, job in jobs.items():
         for record in latest_records(records, job, paths, ok_only=True).values():
             if (record["path"], record.get("sha256")) in wanted:
+                _check_numbers(record, method)
                 entry = sums.setdefault((record["task"], record["length"], method), [0.0, 0, 0.0])
                 entry[0] += record["score"]
                 entry[1] += 1
@@ -202,6 +204,15 @@ def score_rows(records: list[dict], jobs: dict[str, dict], samples: list[Sample]
              "samples": count, "seconds_per_sample": round(seconds / count, 3)}
             for (task, length, method), (total, count, seconds) in sorted(sums.items(), key=lambda item:
                                                                          order[item[0]])]
+
+
+def _check_numbers(record: dict, method: str) -> None:
+    """InputError for a results line whose score or time is not a number (edited by hand, or by another tool)."""
+    for field in ("score", "seconds"):
+        value = record.get(field)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise InputError(f"the --out line of {record['path']} ({method}) has {field} {value!r}, not a number: "
+                             "delete that line and gali eval answers the sample again")
 
 
 def with_paper_scores(rows: list[dict], train_len: int) -> list[dict]:
