@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..prompts import question_starts
 
 MAX_COMPLETION_TOKENS = 1 << 20
+MAX_STOPS = 4  # stop strings per request, as OpenAI takes
+MAX_STOP_CHARS = 256  # per stop string: a held-back tail is at most this long
 _Request = TypeVar("_Request", bound=BaseModel)
 
 
@@ -113,8 +115,10 @@ class _Generation(_Strict):
         if value is None:
             return None
         stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-            raise ValueError("must be a non-empty string or a list of up to 4 of them")
+        if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"must be a non-empty string or a list of up to {MAX_STOPS} of them")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"each stop string may be at most {MAX_STOP_CHARS} characters long")
         return stops
 
     def refusals(self) -> dict[str, bool]:
