@@ -3,7 +3,7 @@
 from datetime import datetime
 
 from ..display import say, warn
-from ..server.app import ServerSettings
+from ..server.app import ServerSettings, check_api_key
 from ..server.guard import ANY, Reach
 from ..server.run import address, bind
 from ..server.run import serve as run_server
@@ -19,6 +19,7 @@ def serve(choice: ModelChoice, serving: Serving) -> None:
     """Check the settings and take the port before the model loads (each fails at once), then serve."""
     method = choice.method
     choice.check()
+    check_api_key(serving.api_key)
     cache = None if serving.no_cache else store(serving.cache_dir)
     listener = bind(serving.host, serving.port)
     try:

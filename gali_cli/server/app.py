@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..errors import ConfigError
 from ..generate import TextPiece
 from ..printable import printable
 from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
@@ -50,6 +51,20 @@ class ServerSettings:
     max_parts: int = 2048  # text parts per chat request, in all its messages (a string content is one)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+def check_api_key(key: str | None) -> None:
+    """A ConfigError for a key no client can send as meant: an empty one would let in anyone sending an empty Bearer
+    token, and one with blank space around it or non-ASCII characters could never match (HTTP headers are ASCII;
+    clients strip the blank space)."""
+    if key is None:
+        return
+    if not key:
+        raise ConfigError("--api-key '' would let in anyone sending an empty key: leave --api-key out to serve "
+                          "without one (GALI_API_KEY='' also means no key)")
+    if key != key.strip() or not key.isascii() or not key.isprintable():
+        raise ConfigError("--api-key: a key must be printable ASCII without blank space around it (clients send "
+                          "it in an HTTP header, which could never match this one)")
 
 
 def create_app(worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> Starlette:
