@@ -254,6 +254,28 @@ def test_one_address_holding_idle_connections_leaves_room_for_the_others(loaded)
         assert wait_until(lambda: raw_status(server) == 200, 3)
 
 
+@pytest.mark.parametrize("size, pieces", [(17_000, 1), (100_000, 1), (17_000, 200)])
+def test_headers_past_16_kib_are_a_431_whether_they_arrive_whole_or_in_pieces(served_small, size, pieces):
+    request = head(served_small, "/v1/chat/completions", b"{}").replace(
+        b"Content-Type", b"X-Padding: " + b"a" * size + b"\r\nContent-Type")
+    connection = connect(served_small)
+    step = -(-len(request) // pieces)
+    for start in range(0, len(request), step):
+        connection.sendall(request[start: start + step])
+    answer = b""
+    while chunk := connection.recv(65536):
+        answer += chunk
+    connection.close()
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"headers_too_large" in answer, answer[:200]
+    assert raw_status(served_small) == 200
+
+
+@pytest.fixture(scope="module")
+def served_small(loaded):
+    with serving(loaded) as server:
+        yield server
+
+
 def raw_status(server, source: str | None = None) -> int:
     """The status of GET /health, from the local address `source` when given."""
     address = urlsplit(server.url)
