@@ -134,6 +134,33 @@ def test_models_and_health(served):
     assert health["model_train_len"] == 32
 
 
+@pytest.mark.parametrize("content", [
+    [{"type": "text", "text": f"Part {index} of a long report. "} for index in range(1000)],  # the issue's request
+    "x" * 100_000,  # past the limit by characters alone: refused without tokenizing
+])
+def test_a_prompt_past_max_prompt_tokens_is_a_400_at_once(loaded, content):
+    with serving(loaded, max_prompt_tokens=500) as server:
+        client = client_for(server)
+        assert client.models.retrieve("tiny").model_extra["max_prompt_tokens"] == 500
+        assert raw(server, "GET", "/health")[2]["max_prompt_tokens"] == 500
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as error:
+            ask(client, content)
+        assert time.monotonic() - started < 5
+        assert error.value.code == "context_length_exceeded" and "500" in error.value.message
+        assert server.worker.waiting == 0 and "queued" not in server.log[-1]
+        assert ask(client, "Still there?", 2).usage.completion_tokens == 2
+
+
+def test_the_worker_refuses_a_templated_prompt_past_the_limit_before_any_forward(loaded):
+    """The chat template adds tokens the early count does not see: the exact count is checked before reading."""
+    with serving(loaded, max_prompt_tokens=40) as server:
+        text = "word " * 30  # about 30 tokens of text, over 40 with the template's
+        status, _, body = raw(server, "POST", "/v1/chat/completions",
+                              {"model": "tiny", "messages": [{"role": "user", "content": text}] * 2})
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+
+
 def test_a_chat_answer_is_gali_reading_the_whole_prompt(served, loaded):
     """44 windows of text: every token is read (usage says so), and the answer is gali's own generation."""
     messages = [{"role": "system", "content": "Be brief."},

@@ -101,3 +101,13 @@ def test_an_empty_gali_api_key_means_no_key(tiny_model_dir, monkeypatch):
                                 env={"GALI_API_KEY": ""})
     assert result.exit_code == 0, result.stderr
     assert served[0].api_key is None
+
+
+def test_max_prompt_tokens_defaults_to_what_the_machine_holds_and_reads(tiny_model_dir, monkeypatch):
+    served = []
+    monkeypatch.setattr(serve_run, "run_server", lambda worker, settings, listener, log: served.append(settings))
+    monkeypatch.setattr(serve_run, "free_memory", lambda device: 2**30)
+    arguments = ["serve", "-m", str(tiny_model_dir), "--port", "0"]
+    assert CliRunner().invoke(cli.app, arguments).exit_code == 0
+    assert CliRunner().invoke(cli.app, [*arguments, "--max-prompt-tokens", "1234"]).exit_code == 0
+    assert served[0].max_prompt_tokens > 1000 and served[1].max_prompt_tokens == 1234

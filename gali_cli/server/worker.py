@@ -58,9 +58,15 @@ class Failed:
     status: int
     message: str
     kind: str = "server_error"
+    code: str | None = None
 
 
 Event = TextPiece | Done | Failed
+
+
+def too_long_message(count: str | int, limit: int) -> str:
+    """What a client whose prompt has `count` tokens, past `limit`, is told."""
+    return f"the prompt has {count} tokens: this server reads at most {limit} (gali serve --max-prompt-tokens)"
 
 
 class _Cancelled(Exception):
@@ -77,6 +83,7 @@ class Job:
     sampling: Sampling
     label: str  # what the document cache lists for a stored prefix
     loop: asyncio.AbstractEventLoop
+    max_prompt_tokens: int | None = None  # past it, the job fails before any forward
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -263,6 +270,11 @@ class ModelWorker:
             prompt = job.tokenize(loaded.tokenizer, check=job.check)
             if not prompt.ids:
                 raise InputError("the prompt has no tokens")
+            limit = job.max_prompt_tokens
+            if limit is not None and len(prompt.ids) > limit:
+                job.emit(Failed(400, too_long_message(len(prompt.ids), limit), "invalid_request_error",
+                                "context_length_exceeded"))
+                return
             sampler = make_sampler(sampling.temperature, sampling.top_p, 0, sampling.seed)
             resolved = apply_method(loaded.model, self.method, self.settings, len(prompt.ids))
             cache, reused = self.states.start(prompt, resolved, job.check)
