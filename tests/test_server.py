@@ -20,13 +20,15 @@ from urllib.request import urlopen
 import openai
 import pytest
 from conftest import CORPUS
+from typer.testing import CliRunner
 
+from gali_cli import cli
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
 from gali_cli.methods import apply_method, prefill_spans
 from gali_cli.model.loading import load_model
-from gali_cli.prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
+from gali_cli.prompts import ServedPrompt, ask_instruction, raw_prompt, served_parts, served_prompt
 from gali_cli.server.app import ServerSettings
 from gali_cli.server.guard import Reach
 from gali_cli.server.reuse import States
@@ -213,6 +215,23 @@ def test_a_second_question_starts_from_the_documents_state(served, loaded):
     assert fourth.choices[0].message.content == expected
     assert fourth.usage.prompt_tokens_details.cached_tokens == prompt.shared  # from the document cache
     assert "cached" in served.log[-1]
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n  \n\n", ""])
+def test_a_document_sent_as_read_from_its_file_is_served_from_gali_asks_state(loaded, tiny_model_dir, tmp_path,
+                                                                              ending):
+    """open(path).read() keeps the file's final line break (and whatever blank space ends it): the server serves
+    the state `gali ask` stored all the same."""
+    document = tmp_path / "lease.txt"
+    document.write_bytes((DOCUMENT.strip() + ending).encode())
+    stored = CliRunner().invoke(cli.app, ["ask", str(document), "Who pays the rent?", "-m", str(tiny_model_dir),
+                                          "--max-new-tokens", "2", "--cache-dir", str(tmp_path / "cache")])
+    assert stored.exit_code == 0, stored.stderr
+    entry, = DocumentCache(tmp_path / "cache", 2**30, print).entries()
+    with serving(loaded, tmp_path / "cache") as server:
+        text = document.read_text()  # as open(path).read() gives it
+        answer = ask(client_for(server), f"{text}\n\n{ask_instruction('When does the lease end?')}", 2)
+    assert answer.usage.prompt_tokens_details.cached_tokens == entry.tokens
 
 
 def test_completions_from_text_and_from_token_ids(served, loaded):
