@@ -353,6 +353,9 @@ def serve(
                                                                      "them, 429 with Retry-After.")] = 16,
     max_request_mib: Annotated[int, typer.Option(min=1, metavar="N", help="Largest request body, in MiB (413 "
                                                                           "past it).")] = 32,
+    max_prompt_tokens: Annotated[int | None, typer.Option(min=1, metavar="N", show_default=False, help=(
+        "Longest prompt, in tokens (400 context_length_exceeded past it). Default: what this machine can hold "
+        "(half its free memory for keys and values) and read in about 5 minutes."))] = None,
     allow_host: Annotated[list[str] | None, typer.Option(metavar="NAME", show_default=False, help=(
         "Also answer requests whose Host header names NAME, any port (a proxy's or a DNS name; '*': any). By "
         "default only localhost, 127.0.0.1 and [::1] at the server's port, and on a non-loopback --host also its "
@@ -382,7 +385,7 @@ def serve(
 
     run_server(choice, Serving(host, port, api_key, model_name, max_new_tokens, temperature, top_p, queue_size,
                                max_request_mib, cache_dir, no_cache, tuple(allow_host or ()),
-                               tuple(allow_origin or ())))
+                               tuple(allow_origin or ()), max_prompt_tokens))
 
 
 cache_app = typer.Typer(name="cache", cls=Group, no_args_is_help=True,

@@ -1,4 +1,5 @@
-"""How long a prefill still needs, fitted to the time its forwards have taken so far.
+"""How long a prefill still needs, fitted to the time its forwards have taken so far; and how long a prompt this
+machine can hold and read in reasonable time (the default bound on a prompt's tokens).
 
 A forward's time is modelled as `a * tokens + b * pairs`, where `pairs` counts (query, earlier key) pairs: a
 token's projections and MLP cost the same everywhere, while it attends to every earlier key (GALI too: each chunk's
@@ -10,9 +11,17 @@ attention never costs less per FLOP than the matrix products, that estimate is a
 extrapolation: docs/performance.md says how close it came.
 """
 
+import os
 import time
 
+import torch
 from transformers import PretrainedConfig
+
+READ_SECONDS = 300.0  # the longest a default-bounded prompt should take to read
+# Sustained FLOP/s a prefill gets, GALI's attention included (on CPU it costs ten times more per FLOP than the matrix
+# products): low on purpose, so the bound errs towards refusing rather than holding the model for an hour.
+FLOPS_PER_SECOND = {"cpu": 5e10, "cuda": 1e13}
+MEMORY_SHARE = 0.5  # of the free memory, for the prompt's keys and values (activations and the rest need room)
 
 
 def prefill_flops(config: PretrainedConfig) -> tuple[float, float]:
@@ -86,3 +95,36 @@ def duration(seconds: float) -> str:
             value = seconds / size
             return f"{value:.1f} {unit}" if value < 10 else f"{value:,.0f} {unit}"
     return f"{seconds:.0f} seconds"
+
+
+def kv_bytes_per_token(config: PretrainedConfig, element_bytes: int) -> int:
+    """Bytes of one token's keys and values, in all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors: the GPU's free memory, or the RAM the kernel calls available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def readable_tokens(config: PretrainedConfig, element_bytes: int, free_bytes: int, flops_per_second: float,
+                    seconds: float = READ_SECONDS) -> int:
+    """The longest prompt whose keys and values fit MEMORY_SHARE of `free_bytes` and whose prefill takes at most
+    `seconds` at `flops_per_second` (tokens * per_token + pairs * per_pair FLOPs, as PrefillClock models it); never
+    less than the model's window."""
+    by_memory = int(MEMORY_SHARE * free_bytes // kv_bytes_per_token(config, element_bytes))
+    per_token, per_pair = prefill_flops(config)
+    budget = flops_per_second * seconds
+    # per_pair * T**2 / 2 + per_token * T = budget, solved for T
+    by_time = int((-per_token + (per_token**2 + 2 * per_pair * budget) ** 0.5) / per_pair)
+    return max(config.max_position_embeddings, min(by_memory, by_time))

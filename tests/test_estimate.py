@@ -1,10 +1,18 @@
 """The prefill's time estimate: a cost per token and per (query, key) pair, fitted to the forwards timed so far."""
 
 import pytest
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
 import gali_cli.estimate as estimate
-from gali_cli.estimate import PrefillClock, duration, pairs, prefill_flops
+from gali_cli.estimate import (
+    FLOPS_PER_SECOND,
+    PrefillClock,
+    duration,
+    kv_bytes_per_token,
+    pairs,
+    prefill_flops,
+    readable_tokens,
+)
 
 CONFIG = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64)  # the demo model's shapes
@@ -62,3 +70,15 @@ def test_a_noisy_fit_never_goes_negative(clock):
                                            (6000, "1.7 hours"), (3e6, "35 days"), (7.6e7, "880 days")])
 def test_durations_read_as_estimates(seconds, text):
     assert duration(seconds) == text
+
+
+def test_readable_tokens_is_bounded_by_memory_and_by_reading_time():
+    """The demo model's 1,000-part request (about 120k tokens) is past the CPU's default; a GPU's is larger, and
+    little free memory bounds it, never below the model's window."""
+    config = AutoConfig.from_pretrained("gali_cli/model/demo")
+    assert kv_bytes_per_token(config, 2) == 2 * 6 * 2 * 64 * 2
+    on_cpu = readable_tokens(config, 4, 64 * 2**30, FLOPS_PER_SECOND["cpu"])
+    assert 10_000 < on_cpu < 120_000
+    assert readable_tokens(config, 2, 64 * 2**30, FLOPS_PER_SECOND["cuda"]) > on_cpu
+    assert readable_tokens(config, 4, 2**20, FLOPS_PER_SECOND["cpu"]) == 256  # 1 MiB: the window, at least
+    assert readable_tokens(config, 4, 2**28, FLOPS_PER_SECOND["cpu"]) == 2**27 // kv_bytes_per_token(config, 4)

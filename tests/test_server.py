@@ -20,13 +20,15 @@ from urllib.request import urlopen
 import openai
 import pytest
 from conftest import CORPUS
+from typer.testing import CliRunner
 
+from gali_cli import cli
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
 from gali_cli.methods import apply_method, prefill_spans
 from gali_cli.model.loading import load_model
-from gali_cli.prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
+from gali_cli.prompts import ServedPrompt, ask_instruction, raw_prompt, served_parts, served_prompt
 from gali_cli.server.app import ServerSettings
 from gali_cli.server.guard import Reach
 from gali_cli.server.reuse import States
@@ -134,6 +136,33 @@ def test_models_and_health(served):
     assert health["model_train_len"] == 32
 
 
+@pytest.mark.parametrize("content", [
+    [{"type": "text", "text": f"Part {index} of a long report. "} for index in range(1000)],  # the issue's request
+    "x" * 100_000,  # past the limit by characters alone: refused without tokenizing
+])
+def test_a_prompt_past_max_prompt_tokens_is_a_400_at_once(loaded, content):
+    with serving(loaded, max_prompt_tokens=500) as server:
+        client = client_for(server)
+        assert client.models.retrieve("tiny").model_extra["max_prompt_tokens"] == 500
+        assert raw(server, "GET", "/health")[2]["max_prompt_tokens"] == 500
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as error:
+            ask(client, content)
+        assert time.monotonic() - started < 5
+        assert error.value.code == "context_length_exceeded" and "500" in error.value.message
+        assert server.worker.waiting == 0 and "queued" not in server.log[-1]
+        assert ask(client, "Still there?", 2).usage.completion_tokens == 2
+
+
+def test_the_worker_refuses_a_templated_prompt_past_the_limit_before_any_forward(loaded):
+    """The chat template adds tokens the early count does not see: the exact count is checked before reading."""
+    with serving(loaded, max_prompt_tokens=40) as server:
+        text = "word " * 30  # about 30 tokens of text, over 40 with the template's
+        status, _, body = raw(server, "POST", "/v1/chat/completions",
+                              {"model": "tiny", "messages": [{"role": "user", "content": text}] * 2})
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+
+
 def test_a_chat_answer_is_gali_reading_the_whole_prompt(served, loaded):
     """44 windows of text: every token is read (usage says so), and the answer is gali's own generation."""
     messages = [{"role": "system", "content": "Be brief."},
@@ -186,6 +215,23 @@ def test_a_second_question_starts_from_the_documents_state(served, loaded):
     assert fourth.choices[0].message.content == expected
     assert fourth.usage.prompt_tokens_details.cached_tokens == prompt.shared  # from the document cache
     assert "cached" in served.log[-1]
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n  \n\n", ""])
+def test_a_document_sent_as_read_from_its_file_is_served_from_gali_asks_state(loaded, tiny_model_dir, tmp_path,
+                                                                              ending):
+    """open(path).read() keeps the file's final line break (and whatever blank space ends it): the server serves
+    the state `gali ask` stored all the same."""
+    document = tmp_path / "lease.txt"
+    document.write_bytes((DOCUMENT.strip() + ending).encode())
+    stored = CliRunner().invoke(cli.app, ["ask", str(document), "Who pays the rent?", "-m", str(tiny_model_dir),
+                                          "--max-new-tokens", "2", "--cache-dir", str(tmp_path / "cache")])
+    assert stored.exit_code == 0, stored.stderr
+    entry, = DocumentCache(tmp_path / "cache", 2**30, print).entries()
+    with serving(loaded, tmp_path / "cache") as server:
+        text = document.read_text()  # as open(path).read() gives it
+        answer = ask(client_for(server), f"{text}\n\n{ask_instruction('When does the lease end?')}", 2)
+    assert answer.usage.prompt_tokens_details.cached_tokens == entry.tokens
 
 
 def test_completions_from_text_and_from_token_ids(served, loaded):

@@ -3,6 +3,7 @@ first token is linear in its size and bounded by the limits), a client that leav
 connection that sends slowly or not at all is closed. The slow tier's soak test runs hostile clients against a
 well-behaved one."""
 
+import http.client
 import json
 import signal
 import socket
@@ -241,11 +242,52 @@ def test_connections_past_the_limit_are_refused_until_others_close(loaded):
         assert wait_until(lambda: raw_status(server) == 200, 3)
 
 
-def raw_status(server) -> int:
+def test_one_address_holding_idle_connections_leaves_room_for_the_others(loaded):
+    """Idle connections from one address fill that address's share only: a client on another address (127.0.0.2 is
+    loopback too on Linux) is still served."""
+    with serving(loaded, connections=ConnectionLimits(max_connections=8, max_per_address=3)) as server:
+        held = [connect(server) for _ in range(3)]
+        assert wait_until(lambda: raw_status(server) == 503, 3)
+        assert raw_status(server, source="127.0.0.2") == 200
+        for connection in held:
+            connection.close()
+        assert wait_until(lambda: raw_status(server) == 200, 3)
+
+
+@pytest.mark.parametrize("size, pieces", [(17_000, 1), (100_000, 1), (17_000, 200)])
+def test_headers_past_16_kib_are_a_431_whether_they_arrive_whole_or_in_pieces(served_small, size, pieces):
+    request = head(served_small, "/v1/chat/completions", b"{}").replace(
+        b"Content-Type", b"X-Padding: " + b"a" * size + b"\r\nContent-Type")
+    connection = connect(served_small)
+    step = -(-len(request) // pieces)
+    for start in range(0, len(request), step):
+        connection.sendall(request[start: start + step])
+    answer = b""
+    while chunk := connection.recv(65536):
+        answer += chunk
+    connection.close()
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"headers_too_large" in answer, answer[:200]
+    assert raw_status(served_small) == 200
+
+
+@pytest.fixture(scope="module")
+def served_small(loaded):
+    with serving(loaded) as server:
+        yield server
+
+
+def raw_status(server, source: str | None = None) -> int:
+    """The status of GET /health, from the local address `source` when given."""
+    address = urlsplit(server.url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10,
+                                            source_address=(source, 0) if source else None)
     try:
-        return raw(server, "GET", "/health")[0]
+        connection.request("GET", "/health")
+        return connection.getresponse().status
     except (ConnectionError, OSError):
         return 0
+    finally:
+        connection.close()
 
 
 # ---- the soak test --------------------------------------------------------------------------------------------

@@ -83,3 +83,31 @@ def test_any_origin_without_an_api_key_is_warned_about(tiny_model_dir, monkeypat
     assert warned.exit_code == 0 and "any web page you visit can use the model" in warned.stderr
     keyed = CliRunner().invoke(cli.app, [*arguments, "--api-key", "k"], env={"COLUMNS": "200"})
     assert keyed.exit_code == 0 and "warning" not in keyed.stderr
+
+
+@pytest.mark.parametrize("key", ["", " sekret", "sekret\n", "clé", "a\x00b"])
+def test_an_api_key_no_client_could_send_is_refused_at_start(key, tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(serve_run, "load", lambda choice: pytest.fail("loaded a model for a bad key"))
+    assert cli.main(["serve", "-m", str(tiny_model_dir), "--port", "0", "--api-key", key]) == 2
+    error = capsys.readouterr().err
+    assert "--api-key" in error and len(error.strip().splitlines()) == 1
+    assert ("GALI_API_KEY=''" in error) == (key == "")
+
+
+def test_an_empty_gali_api_key_means_no_key(tiny_model_dir, monkeypatch):
+    served = []
+    monkeypatch.setattr(serve_run, "run_server", lambda worker, settings, listener, log: served.append(settings))
+    result = CliRunner().invoke(cli.app, ["serve", "-m", str(tiny_model_dir), "--port", "0"],
+                                env={"GALI_API_KEY": ""})
+    assert result.exit_code == 0, result.stderr
+    assert served[0].api_key is None
+
+
+def test_max_prompt_tokens_defaults_to_what_the_machine_holds_and_reads(tiny_model_dir, monkeypatch):
+    served = []
+    monkeypatch.setattr(serve_run, "run_server", lambda worker, settings, listener, log: served.append(settings))
+    monkeypatch.setattr(serve_run, "free_memory", lambda device: 2**30)
+    arguments = ["serve", "-m", str(tiny_model_dir), "--port", "0"]
+    assert CliRunner().invoke(cli.app, arguments).exit_code == 0
+    assert CliRunner().invoke(cli.app, [*arguments, "--max-prompt-tokens", "1234"]).exit_code == 0
+    assert served[0].max_prompt_tokens > 1000 and served[1].max_prompt_tokens == 1234

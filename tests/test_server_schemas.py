@@ -27,6 +27,8 @@ def test_a_completion_prompt_is_one_text_or_one_list_of_token_ids(prompt, expect
 
 @pytest.mark.parametrize("body, param, words", [
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ""}, "stop", "non-empty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["Z" * 1_000_000] * 4}, "stop", "256"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop", "up to 4"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", "text"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature", "number"),
     ({"model": 3, "messages": [{"role": "user", "content": "x"}]}, "model", "string"),

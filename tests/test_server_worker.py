@@ -36,6 +36,38 @@ def test_stop_strings_cut_the_answer_before_the_first_one(pieces, stops, sent, s
     assert matcher.finish() == ("" if stopped else "".join(pieces)[len("".join(sent)):])
 
 
+@pytest.mark.parametrize("pieces, stops, sent", [
+    (["aaa", "aab"], ("aaab",), ["", "aa"]),  # a failed partial match falls back to the shorter one inside it
+    (["xabcd"], ("abcd", "bc"), ["xa"]),  # "bc" is complete first: the answer stops before it
+    (["ababa", "c"], ("abac",), ["ab", ""]),
+])
+def test_stop_strings_that_overlap_themselves_are_found(pieces, stops, sent):
+    matcher = StopStrings(stops)
+    out = [matcher.feed(piece)[0] for piece in pieces]
+    assert out[: len(sent)] == sent
+
+
+def test_stop_strings_cost_linear_time_per_token():
+    """Each character is looked at a bounded number of times, whatever the stop strings' length: the work for a
+    token does not grow with the text held back."""
+    stops = tuple("Z" * 255 + tail for tail in "abcd")
+    matcher, steps = StopStrings(stops), 0
+    original = worker_module._StopMatcher.step
+
+    def counted(self, char):
+        nonlocal steps
+        steps += 1
+        return original(self, char)
+
+    worker_module._StopMatcher.step = counted
+    try:
+        for _ in range(2000):
+            matcher.feed("Z")
+    finally:
+        worker_module._StopMatcher.step = original
+    assert steps == 4 * 2000 and matcher.pending == "Z" * 255
+
+
 def _prefilled(ids, cuts) -> Prefilled:
     return Prefilled(DynamicCache(), ids, cuts, {})
 

@@ -112,3 +112,4 @@ class Serving:
     no_cache: bool
     allow_hosts: tuple[str, ...] = ()  # Host names served besides the local ones (guard.Reach)
     allow_origins: tuple[str, ...] = ()  # web origins let in (CORS)
+    max_prompt_tokens: int | None = None  # None: what the machine can hold and read (estimate.readable_tokens)

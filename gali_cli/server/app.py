@@ -7,9 +7,11 @@ work that grows with a request: parsing and the chat template run on a thread (s
 """
 
 import asyncio
+import copy
 import hmac
 import json
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,13 +25,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..errors import ConfigError
 from ..generate import TextPiece
 from ..printable import printable
 from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
 from .connections import ConnectionLimits
 from .guard import Guard, Reach
 from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, check_size, parse, read_json
-from .worker import Done, Event, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping
+from .worker import Done, Event, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping, too_long_message
 
 KEEP_ALIVE_SECONDS = 15.0  # a comment line on a silent stream (a long queue or prefill), so that proxies wait
 LISTEN_SECONDS = 0.05  # how soon a waiting non-streamed request sees that its client went away
@@ -48,8 +51,23 @@ class ServerSettings:
     reach: Reach = field(default_factory=Reach)  # who may use it: the Host names and web origins served (guard.py)
     max_messages: int = 2048  # per chat request (OpenAI's own limit)
     max_parts: int = 2048  # text parts per chat request, in all its messages (a string content is one)
+    max_prompt_tokens: int | None = None  # past it, 400 context_length_exceeded (None: no bound)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+def check_api_key(key: str | None) -> None:
+    """A ConfigError for a key no client can send as meant: an empty one would let in anyone sending an empty Bearer
+    token, and one with blank space around it or non-ASCII characters could never match (HTTP headers are ASCII;
+    clients strip the blank space)."""
+    if key is None:
+        return
+    if not key:
+        raise ConfigError("--api-key '' would let in anyone sending an empty key: leave --api-key out to serve "
+                          "without one (GALI_API_KEY='' also means no key)")
+    if key != key.strip() or not key.isascii() or not key.isprintable():
+        raise ConfigError("--api-key: a key must be printable ASCII without blank space around it (clients send "
+                          "it in an HTTP header, which could never match this one)")
 
 
 def create_app(worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> Starlette:
@@ -66,9 +84,41 @@ def create_app(worker: ModelWorker, settings: ServerSettings, log: Callable[[str
     return _AccessLog(Guard(app, settings.reach), log)
 
 
+class _PromptBound:
+    """Refuses a prompt longer than `limit` tokens before it queues, with work bounded by the limit whatever the
+    prompt's size: first by characters (no token is longer than the vocabulary's longest, so past limit * that many
+    characters the prompt is surely over), then by counting tokens text by text with a copy of the tokenizer (the
+    worker's is not thread-safe), stopping as soon as the count passes the limit. The worker checks the exact count
+    of the prompt as templated (worker.PromptTooLong)."""
+
+    def __init__(self, tokenizer, limit: int | None) -> None:
+        self.limit = limit
+        if limit is not None:
+            self.tokenizer, self.lock = copy.deepcopy(tokenizer), threading.Lock()
+            self.chars_per_token = max(len(token) for token in tokenizer.get_vocab())
+
+    def check(self, texts: list[str]) -> None:
+        if self.limit is None:
+            return
+        if sum(map(len, texts)) > self.limit * self.chars_per_token:
+            raise too_long(f"more than {self.limit}", self.limit)
+        count = 0
+        with self.lock:
+            for text in texts:
+                count += len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                if count > self.limit:
+                    raise too_long(f"at least {count}", self.limit)
+
+
+def too_long(count: str | int, limit: int) -> APIError:
+    """OpenAI's error for a prompt past the limit."""
+    return APIError(400, too_long_message(count, limit), code="context_length_exceeded")
+
+
 class _API:
     def __init__(self, worker: ModelWorker, settings: ServerSettings) -> None:
         self.worker, self.settings = worker, settings
+        self.bound = _PromptBound(worker.loaded.tokenizer, settings.max_prompt_tokens)
 
     def endpoint(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """`handler` with its errors as OpenAI-style JSON: an APIError as itself, anything else a 500."""
@@ -88,6 +138,7 @@ class _API:
         worker = self.worker
         facts = {"model": self.settings.name, "method": worker.method, "train_len": worker.window,
                  "model_train_len": worker.loaded.train_len,
+                 "max_prompt_tokens": self.settings.max_prompt_tokens,
                  "busy": worker.busy, "waiting": worker.waiting, "queue_size": worker.queue_size}
         if worker.stopping:
             return JSONResponse({"status": "stopping", **facts}, 503)
@@ -115,6 +166,7 @@ class _API:
         chat = parse(ChatRequest, data)
         self._check_model(chat.model)
         chat.check_supported()
+        self.bound.check([message.text for message in chat.messages])
         roles = ["system" if message.role == "developer" else message.role for message in chat.messages]
         try:
             parts, bos = served_parts(self.worker.loaded.tokenizer, roles)
@@ -138,18 +190,22 @@ class _API:
         self._check_model(completion.model)
         completion.check_supported()
         prompt = completion.prompt
+        limit = self.settings.max_prompt_tokens
         if isinstance(prompt, str):
+            self.bound.check([prompt])
             return completion, (lambda tokenizer, check: raw_prompt(tokenizer, prompt)), prompt
         vocabulary = self.worker.loaded.model.config.vocab_size
         if not all(0 <= token < vocabulary for token in prompt):
             raise APIError(400, f"prompt: token ids must be in [0, {vocabulary})", param="prompt")
+        if limit is not None and len(prompt) > limit:
+            raise too_long(len(prompt), limit)
         return completion, (lambda tokenizer, check: ServedPrompt(list(prompt), [len(prompt)], 0)), f"{prompt[:8]}..."
 
     async def _answer(self, request: Request, generation: ChatRequest | CompletionRequest, reply: Reply,
                       tokenize: Callable[..., ServedPrompt], label: str) -> Response:
         """Queue the job, then answer as one document or as a stream of events."""
         job = Job(tokenize, self._sampling(generation), f"gali serve: {' '.join(label[:200].split())[:60]}",
-                  asyncio.get_running_loop())
+                  asyncio.get_running_loop(), self.settings.max_prompt_tokens)
         try:
             self.worker.submit(job)
         except QueueFull as full:
@@ -177,7 +233,7 @@ class _API:
                     return JSONResponse(reply.whole("".join(pieces), event.reason, _usage(event)))
                 elif isinstance(event, Failed):
                     request.state.note = f"failed: {event.message}"
-                    raise APIError(event.status, event.message, event.kind)
+                    raise APIError(event.status, event.message, event.kind, code=event.code)
             request.state.note = "cancelled: the client went away"
             return Response(status_code=499)  # nobody reads it
         finally:
@@ -201,7 +257,7 @@ class _API:
                     yield b"data: [DONE]\n\n"
                 else:
                     request.state.note = f"failed: {event.message}"
-                    yield _data(APIError(event.status, event.message, event.kind).body())
+                    yield _data(APIError(event.status, event.message, event.kind, code=event.code).body())
         finally:
             job.cancel()
 
@@ -247,7 +303,8 @@ class _API:
                            param="model", code="model_not_found")
 
     def _card(self) -> dict:
-        return {"id": self.settings.name, "object": "model", "created": self.settings.created, "owned_by": "gali"}
+        return {"id": self.settings.name, "object": "model", "created": self.settings.created, "owned_by": "gali",
+                "max_prompt_tokens": self.settings.max_prompt_tokens}
 
 
 async def _events(job: Job, request: Request, listen: bool) -> AsyncIterator[Event | None]:

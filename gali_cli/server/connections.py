@@ -7,8 +7,9 @@ restarts its keep-alive clock. So each connection is uvicorn's own protocol insi
 deadline when the connection opens and when each response ends (its next request's headers must arrive within
 `header_seconds`), moves it when the request reaches the application (its body must then arrive within
 `body_seconds`), and stops it once the body is in: from then on the application decides (a request may wait for the
-model as long as it likes). Past its deadline the connection is closed. Past `max_connections` open at once, a new
-one gets a 503 and is closed.
+model as long as it likes). Past its deadline the connection is closed. Past `max_connections` open at once, or
+`max_per_address` from the client's address, a new one gets a 503 and is closed: one client holding many idle
+connections fills its own share, not everyone's.
 
 The application learns which connection a request came on from the state uvicorn copies into each request's scope
 (the `app_state` a protocol is made with): watch_requests is the middleware that tells the connection.
@@ -16,7 +17,8 @@ The application learns which connection a request came on from the state uvicorn
 
 import asyncio
 import json
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn import Config
@@ -32,12 +34,40 @@ class ConnectionLimits:
     header_seconds: float = 10.0  # from the connection's start, or the last response's end, to a request's headers
     body_seconds: float = 60.0  # from the headers to the end of the body (32 MiB in a minute: about 0.5 MB/s)
     max_connections: int = 256
+    max_per_address: int = 64  # from one client address (IP)
+
+
+@dataclass
+class OpenConnections:
+    """The server's open connections, and how many come from each client address."""
+
+    connections: set = field(default_factory=set)
+    per_address: Counter = field(default_factory=Counter)
+
+    def refusal(self, address: str, limits: ConnectionLimits) -> str | None:
+        """Why a new connection from `address` is refused (None: it is not)."""
+        if len(self.connections) >= limits.max_connections:
+            return f"the server has {limits.max_connections} connections open, its limit"
+        if self.per_address[address] >= limits.max_per_address:
+            return f"{limits.max_per_address} connections from {address} are open, the limit for one address"
+        return None
+
+    def add(self, connection: "Watched") -> None:
+        self.connections.add(connection)
+        self.per_address[connection.address] += 1
+
+    def discard(self, connection: "Watched") -> None:
+        if connection in self.connections:
+            self.connections.remove(connection)
+            self.per_address[connection.address] -= 1
+            if not self.per_address[connection.address]:
+                del self.per_address[connection.address]
 
 
 class Watched(asyncio.Protocol):
     """One connection: uvicorn's HTTP protocol inside, under a deadline while a request is being received."""
 
-    def __init__(self, limits: ConnectionLimits, open_connections: set, protocol: type[asyncio.Protocol],
+    def __init__(self, limits: ConnectionLimits, open_connections: OpenConnections, protocol: type[asyncio.Protocol],
                  config: Config, server_state: ServerState, app_state: dict,
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Made by uvicorn for each connection (run.py binds `limits`, the server's set of open connections and the
@@ -48,12 +78,16 @@ class Watched(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.deadline: asyncio.TimerHandle | None = None
         self.refused = False
+        self.address = ""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.transport = transport
-        if len(self.open) >= self.limits.max_connections:
+        peer = transport.get_extra_info("peername")
+        self.address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        refusal = self.open.refusal(self.address, self.limits)
+        if refusal is not None:
             self.refused = True
-            transport.write(_busy(self.limits.max_connections))
+            transport.write(_busy(refusal))
             transport.close()
             return
         self.open.add(self)
@@ -115,9 +149,9 @@ def watch_requests(app: ASGIApp) -> ASGIApp:
     return watched
 
 
-def _busy(limit: int) -> bytes:
+def _busy(refusal: str) -> bytes:
     """A whole HTTP response: 503, in OpenAI's error shape, and the connection closes."""
-    body = json.dumps({"error": {"message": f"the server has {limit} connections open, its limit; retry shortly",
+    body = json.dumps({"error": {"message": f"{refusal}; retry shortly",
                                  "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))

@@ -12,10 +12,12 @@ Origin, OLLAMA_ORIGINS widening the origins); gali does the same, in one ASGI mi
 - **Origin**: browsers name the page's origin on every cross-origin request; programs send none. A request with an
   Origin not given by `--allow-origin` is refused, so CORS is off unless asked for; for an allowed origin, the
   preflight (OPTIONS) is answered and the response carries Access-Control-Allow-Origin.
+- **Header size**: a request line and headers of more than MAX_HEADER_BYTES are a 431, whether they arrive in pieces
+  (uvicorn's h11 stops buffering there) or in one (h11 parses them whole: counted here).
 - **Content-Type**: a POST must be JSON. A page may send a cross-origin POST without asking (a "simple" request)
   only as text/plain or a form; JSON needs the preflight the Origin rule refuses.
 
-Refusals are OpenAI-style JSON errors (403, 415) with the reason noted for the access log. `JsonErrors` makes
+Refusals are OpenAI-style JSON errors (403, 415, 431) with the reason noted for the access log. `JsonErrors` makes
 uvicorn's own 400 (a request that is not valid HTTP, such as a malformed Content-Length) JSON too.
 """
 
@@ -34,6 +36,7 @@ from .schemas import APIError
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 ANY = "*"
 PREFLIGHT_SECONDS = 600  # how long a browser may remember an allowed preflight
+MAX_HEADER_BYTES = 16 * 2**10  # a request line and headers; also uvicorn's h11_max_incomplete_event_size default
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        if _header_bytes(scope) > MAX_HEADER_BYTES:
+            await _error(_headers_too_large(), scope, receive, send)
+            return
         host, origin = headers.get("host"), headers.get("origin")
         port = (scope.get("server") or ("", 80))[1]
         if not self.reach.allows_host(host, port):
@@ -108,8 +114,23 @@ class Guard:
         else:
             await self.app(scope, receive, _allowing(origin, send) if origin is not None else send)
             return
-        scope.setdefault("state", {})["note"] = error.message  # for the access log
-        await JSONResponse(error.body(), error.status, headers=error.headers)(scope, receive, send)
+        await _error(error, scope, receive, send)
+
+
+async def _error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    scope.setdefault("state", {})["note"] = error.message  # for the access log
+    await JSONResponse(error.body(), error.status, headers=error.headers)(scope, receive, send)
+
+
+def _headers_too_large() -> APIError:
+    return APIError(431, f"the request line and headers are larger than the server's limit of {MAX_HEADER_BYTES} "
+                         "bytes", code="headers_too_large")
+
+
+def _header_bytes(scope: Scope) -> int:
+    """The size of a request's line and headers as sent (give or take the HTTP version's few bytes)."""
+    line = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 12
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
 
 
 def _preflight(origin: str, headers: Headers) -> Response:
@@ -159,12 +180,16 @@ class JsonErrors(H11Protocol):
     header line, which never reaches the application) is OpenAI-style JSON instead of plain text."""
 
     def send_400_response(self, msg: str) -> None:
-        error = APIError(400, "the request is not valid HTTP/1.1 (a malformed request line or header, such as "
-                              "Content-Length)", code="invalid_http")
+        if len(self.conn.trailing_data[0]) > MAX_HEADER_BYTES:  # h11 stopped buffering headers that long
+            error = _headers_too_large()
+        else:
+            error = APIError(400, "the request is not valid HTTP/1.1 (a malformed request line or header, such as "
+                                  "Content-Length)", code="invalid_http")
         body = JSONResponse(error.body()).body
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, reason=b"Bad Request", headers=headers), h11.Data(data=body),
+        reason = b"Request Header Fields Too Large" if error.status == 431 else b"Bad Request"
+        for event in (h11.Response(status_code=error.status, reason=reason, headers=headers), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()

@@ -13,7 +13,7 @@ import uvicorn
 
 from ..errors import ConfigError, GaliError
 from .app import ServerSettings, create_app
-from .connections import Watched, watch_requests
+from .connections import OpenConnections, Watched, watch_requests
 from .guard import JsonErrors
 from .worker import ModelWorker
 
@@ -62,7 +62,7 @@ class Server(uvicorn.Server):
     def __init__(self, worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> None:
         super().__init__(uvicorn.Config(watch_requests(create_app(worker, settings, log)), log_config=None,
                                         log_level="warning", access_log=False, lifespan="off", ws="none",
-                                        http=partial(Watched, settings.connections, set(), JsonErrors),
+                                        http=partial(Watched, settings.connections, OpenConnections(), JsonErrors),
                                         timeout_graceful_shutdown=GRACEFUL_SECONDS))
         self.worker, self.log = worker, log
 

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..prompts import question_starts
 
 MAX_COMPLETION_TOKENS = 1 << 20
+MAX_STOPS = 4  # stop strings per request, as OpenAI takes
+MAX_STOP_CHARS = 256  # per stop string: a held-back tail is at most this long
 _Request = TypeVar("_Request", bound=BaseModel)
 
 
@@ -113,8 +115,10 @@ class _Generation(_Strict):
         if value is None:
             return None
         stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-            raise ValueError("must be a non-empty string or a list of up to 4 of them")
+        if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"must be a non-empty string or a list of up to {MAX_STOPS} of them")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"each stop string may be at most {MAX_STOP_CHARS} characters long")
         return stops
 
     def refusals(self) -> dict[str, bool]:
@@ -155,14 +159,35 @@ class Message(_Strict):
 
     @property
     def text(self) -> str:
-        return "\n".join(self.content)
+        """The parts joined by line breaks, with blank space at the end of a document before its question dropped
+        (see _tidied)."""
+        return _tidied("\n".join(self.content))[0]
 
     def cuts(self) -> list[int]:
         """Character offsets where the prefill ends a forward: the last part's start (a client's question after
         its document), and where a question may follow a document (prompts.question_starts). A few at most: each
         is tokenized again (prompts.served_prompt), so one per part would make a many-part message quadratic."""
-        last = len(self.text) - len(self.content[-1])
-        return sorted(({last} - {0}) | set(question_starts(self.text)))
+        joined = "\n".join(self.content)
+        text, dropped_at, dropped = _tidied(joined)
+        last = len(joined) - len(self.content[-1])
+        last -= dropped if last >= dropped_at + dropped else 0
+        return sorted(({last} - {0}) | set(question_starts(text)))
+
+
+def _tidied(text: str) -> tuple[str, int, int]:
+    """`text` with a document's trailing blank space before its question made one blank line, as `gali ask` sets
+    them ("document\n\nquestion"), so that a file sent as read (with its final line break) shares the state gali
+    ask stored; and where, and how many, characters were dropped."""
+    stripped = text.rstrip()
+    blank = stripped.rfind("\n\n")
+    if blank <= 0:
+        return text, 0, 0
+    document = text[:blank].rstrip()
+    if not document:
+        return text, 0, 0
+    question_start = blank + 2  # the last blank line's end: "doc\n\n\nq" ends its blank space at q
+    dropped = question_start - (len(document) + 2)
+    return document + "\n\n" + text[question_start:], len(document), dropped
 
 
 class ChatRequest(_Generation):

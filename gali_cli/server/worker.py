@@ -58,9 +58,15 @@ class Failed:
     status: int
     message: str
     kind: str = "server_error"
+    code: str | None = None
 
 
 Event = TextPiece | Done | Failed
+
+
+def too_long_message(count: str | int, limit: int) -> str:
+    """What a client whose prompt has `count` tokens, past `limit`, is told."""
+    return f"the prompt has {count} tokens: this server reads at most {limit} (gali serve --max-prompt-tokens)"
 
 
 class _Cancelled(Exception):
@@ -77,6 +83,7 @@ class Job:
     sampling: Sampling
     label: str  # what the document cache lists for a stored prefix
     loop: asyncio.AbstractEventLoop
+    max_prompt_tokens: int | None = None  # past it, the job fails before any forward
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -108,25 +115,49 @@ class Stopping(Exception):
     """The worker takes no more jobs: the server is shutting down."""
 
 
+class _StopMatcher:
+    """How much of one stop string the text so far ends with, updated a character at a time (Knuth-Morris-Pratt):
+    constant work per character on average, whatever the stop string's length, so a long one costs no more per token."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop, self.matched = stop, 0
+        self.fallback = [0] * len(stop)  # fallback[i]: the longest proper prefix of stop[:i + 1] that ends it
+        length = 0
+        for index in range(1, len(stop)):
+            while length and stop[index] != stop[length]:
+                length = self.fallback[length - 1]
+            length += stop[index] == stop[length]
+            self.fallback[index] = length
+
+    def step(self, char: str) -> bool:
+        """Take one more character; True when the text now ends with the whole stop string."""
+        matched = self.matched
+        if matched == len(self.stop):
+            matched = self.fallback[matched - 1]
+        while matched and char != self.stop[matched]:
+            matched = self.fallback[matched - 1]
+        self.matched = matched + (char == self.stop[matched])
+        return self.matched == len(self.stop)
 
 
 class StopStrings:
-    """Cuts the answer at the first stop string, holding back text that may be the start of one."""
+    """Cuts the answer at the first stop string to end in it, holding back text that may be the start of one. Each
+    character is looked at once per stop string: the work per token is linear in the token's text."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops, self.pending = stops, ""
+        self.matchers, self.pending = [_StopMatcher(stop) for stop in stops], ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """The text that can be sent now, and whether a stop string was reached (the text then ends before it)."""
-        self.pending += text
-        found = [index for index in (self.pending.find(stop) for stop in self.stops) if index >= 0]
-        if found:
-            ready, self.pending = self.pending[: min(found)], ""
-            return ready, True
-        held = max((length for stop in self.stops for length in range(1, len(stop))
-                    if self.pending.endswith(stop[:length])), default=0)
-        ready, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held:]
-        return ready, False
+        pending = self.pending + text
+        for end, char in enumerate(text, start=len(self.pending) + 1):
+            completed = [len(matcher.stop) for matcher in self.matchers if matcher.step(char)]
+            if completed:
+                self.pending = ""
+                return pending[: end - max(completed)], True
+        held = max((matcher.matched for matcher in self.matchers), default=0)  # the start of a stop string
+        self.pending = pending[len(pending) - held:] if held else ""
+        return pending[: len(pending) - held], False
 
     def finish(self) -> str:
         """What was held back, at the end of the answer."""
@@ -239,6 +270,11 @@ class ModelWorker:
             prompt = job.tokenize(loaded.tokenizer, check=job.check)
             if not prompt.ids:
                 raise InputError("the prompt has no tokens")
+            limit = job.max_prompt_tokens
+            if limit is not None and len(prompt.ids) > limit:
+                job.emit(Failed(400, too_long_message(len(prompt.ids), limit), "invalid_request_error",
+                                "context_length_exceeded"))
+                return
             sampler = make_sampler(sampling.temperature, sampling.top_p, 0, sampling.seed)
             resolved = apply_method(loaded.model, self.method, self.settings, len(prompt.ids))
             cache, reused = self.states.start(prompt, resolved, job.check)
