@@ -30,6 +30,7 @@ from .options import (
     JsonOutput,
     MaxInputSize,
     MaxNewTokens,
+    MaxPromptTokens,
     NoCache,
     NoStream,
     Out,
@@ -82,6 +83,7 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
 @with_model_options
 def summarize(
     files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_prompt_tokens: MaxPromptTokens = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = 0, system: System = None,
     no_stream: NoStream = False, cache_dir: CacheDir = None, no_cache: NoCache = False,
@@ -99,7 +101,8 @@ def summarize(
     Example: gali summarize reports/ --out summaries.jsonl
     """
     answering = _answering(locals())
-    _answer(files, out, "summarize", SUMMARIZE, None, choice, Reading(password, max_input_size), answering)
+    reading = Reading(password, max_input_size, max_prompt_tokens)
+    _answer(files, out, "summarize", SUMMARIZE, None, choice, reading, answering)
 
 
 @app.command(cls=Command)
@@ -109,6 +112,7 @@ def ask(
     files: Files,
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="The question about the document(s).")],
     out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_prompt_tokens: MaxPromptTokens = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
     no_cache: NoCache = False, json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
@@ -125,8 +129,8 @@ def ask(
     if not question.strip():
         raise ConfigError("QUESTION is empty")
     answering = _answering(locals())
-    _answer(files, out, "ask", ask_instruction(question), question, choice, Reading(password, max_input_size),
-            answering)
+    reading = Reading(password, max_input_size, max_prompt_tokens)
+    _answer(files, out, "ask", ask_instruction(question), question, choice, reading, answering)
 
 
 def _answering(options: dict) -> Answering:
@@ -165,6 +169,7 @@ def _answer(files: list[str], out: str | None, command: str, instruction: str, q
 @with_model_options(many_methods=True)
 def ppl(
     files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_prompt_tokens: MaxPromptTokens = None,
     max_tokens: Annotated[int | None, typer.Option(min=2, metavar="N", help="Evaluate the first N tokens only.")]
     = None,
     lengths: Annotated[str | None, typer.Option(metavar="L,L...", help="PPL over the first L tokens for each L, e.g. "
@@ -196,15 +201,15 @@ def ppl(
     if out or len(files) > 1:
         from .runs.batches import perplexity_batch
 
-        reading = Reading(password, max_input_size)
+        reading = Reading(password, max_input_size, max_prompt_tokens)
         if perplexity_batch(files, out, choice, reading, max_tokens, wanted, json_output, csv, plot, verbose):
             raise typer.Exit(1)
     else:
         _check_first(choice, files[0])
         from .runs.ppl import perplexity
 
-        perplexity(files[0], choice, Reading(password, max_input_size), max_tokens, wanted, json_output, csv, plot,
-                   verbose)
+        perplexity(files[0], choice, Reading(password, max_input_size, max_prompt_tokens), max_tokens, wanted,
+                   json_output, csv, plot, verbose)
 
 
 def _parse_lengths(text: str | None, shortest: int = 2, why: str = "perplexity needs at least 2 tokens",
@@ -258,6 +263,7 @@ def eval_(
                                                                    "goes through the chat template (the GALI "
                                                                    "authors' LongBench runs used one).")] = None,
     password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_prompt_tokens: MaxPromptTokens = None,
     csv: Annotated[bool, typer.Option("--csv", metavar="", help="Print task,length,method,score rows as CSV.")]
     = False,
     plot: Annotated[str | None, typer.Option(metavar="FILE", help="Also save score against length as an image "
@@ -294,7 +300,7 @@ def eval_(
 
     evaluate(choice, Evaluation(tuple(names), tuple(wanted), samples, seed, haystack, out, json_output, csv, plot,
                                 cache_dir, no_cache, longbench_data, truncation, system),
-             Reading(password, max_input_size))
+             Reading(password, max_input_size, max_prompt_tokens))
 
 
 @app.command(cls=Command)
@@ -302,6 +308,7 @@ def eval_(
 @with_model_options
 def chat(
     file: File, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    max_prompt_tokens: MaxPromptTokens = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
     no_cache: NoCache = False,
@@ -322,7 +329,7 @@ def chat(
     from .runs.answer import chat as run_chat
 
     answering = _answering(locals())
-    run_chat(file, choice, Reading(password, max_input_size), answering)
+    run_chat(file, choice, Reading(password, max_input_size, max_prompt_tokens), answering)
 
 
 def _web_origin(value: str) -> str:

@@ -29,7 +29,7 @@ from .generate import (
 )
 from .methods import METHODS, apply_method, prefill_spans
 from .model.loading import LoadedModel
-from .prompts import Prompt, ask_instruction, conversation_ids, text_ids
+from .prompts import Prompt, ask_instruction, check_prompt_length, conversation_ids, text_ids
 
 
 class Conversation:
@@ -46,7 +46,9 @@ class Conversation:
         store: DocumentCache | None = None,
         notice: Callable[[str], None] = lambda message: None,
         chat: bool = True,  # False: a raw text prompt, without the chat template (prompts.conversation_ids)
+        max_prompt_tokens: int | None = None,  # a longer prompt is refused before any forward (InputError)
     ) -> None:
+        self.max_prompt_tokens = max_prompt_tokens
         self.loaded, self.method, self.settings, self.chat = loaded, method, settings, chat
         self.document, self.document_name, self.system = document, document_name, system
         self.states = DocumentStates(loaded, method, store)
@@ -69,6 +71,7 @@ class Conversation:
             self._last_prompt = turn, conversation_ids(self.loaded.tokenizer, self.document,
                                                        [*self.questions, instruction], self.answers, self.system,
                                                        self.chat)
+        check_prompt_length(len(self._last_prompt[1].ids), self.max_prompt_tokens, self.document_name)
         return self._last_prompt[1]
 
     @torch.inference_mode()

@@ -117,6 +117,14 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def holdable_tokens(token_bytes: int, window: int, free_bytes: int) -> int:
+    """The longest prompt whose keys and values (`token_bytes` a token: kv_bytes_per_token) fit MEMORY_SHARE of
+    `free_bytes`; never less than the model's `window`. The default bound of the commands that read on the user's own
+    machine: they show their progress and an estimate, and Ctrl-C stops them, so only what cannot fit is refused up
+    front."""
+    return max(window, int(MEMORY_SHARE * free_bytes // token_bytes))
+
+
 def readable_tokens(config: PretrainedConfig, element_bytes: int, free_bytes: int, flops_per_second: float,
                     seconds: float = READ_SECONDS) -> int:
     """The longest prompt whose keys and values fit MEMORY_SHARE of `free_bytes` and whose prefill takes at most

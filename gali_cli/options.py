@@ -171,6 +171,10 @@ def _size(value: str | int) -> int:
 MaxInputSize = Annotated[int, typer.Option(parser=_size, metavar="SIZE", envvar="GALI_MAX_INPUT_SIZE",
                                            show_default=format_size(MAX_INPUT_BYTES),
                                            help="Refuse a larger input (exit 3), checked while it is read, e.g. 1G.")]
+MaxPromptTokens = Annotated[int | None, typer.Option(
+    min=1, metavar="N", envvar="GALI_MAX_PROMPT_TOKENS", show_default="what half the free memory holds",
+    help="Refuse a longer prompt (exit 3) before reading it; the default bound is the keys and values that fit half "
+         "the free memory (RAM, or the GPU's).")]
 JsonOutput = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object on stdout.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Stats on stderr: tokens, speed, peak "
                                                                             "memory.")]

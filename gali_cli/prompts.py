@@ -49,6 +49,14 @@ def chat_messages(document: str, instruction: str, system: str | None = None) ->
     return messages
 
 
+def check_prompt_length(tokens: int, limit: int | None, name: str) -> None:
+    """InputError when a prompt of `tokens` passes `limit` (--max-prompt-tokens; None: no bound), before any forward."""
+    if limit is not None and tokens > limit:
+        raise InputError(f"{name}: the prompt has {tokens:,} tokens, more than the {limit:,} gali reads here "
+                         "(--max-prompt-tokens or GALI_MAX_PROMPT_TOKENS; by default, what half the free memory "
+                         "holds of their keys and values)")
+
+
 def text_ids(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
     """Token ids of user text, where a literal "<|eot_id|>" is just characters, never a control token; a long text
     is tokenized in pieces (long_ids), with the tokenizer's special tokens (BOS) around them all if asked."""

@@ -682,3 +682,28 @@ def test_a_usage_error_names_what_is_missing_and_the_help_to_read(args, message,
     and every usage error pointed at `gali --help`, not the command's own."""
     assert cli.main(args) == 2
     assert capsys.readouterr().err.strip().endswith(message)
+
+
+@pytest.mark.parametrize("command", [["summarize"], ["ask", "QUESTION"], ["ppl"], ["chat"]])
+def test_a_prompt_past_max_prompt_tokens_is_refused_before_any_forward(gali, doc, command, monkeypatch):
+    """--max-prompt-tokens (or GALI_MAX_PROMPT_TOKENS) bounds every command's prompt: exit 3 and one line, and the
+    model never runs a forward."""
+    from transformers import LlamaForCausalLM
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran")
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", no_forward)
+    files = [command[0], str(doc), *command[1:]]
+    for bound in (["--max-prompt-tokens", "20"], []):
+        refused = gali(*files, *bound, env={} if bound else {"GALI_MAX_PROMPT_TOKENS": "20"}, input="hi\n")
+        assert refused.exit_code == 3, refused.output
+        message, = refused.stderr.strip().splitlines()[-1:]
+        assert "more than the 20 gali reads here" in message and "--max-prompt-tokens" in message
+
+
+def test_the_default_prompt_bound_is_what_half_the_free_memory_holds(monkeypatch):
+    from gali_cli.estimate import holdable_tokens
+
+    assert holdable_tokens(1000, 256, 10**9) == 500_000  # half of 1 GB, 1 kB a token
+    assert holdable_tokens(1000, 256, 10**4) == 256  # never below the model's window

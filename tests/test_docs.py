@@ -191,6 +191,7 @@ def github_anchor(heading: str) -> str:
 
 
 def anchors(markdown: str) -> set[str]:
+    """The ids a page's links may point at: its headings', as GitHub makes them, and those of `<a id>` tags."""
     seen: dict[str, int] = {}
     for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M), flags=re.M):
         anchor = github_anchor(heading)
@@ -198,7 +199,7 @@ def anchors(markdown: str) -> set[str]:
         seen[anchor] = count + 1
         if count:
             seen[f"{anchor}-{count}"] = 1
-    return set(seen)
+    return set(seen) | set(re.findall(r'<a id="([^"]+)"></a>', markdown))  # and anchors set by hand
 
 
 def relative_links(markdown: str) -> list[str]:

@@ -72,10 +72,12 @@ class ModelChoice:
 
 @dataclass(frozen=True)
 class Reading:
-    """How documents are read: an encrypted PDF's password, and the size past which an input is refused."""
+    """How documents are read: an encrypted PDF's password, the size past which an input is refused, and the
+    prompt length past which it is refused before any forward (None: what the free memory holds)."""
 
     password: str | None = None
     max_bytes: int = MAX_INPUT_BYTES
+    max_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from .common import (
     facts,
     finished_facts,
     load,
+    prompt_limit,
     read,
     say_input,
     store,
@@ -77,7 +78,8 @@ def _start(file: str, choice: ModelChoice, reading: Reading, answering: Answerin
     cache = None if answering.no_cache else store(answering.cache_dir)
     document = read(file, reading)
     loaded = load(choice)
-    return sampler, loaded, document, conversation(loaded, choice, document, answering.system, cache)
+    return sampler, loaded, document, conversation(loaded, choice, document, answering.system, cache,
+                                                   prompt_limit(loaded, reading))
 
 
 def _read_question(interactive: bool) -> str | None:

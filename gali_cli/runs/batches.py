@@ -26,7 +26,7 @@ from .batch_files import (
     expand_documents,
     run_batch,
 )
-from .common import conversation, entry_point, finished_facts, load, store
+from .common import conversation, entry_point, finished_facts, load, prompt_limit, store
 from .ppl import method_perplexities, ppl_ids, print_rows
 
 
@@ -40,10 +40,11 @@ def answer_batch(specs: list[str], out: str | None, command: str, instruction: s
                    generation={"max_new_tokens": answering.max_new_tokens, "temperature": answering.temperature,
                                "top_p": answering.top_p, "top_k": answering.top_k, "seed": answering.seed})
         loaded = load(choice, batch.rank)
+        limit = prompt_limit(loaded, reading)
 
         def work(path: Path) -> list[dict]:
             document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
-            talk = conversation(loaded, choice, document, answering.system, cache)
+            talk = conversation(loaded, choice, document, answering.system, cache, limit)
             sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
             events = list(talk.ask(instruction, sampler, answering.max_new_tokens))
             answer = "".join(event.text for event in events if isinstance(event, TextPiece)).strip()
@@ -66,10 +67,11 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
     with _setup(specs, out, choice) as batch:
         job = batch_job("ppl", choice, max_tokens=max_tokens, lengths=lengths)
         loaded = load(choice, batch.rank)
+        bound = prompt_limit(loaded, reading)
 
         def work(path: Path) -> list[dict]:
             document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
-            ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens)
+            ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens, bound)
             reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
             records = []
             for method in choice.methods:

@@ -22,7 +22,7 @@ from ..doc_cache import DocumentCache, default_directory, default_limit
 from ..documents import Document, read_document
 from ..engine.kernel_choice import kernel_choice
 from ..errors import ConfigError, GaliWarning, ModelLoadError
-from ..estimate import PrefillClock, duration
+from ..estimate import PrefillClock, duration, free_memory, holdable_tokens, kv_bytes_per_token
 from ..generate import Finished
 from ..methods import kept_window
 from ..model.loading import LoadedModel, load_model
@@ -109,11 +109,22 @@ def store(directory: str | None) -> DocumentCache:
     return DocumentCache(path, default_limit(), warn)
 
 
+def prompt_limit(loaded: LoadedModel, reading: Reading) -> int:
+    """The longest prompt a command reads: --max-prompt-tokens, else what half the free memory holds for its keys
+    and values (estimate.holdable_tokens; `gali serve` also bounds the reading time, which a local run shows and
+    Ctrl-C stops)."""
+    if reading.max_prompt_tokens is not None:
+        return reading.max_prompt_tokens
+    config = loaded.model.config
+    return holdable_tokens(kv_bytes_per_token(config, loaded.dtype.itemsize), config.max_position_embeddings,
+                           free_memory(loaded.device))
+
+
 def conversation(loaded: LoadedModel, choice: ModelChoice, document: Document, system: str | None,
-                 cache: DocumentCache | None) -> Conversation:
+                 cache: DocumentCache | None, max_prompt_tokens: int | None) -> Conversation:
     """A conversation about `document`, its notices (e.g. a document read again) dim on stderr."""
     return Conversation(loaded, choice.method, choice.settings, document.text, cache_name(document), system, cache,
-                        notice=lambda message: say(message, style="dim"))
+                        notice=lambda message: say(message, style="dim"), max_prompt_tokens=max_prompt_tokens)
 
 
 def cache_name(document: Document) -> str:

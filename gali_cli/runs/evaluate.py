@@ -19,11 +19,11 @@ from ..evaluation.tasks import LONGBENCH, build_samples
 from ..generate import Finished, TextPiece, make_sampler
 from ..methods import kept_window
 from ..model.loading import LoadedModel
-from ..prompts import conversation_ids, text_ids
+from ..prompts import check_prompt_length, conversation_ids, text_ids
 from . import ModelChoice, Reading
 from .batch_files import Rank, ResultsFile, job_hash, latest_records
 from .batches import batch_job, held
-from .common import entry_point, finished_facts, load, read, store
+from .common import entry_point, finished_facts, load, prompt_limit, read, store
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,11 @@ def sample_hash(sample: Sample) -> str:
 
 
 def answer_sample(loaded: LoadedModel, method: str, choice: ModelChoice, sample: Sample, cache,
-                  system: str | None = None) -> dict:
+                  system: str | None = None, max_prompt_tokens: int | None = None) -> dict:
     """The sample answered greedily through `gali ask`'s conversation (its document cache too), after the `system`
     message when the sample is a chat one, cut at the first stop string, and scored."""
     talk = Conversation(loaded, method, choice.settings, sample.context, f"<gali eval {sample.task} {sample.id}>",
-                        _system(sample, system), cache, chat=sample.chat)
+                        _system(sample, system), cache, chat=sample.chat, max_prompt_tokens=max_prompt_tokens)
     text, finished = "", None
     for event in talk.ask(sample.question, make_sampler(), sample.max_new_tokens, answer_prefix=sample.answer_prefix):
         if isinstance(event, Finished):
@@ -97,6 +97,9 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
     results = ResultsFile(Path(evaluation.out), rank) if evaluation.out else None
     with held(results) if results else nullcontext() as collective:  # a second run on --out refuses before loading
         loaded = load(choice, rank)
+        limit = prompt_limit(loaded, reading)
+        if evaluation.lengths:  # the lengths asked for, refused before any sample is built
+            check_prompt_length(max(evaluation.lengths), limit, "gali eval --lengths")
         paper_model = is_paper_model(loaded.model.config, choice.model)  # before a method changes its config
         with display.status("Building the samples"):
             samples = build_samples(list(evaluation.tasks), Request(
@@ -110,7 +113,7 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
                                   decoding="greedy", **({"truncation": evaluation.truncation} if longbench else {}),
                                   **({"system": evaluation.system} if evaluation.system else {}))
                 for method in choice.methods}
-        records = _answer_all(loaded, choice, samples, jobs, results, rank, evaluation)
+        records = _answer_all(loaded, choice, samples, jobs, results, rank, evaluation, limit)
         if collective is not None:
             collective.wait()  # every process is done: rank 0 merges their parts
             results.merge()
@@ -136,7 +139,8 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
 
 
 def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample], jobs: dict[str, dict],
-                results: ResultsFile | None, rank: Rank, evaluation: Evaluation) -> list[dict]:
+                results: ResultsFile | None, rank: Rank, evaluation: Evaluation, limit: int | None = None
+                ) -> list[dict]:
     """This process's share of (sample, method) pairs not already done, each appended as it finishes; returns the
     records written."""
     cache = None if evaluation.no_cache else store(evaluation.cache_dir)
@@ -154,7 +158,7 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
         for done, (sample, method) in enumerate(todo):
             bar(done, len(todo))
             started = time.perf_counter()
-            answer = answer_sample(loaded, method, choice, sample, cache, evaluation.system)
+            answer = answer_sample(loaded, method, choice, sample, cache, evaluation.system, limit)
             record = {"path": f"{sample.task}/{sample.id}", "sha256": keys[sample.task, sample.id],
                       "job": job_keys[method],
                       "status": "ok", **jobs[method], "task": sample.task, "sample": sample.id,

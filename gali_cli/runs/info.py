@@ -11,7 +11,7 @@ from ..config import PREVIEWED_METHODS
 from ..display import print_json, say
 from ..engine.plan import decide
 from ..errors import GaliError
-from ..model.config import read_model_config
+from ..model.config import ModelConfig, read_model_config
 from ..model.machine import environment_facts
 from . import ModelChoice
 
@@ -34,7 +34,7 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> No
         config = None
     if config is not None:
         facts |= {**config.facts(), "gali": choice.settings.gali().resolved(config.train_len).facts(),
-                  **_previews(choice)}
+                  **_previews(choice), "max_prompt_tokens": _holdable(config, facts)}
     if not check:
         display.print_facts(facts, json_output)
         return
@@ -79,6 +79,17 @@ def run_self_check(device, json_output: bool) -> list:
         passed = sum(item.ok for item in checks)
         say(f"self-check: {passed} of {len(checks)} passed")
     return checks
+
+
+def _holdable(config: ModelConfig, facts: dict) -> int:
+    """The prompt length the answering commands read at most by default here (runs/common.prompt_limit)."""
+    import torch
+
+    from ..estimate import free_memory, holdable_tokens
+
+    element_bytes = torch.empty(0, dtype=getattr(torch, str(facts["dtype"]), torch.float32)).element_size()
+    token_bytes = 2 * config.layers * config.kv_heads * (config.hidden_size // config.heads) * element_bytes
+    return holdable_tokens(token_bytes, config.train_len, free_memory(torch.device(facts["device"])))
 
 
 def _previews(choice: ModelChoice) -> dict:

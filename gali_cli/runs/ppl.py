@@ -13,9 +13,9 @@ from ..generate import peak_memory_bytes, reset_peak_memory
 from ..methods import apply_method, forward_ends, kept_window, prefill_spans
 from ..model.loading import LoadedModel
 from ..perplexity import Perplexity, perplexities
-from ..prompts import text_ids
+from ..prompts import check_prompt_length, text_ids
 from . import ModelChoice, Reading
-from .common import announcing, entry_point, facts, load, read, say_input
+from .common import announcing, entry_point, facts, load, prompt_limit, read, say_input
 
 
 @entry_point
@@ -26,7 +26,7 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
     document = read(file, reading)
     loaded = load(choice)
     limit = lengths[-1] if lengths else max_tokens
-    ids, total = ppl_ids(loaded, document, limit)
+    ids, total = ppl_ids(loaded, document, limit, prompt_limit(loaded, reading))
     if total > len(ids):
         say(f"Evaluating the first {limit} of {total} tokens ({'--lengths' if lengths else '--max-tokens'}).")
     rows, settings = [], {}
@@ -47,12 +47,16 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
         say(f"Saved {plot}.")
 
 
-def ppl_ids(loaded: LoadedModel, document: Document, limit: int | None) -> tuple[list[int], int]:
-    """The document's first `limit` tokens (the tokenizer's default special tokens), and how many it has."""
+def ppl_ids(loaded: LoadedModel, document: Document, limit: int | None, bound: int | None = None
+            ) -> tuple[list[int], int]:
+    """The document's first `limit` tokens (the tokenizer's default special tokens), and how many it has; an
+    InputError when those passes `bound` (--max-prompt-tokens)."""
     ids = text_ids(loaded.tokenizer, document.text, add_special_tokens=True)
     if len(ids) < 2:
         raise InputError(f"{document.name} has {len(ids)} token(s); perplexity needs at least 2")
-    return ids[:limit] if limit else ids, len(ids)
+    kept = ids[:limit] if limit else ids
+    check_prompt_length(len(kept), bound, document.name)
+    return kept, len(ids)
 
 
 def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice: ModelChoice, lengths: list[int],
