@@ -150,6 +150,52 @@ def test_a_huge_request_does_not_stall_the_event_loop(loaded):
         assert slowest < 0.5, f"/health waited {slowest:.2f} s"
 
 
+def status_of(connection: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the response on `connection` (read until the server closes or sends it all)."""
+    reply = b""
+    while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < int(
+            next((line.split(b":")[1] for line in reply.split(b"\r\n") if line.lower().startswith(b"content-length")),
+                 b"0")):
+        chunk = connection.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body or b"{}")
+
+
+def test_a_full_queue_refuses_a_request_before_its_body_is_read(loaded):
+    """With the queue full, a request is a 429 as soon as its headers are in: its (large) body is never read."""
+    with serving(loaded, queue_size=1) as server:
+        running = long_answer(server)
+        waiting = threading.Thread(target=lambda: ask(client_for(server), "Hi", 2))
+        waiting.start()
+        assert wait_until(lambda: server.worker.waiting == 1)
+        connection = connect(server)
+        connection.sendall(head(server, "/v1/chat/completions") + b"Content-Length: %d\r\n\r\n" % (8 * 2**20))
+        status, body = status_of(connection)  # no byte of the body sent
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        connection.close()
+        running.close()
+        waiting.join(60)
+
+
+def test_bodies_read_at_once_are_bounded_by_the_body_budget(loaded):
+    """A body that would take the bytes being read past the budget is a 503 with Retry-After, at once; once the
+    first is parsed, the budget is free again."""
+    body = json.dumps(chat([{"role": "user", "content": "Hi " * 300}], max_tokens=1)).encode()
+    with serving(loaded, body_budget_bytes=int(1.5 * len(body))) as server:
+        first = connect(server)
+        first.sendall(head(server, "/v1/chat/completions") + b"Content-Length: %d\r\n\r\n" % len(body))
+        time.sleep(0.5)  # its declared length is held while its body comes
+        second = raw(server, "POST", "/v1/chat/completions", body)
+        assert second[0] == 503 and second[2]["error"]["code"] == "server_busy"
+        first.sendall(body)
+        assert status_of(first)[0] == 200
+        first.close()
+        assert raw(server, "POST", "/v1/chat/completions", body)[0] == 200
+
+
 # ---- the model's thread: lookups bounded, cancellation checked -----------------------------------------------
 
 

@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -45,6 +46,9 @@ class ServerSettings:
     name: str  # the model's name for clients ("model" in requests)
     api_key: str | None = None
     max_body_bytes: int = 32 * 2**20
+    # The bodies being read and parsed at once, in all requests: parsing takes about 150 times a body's bytes, so
+    # this bounds that memory (about 10 GB) whatever many clients send; past it, 503 and Retry-After.
+    body_budget_bytes: int = 64 * 2**20
     max_new_tokens: int = 1024  # when a request does not say (max_tokens)
     temperature: float = 0.0  # when a request does not say
     top_p: float = 1.0
@@ -119,6 +123,7 @@ class _API:
     def __init__(self, worker: ModelWorker, settings: ServerSettings) -> None:
         self.worker, self.settings = worker, settings
         self.bound = _PromptBound(worker.loaded.tokenizer, settings.max_prompt_tokens)
+        self._reading = 0  # bytes of the bodies being read or parsed now (body_budget_bytes)
 
     def endpoint(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """`handler` with its errors as OpenAI-style JSON: an APIError as itself, anything else a 500."""
@@ -155,7 +160,8 @@ class _API:
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        chat, tokenize, label = await run_in_threadpool(self._chat, await self._body(request))
+        async with self._received(request) as body:
+            chat, tokenize, label = await run_in_threadpool(self._chat, body)
         return await self._answer(request, chat, Reply(True, self.settings.name), tokenize, label)
 
     def _chat(self, body: bytes) -> tuple[ChatRequest, Callable[..., ServedPrompt], str]:
@@ -181,7 +187,8 @@ class _API:
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        completion, tokenize, label = await run_in_threadpool(self._completion, await self._body(request))
+        async with self._received(request) as body:
+            completion, tokenize, label = await run_in_threadpool(self._completion, body)
         return await self._answer(request, completion, Reply(False, self.settings.name), tokenize, label)
 
     def _completion(self, body: bytes) -> tuple[CompletionRequest, Callable[..., ServedPrompt], str]:
@@ -206,14 +213,7 @@ class _API:
         """Queue the job, then answer as one document or as a stream of events."""
         job = Job(tokenize, self._sampling(generation), f"gali serve: {' '.join(label[:200].split())[:60]}",
                   asyncio.get_running_loop(), self.settings.max_prompt_tokens)
-        try:
-            self.worker.submit(job)
-        except QueueFull as full:
-            raise APIError(429, f"{self.worker.queue_size} requests are already waiting for the model; retry "
-                                f"in {full.retry_after} s", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(full.retry_after)}) from None
-        except Stopping:
-            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+        self._queueing(lambda: self.worker.submit(job))
         request.state.note = "queued"
         if generation.stream:
             usage = generation.stream_options is not None and generation.stream_options.include_usage
@@ -271,19 +271,54 @@ class _API:
         return Sampling(generation.max_new_tokens or settings.max_new_tokens, temperature if top_p > 0 else 0.0,
                         top_p if top_p > 0 else 1.0, seed, tuple(generation.stop or ()))
 
-    async def _body(self, request: Request) -> bytes:
-        """The body, refused (413) as soon as it passes the size limit."""
+    def _queueing(self, step: Callable[[], None]) -> None:
+        """`step` (a look at the queue, or a job put in it), its refusal as the client's error: 429 or 503."""
+        try:
+            step()
+        except QueueFull as full:
+            raise APIError(429, f"{self.worker.queue_size} requests are already waiting for the model; retry "
+                                f"in {full.retry_after} s", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(full.retry_after)}) from None
+        except Stopping:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+
+    @asynccontextmanager
+    async def _received(self, request: Request) -> AsyncIterator[bytes]:
+        """The body, for as long as the caller parses it: read only when the queue has room, and counted against
+        the body budget, which it holds until the caller is done (so many large bodies at once are refused with 503
+        instead of parsed together)."""
+        self._queueing(self.worker.check_room)
+        held = 0
+
+        def hold(size: int) -> None:
+            nonlocal held
+            if self._reading + size - held > self.settings.body_budget_bytes and held < size:
+                raise APIError(503, "the server is reading other large requests; retry in 1 s", "server_error",
+                               code="server_busy", headers={"Retry-After": "1"})
+            self._reading += size - held
+            held = size
+
+        try:
+            yield await self._body(request, hold)
+        finally:
+            self._reading -= held
+
+    async def _body(self, request: Request, hold: Callable[[int], None]) -> bytes:
+        """The body, refused (413) as soon as it passes the size limit; `hold` is told the bytes it will take (the
+        declared length first, then as it arrives) and refuses when they do not fit the budget."""
         limit, declared = self.settings.max_body_bytes, request.headers.get("content-length")
         too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes "
                                   "(gali serve --max-request-mib)", code="request_too_large")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise too_large if declared.isdigit() else APIError(400, "Content-Length is not a number")
+        hold(int(declared or 0))
         body = bytearray()
         try:
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > limit:
                     raise too_large
+                hold(max(len(body), int(declared or 0)))
         except ClientDisconnect:  # or closed for sending it too slowly (connections.py): nobody reads the answer
             raise APIError(499, "the client went away before its body was complete", code="client_closed") from None
         return bytes(body)

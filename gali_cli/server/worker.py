@@ -202,17 +202,26 @@ class ModelWorker:
     def start(self) -> None:
         self._thread.start()
 
+    def check_room(self) -> None:
+        """QueueFull when the queue is full, Stopping when the server is shutting down: asked before a request's body
+        is read, so that a request that could not queue costs no reading nor parsing."""
+        with self._changed:
+            self._check_room()
+
     def submit(self, job: Job) -> None:
         """Queue `job`; raises QueueFull when the queue is full and Stopping when the server is shutting down."""
         with self._changed:
-            if self.stopping:
-                raise Stopping()
-            self._leave_cancelled()
-            if len(self._jobs) >= self.queue_size:
-                wait = self._seconds_per_job * (len(self._jobs) + 1)
-                raise QueueFull(max(1, min(60, math.ceil(wait))))
+            self._check_room()
             self._jobs.append(job)
             self._changed.notify()
+
+    def _check_room(self) -> None:
+        if self.stopping:
+            raise Stopping()
+        self._leave_cancelled()
+        if len(self._jobs) >= self.queue_size:
+            wait = self._seconds_per_job * (len(self._jobs) + 1)
+            raise QueueFull(max(1, min(60, math.ceil(wait))))
 
     def stop(self) -> None:
         """Take no more jobs, end the one running at its next step and fail the waiting ones (503). Safe to call
