@@ -356,6 +356,20 @@ def test_ctrl_c_while_streaming(tiny_model_dir, doc):
     assert first and (first + rest).endswith(b"\n")
 
 
+@pytest.mark.parametrize("words", [["--help"], ["summarize", "DOC", "--max-new-tokens", "40", "--no-cache"]],
+                         ids=["help", "answer"])
+def test_a_reader_that_stops_early_ends_it_quietly(tiny_model_dir, doc, words):
+    """`gali ... | head`: head closes the pipe once it has its lines, which is a normal end, exit 0 and silent."""
+    words = [str(doc) if word == "DOC" else word for word in words]
+    model = ["-m", str(tiny_model_dir)] if "summarize" in words else []
+    process = subprocess.Popen([sys.executable, "-m", "gali_cli", *words, *model], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before gali writes its first byte
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 0, stderr
+    assert "Broken" not in stderr and "Error" not in stderr and "unexpected" not in stderr
+
+
 def test_the_second_question_reuses_the_document(gali, doc, tmp_path):
     env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
     first = gali("ask", str(doc), "When does the lease end?", "--max-new-tokens", "6", "--json", env=env)
