@@ -19,6 +19,7 @@ from .common import (
     load,
     read,
     say_input,
+    say_threads,
     store,
 )
 
@@ -156,6 +157,7 @@ class _Reading:
 
 def _say_stats(finished: Finished) -> None:
     say(stats_line(finished))
+    say_threads()
 
 
 def stats_line(finished: Finished) -> str:

@@ -9,7 +9,7 @@ from ..server.run import address, bind
 from ..server.run import serve as run_server
 from ..server.worker import ModelWorker
 from . import ModelChoice, Serving
-from .common import entry_point, load, store
+from .common import entry_point, load, say_threads, store
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -35,6 +35,7 @@ def serve(choice: ModelChoice, serving: Serving) -> None:
         window = (f"{worker.window}-token window" if worker.window == loaded.train_len else
                   f"{worker.window}-token window of --train-len, the model's {loaded.train_len}")
         say(f"gali serve: {settings.name} ({method}, {window}) at {address(listener)}/v1 (Ctrl-C stops)")
+        say_threads()
         run_server(worker, settings, listener, _log)
     finally:
         listener.close()

@@ -1,0 +1,75 @@
+"""How many CPU threads torch runs on, and how its OpenMP threads wait, so that a busy machine does not collapse.
+
+torch's CPU wheel runs on GNU OpenMP (libgomp), whose threads by default spin at each barrier before they sleep.
+When other processes want the same cores, a spinning thread burns the time slice its partner needs: on 2 cores at
+load 5, `gali summarize -m smollm2` decoded 0.6 tokens/s with torch's defaults and 9.3 with OMP_WAIT_POLICY=PASSIVE
+(benchmarks/bench_threads.py). libgomp reads that variable once, when torch loads it, so `prepare_openmp` runs
+before torch is imported (gali_cli.entry). KMP_BLOCKTIME is Intel OpenMP's and does nothing to libgomp.
+
+The thread count: --threads (GALI_THREADS), else OMP_NUM_THREADS as torch reads it, else torch's default less the
+CPUs other processes keep busy (the 1-minute load average), at least 1. Nothing here imports torch at module level.
+"""
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+WAIT_POLICY = "OMP_WAIT_POLICY"
+
+
+def prepare_openmp() -> None:
+    """Make OpenMP's threads sleep rather than spin while they wait, unless the user chose otherwise; call before
+    torch is imported (later, libgomp has read its environment)."""
+    os.environ.setdefault(WAIT_POLICY, "PASSIVE")
+
+
+@dataclass(frozen=True)
+class CpuThreads:
+    """The thread count a run uses and why: `source` is what -v shows after the count."""
+
+    count: int
+    source: str
+
+    def describe(self) -> str:
+        """-v's line, e.g. "threads: 1 (automatic: load 5.2 on 2 CPUs); OpenMP waits PASSIVE"."""
+        return f"threads: {self.count} ({self.source}); OpenMP waits {os.environ.get(WAIT_POLICY, 'by its default')}"
+
+
+def choose_threads(requested: int | None, torch_default: int) -> CpuThreads:
+    """The count for `requested` (--threads; None: choose), given torch's own default (which follows
+    OMP_NUM_THREADS)."""
+    if requested:
+        return CpuThreads(requested, "--threads")
+    if os.environ.get("OMP_NUM_THREADS"):
+        return CpuThreads(torch_default, "OMP_NUM_THREADS")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    free = max(1, math.floor(cpus - load + 0.5))  # the CPUs the others leave, rounded to the nearest
+    return CpuThreads(min(torch_default, free), f"automatic: load {load:.1f} on {cpus} CPUs; --threads sets it")
+
+
+_in_use: ContextVar[CpuThreads | None] = ContextVar("gali_cpu_threads", default=None)
+
+
+def in_use() -> CpuThreads | None:
+    """The threads the current run chose (inside `cpu_threads`), for -v to show; None outside a run."""
+    return _in_use.get()
+
+
+@contextmanager
+def cpu_threads(requested: int | None) -> Iterator[CpuThreads]:
+    """torch's intra-op threads set for the block (as `choose_threads` decides), and restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    chosen = choose_threads(requested, before)
+    torch.set_num_threads(chosen.count)
+    token = _in_use.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _in_use.reset(token)
+        torch.set_num_threads(before)
