@@ -3,7 +3,7 @@ policy) keeps a loaded CPU from collapsing. Each variant runs `gali summarize` i
 environment once), in turns, and the load average is printed beside each figure.
 
     python benchmarks/bench_threads.py examples/declaration-of-independence.txt --busy 2 \
-        --variant default= --variant 1=--threads=1 --variant 2-active=--threads=2,OMP_WAIT_POLICY=ACTIVE
+        --variant before=PYTHONPATH=/tmp/gali-before --variant default= --variant 1-thread=--threads=1
 
 A variant is NAME=ITEMS, ITEMS a comma list of command-line words (starting with -) and VAR=VALUE environment
 settings; gali's own default is the empty list.
@@ -25,7 +25,9 @@ def run(document: str, words: list[str], environment: dict[str, str]) -> str:
     command = [sys.executable, "-m", "gali_cli", "summarize", document, "-m", "smollm2", "--train-len", "1024",
                "--no-cache", "--max-new-tokens", "30", "-v", *words]
     started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **environment})
+    # PYTHONPATH=<another checkout> runs that checkout's gali: from its directory, where `-m` looks first
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **environment},
+                            cwd=environment.get("PYTHONPATH"))
     wall = time.perf_counter() - started
     stats = STATS.search(result.stderr)
     threads = re.search(r"threads: ([^\n]*)", result.stderr)
@@ -42,6 +44,7 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=2, help="busy loops for the loaded half")
     parser.add_argument("--rounds", type=int, default=1)
     arguments = parser.parse_args()
+    arguments.document = os.path.abspath(arguments.document)
     variants = []
     for text in arguments.variant:
         name, _, items = text.partition("=")

@@ -6,11 +6,10 @@ load 5, `gali summarize -m smollm2` decoded 0.6 tokens/s with torch's defaults a
 (benchmarks/bench_threads.py). libgomp reads that variable once, when torch loads it, so `prepare_openmp` runs
 before torch is imported (gali_cli.entry). KMP_BLOCKTIME is Intel OpenMP's and does nothing to libgomp.
 
-The thread count: --threads (GALI_THREADS), else OMP_NUM_THREADS as torch reads it, else torch's default less the
-CPUs other processes keep busy (the 1-minute load average), at least 1. Nothing here imports torch at module level.
+The thread count: --threads (GALI_THREADS), else torch's own (OMP_NUM_THREADS, else the physical cores). Nothing
+here imports torch at module level.
 """
 
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,21 +33,19 @@ class CpuThreads:
     source: str
 
     def describe(self) -> str:
-        """-v's line, e.g. "threads: 1 (automatic: load 5.2 on 2 CPUs); OpenMP waits PASSIVE"."""
+        """-v's line, e.g. "threads: 2 (torch's default, the physical cores; load 5.2); OpenMP waits PASSIVE"."""
         return f"threads: {self.count} ({self.source}); OpenMP waits {os.environ.get(WAIT_POLICY, 'by its default')}"
 
 
 def choose_threads(requested: int | None, torch_default: int) -> CpuThreads:
-    """The count for `requested` (--threads; None: choose), given torch's own default (which follows
-    OMP_NUM_THREADS)."""
+    """The count for `requested` (--threads; None: torch's own default, which follows OMP_NUM_THREADS and is
+    otherwise the physical cores). Under load, fewer threads did not help once OpenMP waits passively: 2 threads
+    decoded 9.3 and 3.5 tokens/s where 1 did 4.7 and 1.6 (2 CPUs, load 6-12, benchmarks/bench_threads.py)."""
     if requested:
         return CpuThreads(requested, "--threads")
-    if os.environ.get("OMP_NUM_THREADS"):
-        return CpuThreads(torch_default, "OMP_NUM_THREADS")
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    free = max(1, math.floor(cpus - load + 0.5))  # the CPUs the others leave, rounded to the nearest
-    return CpuThreads(min(torch_default, free), f"automatic: load {load:.1f} on {cpus} CPUs; --threads sets it")
+    load = f"; load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    source = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "torch's default, the physical cores"
+    return CpuThreads(torch_default, f"{source}{load}")
 
 
 _in_use: ContextVar[CpuThreads | None] = ContextVar("gali_cpu_threads", default=None)

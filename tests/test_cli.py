@@ -21,7 +21,7 @@ import gali_cli.cli as cli
 import gali_cli.conversation as conversation
 import gali_cli.runs.common as common
 from gali_cli.display import short_path
-from gali_cli.generate import TextPiece
+from gali_cli.generate import Finished, TextPiece
 from gali_cli.methods import METHODS
 
 DOCUMENT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n" * 12
@@ -317,6 +317,19 @@ def test_interrupt_keeps_what_was_printed(gali, doc, monkeypatch):
     monkeypatch.setattr(conversation, "stream_generate", interrupted)
     result = gali("summarize", str(doc))
     assert result.exit_code == 130 and result.stdout == "The lease ends\n"
+
+
+@pytest.mark.parametrize("stream", [[], ["--no-stream"]], ids=["streamed", "at-the-end"])
+def test_an_answer_starts_at_its_first_word(gali, doc, monkeypatch, stream):
+    def blank_first(*args, **kwargs):
+        for text in ["\n", "\n ", " The lease", " ends."]:
+            yield TextPiece(text)
+        yield Finished("stop", 10, 10, 4, 0.1, 0.1, 0)
+
+    monkeypatch.setattr(conversation, "stream_generate", blank_first)
+    result = gali("summarize", str(doc), "--no-cache", *stream)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "The lease ends.\n"
 
 
 @pytest.mark.parametrize("bits", ["8bit", "4bit"])

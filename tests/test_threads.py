@@ -13,31 +13,14 @@ import gali_cli.cli as cli
 from gali_cli.threads import choose_threads
 
 
-@pytest.fixture
-def machine(monkeypatch):
-    """A machine of 8 CPUs whose load average the test sets."""
+def test_threads_then_omp_num_threads_then_torch_decide(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-
-    def with_load(load: float) -> None:
-        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
-
-    return with_load
-
-
-@pytest.mark.parametrize(("load", "expected"), [(0.2, 4), (5.4, 3), (7.6, 1), (30.0, 1)])
-def test_the_automatic_count_leaves_the_busy_cpus_to_the_others(machine, load, expected):
-    machine(load)
-    chosen = choose_threads(None, torch_default=4)
-    assert chosen.count == expected
-    assert f"load {load:.1f} on 8 CPUs" in chosen.describe()
-
-
-def test_threads_and_omp_num_threads_are_taken_as_given(machine, monkeypatch):
-    machine(30.0)
-    assert choose_threads(6, torch_default=4).count == 6
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 7.5, 7.5))
+    assert choose_threads(6, torch_default=4).describe().startswith("threads: 6 (--threads)")
+    assert choose_threads(None, torch_default=4).describe().startswith("threads: 4 (torch's default, the physical "
+                                                                       "cores; load 7.5)")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert choose_threads(None, torch_default=3).count == 3
+    assert choose_threads(None, torch_default=3).describe().startswith("threads: 3 (OMP_NUM_THREADS; load 7.5)")
 
 
 def test_a_run_uses_its_threads_and_gives_them_back(tiny_model_dir, tmp_path, monkeypatch):

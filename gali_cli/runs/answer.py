@@ -107,9 +107,10 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
             for event in events:
                 reading.over()
                 if isinstance(event, TextPiece):
+                    shown = event.text if any(piece.strip() for piece in pieces) else event.text.lstrip()
                     pieces.append(event.text)
-                    if stream:
-                        display.write(event.text)
+                    if stream and shown:  # an answer starts at its first word, not at a blank line
+                        display.write(shown)
                 else:
                     finished = event
         except KeyboardInterrupt:
@@ -117,7 +118,7 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
             if stream and pieces:
                 display.write("\n")
             raise
-    text = "".join(pieces)
+    text = "".join(pieces).lstrip()
     if not answering.json_output:
         display.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
     if finished.reason == "length":
