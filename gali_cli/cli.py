@@ -11,6 +11,8 @@ import dataclasses
 import functools
 import os
 import re
+import select
+import stat
 import sys
 from collections.abc import Callable
 from typing import Annotated
@@ -63,9 +65,9 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
         except KeyboardInterrupt:
             say("interrupted")
             raise typer.Exit(130) from None
-        except BrokenPipeError:  # the reader of stdout went away (e.g. | head): stop quietly, as Python's docs advise
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(1) from None
+        except BrokenPipeError:  # the reader of stdout went away (e.g. | head): it has what it wanted
+            _silence_stdout()
+            raise typer.Exit(0) from None
         except GaliError as error:
             fail(str(error))
             raise typer.Exit(next((code for kind, code in EXIT_CODES.items() if isinstance(error, kind)), 1)) from None
@@ -496,13 +498,60 @@ def _help_command(error: typer.TyperException) -> str:
     return " ".join(["gali", *words, "--help"])
 
 
+def _stdout_file() -> os.stat_result | None:
+    """What stdout is (None: no real file, as under tests' captured output)."""
+    try:
+        return os.fstat(sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _reader_gone(before: os.stat_result | None) -> bool:
+    """Whether stdout, `before` the command ran, was a pipe whose reader has since closed it (`gali ... | head` once
+    head has its lines): Linux's poll reports an error on such a pipe's writing end, and Rich, meeting the closed
+    pipe first, points stdout at /dev/null."""
+    if before is None or not stat.S_ISFIFO(before.st_mode):
+        return False
+    now = _stdout_file()
+    if now is not None and stat.S_ISCHR(now.st_mode) and now.st_rdev == os.stat(os.devnull).st_rdev:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not report the closed pipe again (as
+    Python's docs on SIGPIPE advise)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 def main(args: list[str] | None = None) -> int:
-    """The `gali` executable: like `app()`, but usage errors too are one line on stderr."""
+    """The `gali` executable: like `app()`, but usage errors too are one line on stderr, and a reader of stdout
+    that stops early (`| head`) ends it quietly with exit 0, as for other Unix tools."""
+    stdout = _stdout_file()
     try:
         code = app(args=args, standalone_mode=False)
+        sys.stdout.flush()  # now, so that a closed pipe is seen here and not in the interpreter's last flush
     except typer.TyperException as error:  # a usage error: unknown option, bad value, missing argument
         fail(f"{_usage_message(error)} (see {_help_command(error)})")
         return error.exit_code
     except typer.Abort:
         return 1
-    return code if isinstance(code, int) else 0
+    except BrokenPipeError:
+        code = 1
+    except SystemExit as exit:  # Typer's and Rich's own answer to a closed pipe (e.g. --help | head): exit 1
+        if exit.code != 1:
+            raise
+        code = 1
+    code = code if isinstance(code, int) else 0
+    if code in (0, 1) and _reader_gone(stdout):
+        _silence_stdout()
+        return 0
+    return code

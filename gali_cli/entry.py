@@ -1,10 +1,13 @@
 """The `gali` executable. It imports the CLI (and with it torch) lazily, so that Ctrl-C during start-up exits
-quietly too."""
+quietly too, and so that OpenMP's settings are in place before torch loads it."""
 
 import sys
 
+from .threads import prepare_openmp
+
 
 def main() -> None:
+    prepare_openmp()
     try:
         from .cli import main as run
     except KeyboardInterrupt:

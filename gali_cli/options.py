@@ -78,6 +78,9 @@ def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
         ("dtype", Annotated[DType, _model_option(metavar="auto|bfloat16|float16|float32", help=_DTYPE_HELP)],
          DType.auto),
         ("method", Annotated[str, _method_option(many_methods)], "gali"),
+        ("threads", Annotated[int | None, _model_option(min=1, envvar="GALI_THREADS", show_default=False, metavar="N",
+                                                        help="CPU threads (default: torch's, the physical cores; -v "
+                                                             "shows the count).")], None),
     ]
     # A setting with a parser takes one word of text, which the parser turns into the field's value.
     settings = [(setting.name, Annotated[setting.type if flag.parser is None else str | None,

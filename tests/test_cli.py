@@ -21,7 +21,7 @@ import gali_cli.cli as cli
 import gali_cli.conversation as conversation
 import gali_cli.runs.common as common
 from gali_cli.display import short_path
-from gali_cli.generate import TextPiece
+from gali_cli.generate import Finished, TextPiece
 from gali_cli.methods import METHODS
 
 DOCUMENT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n" * 12
@@ -319,6 +319,19 @@ def test_interrupt_keeps_what_was_printed(gali, doc, monkeypatch):
     assert result.exit_code == 130 and result.stdout == "The lease ends\n"
 
 
+@pytest.mark.parametrize("stream", [[], ["--no-stream"]], ids=["streamed", "at-the-end"])
+def test_an_answer_starts_at_its_first_word(gali, doc, monkeypatch, stream):
+    def blank_first(*args, **kwargs):
+        for text in ["\n", "\n ", " The lease", " ends."]:
+            yield TextPiece(text)
+        yield Finished("stop", 10, 10, 4, 0.1, 0.1, 0)
+
+    monkeypatch.setattr(conversation, "stream_generate", blank_first)
+    result = gali("summarize", str(doc), "--no-cache", *stream)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "The lease ends.\n"
+
+
 @pytest.mark.parametrize("bits", ["8bit", "4bit"])
 def test_quantized_on_cpu(gali, doc, bits):
     result = gali("summarize", str(doc), "--quantize", bits, "--device", "cpu", "--max-new-tokens", "4", "-v")
@@ -354,6 +367,20 @@ def test_ctrl_c_while_streaming(tiny_model_dir, doc):
     rest, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert first and (first + rest).endswith(b"\n")
+
+
+@pytest.mark.parametrize("words", [["--help"], ["summarize", "DOC", "--max-new-tokens", "40", "--no-cache"]],
+                         ids=["help", "answer"])
+def test_a_reader_that_stops_early_ends_it_quietly(tiny_model_dir, doc, words):
+    """`gali ... | head`: head closes the pipe once it has its lines, which is a normal end, exit 0 and silent."""
+    words = [str(doc) if word == "DOC" else word for word in words]
+    model = ["-m", str(tiny_model_dir)] if "summarize" in words else []
+    process = subprocess.Popen([sys.executable, "-m", "gali_cli", *words, *model], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before gali writes its first byte
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 0, stderr
+    assert "Broken" not in stderr and "Error" not in stderr and "unexpected" not in stderr
 
 
 def test_the_second_question_reuses_the_document(gali, doc, tmp_path):

@@ -23,14 +23,15 @@ class ModelChoice:
     dtype: str
     methods: tuple[str, ...]
     settings: MethodSettings
+    threads: int | None = None  # --threads; None: gali_cli.threads chooses
 
     @classmethod
     def parse(cls, model: str | None, quantize: str, device: str, dtype: str, method: str,
-              many_methods: bool = False, **settings: object) -> "ModelChoice":
+              many_methods: bool = False, threads: int | None = None, **settings: object) -> "ModelChoice":
         """From the command line's values (`settings`: MethodSettings' fields; `many_methods`: whether --method may
         name several); a bad one raises ConfigError."""
         return cls(model or None, quantize, device, dtype, parse_methods(method, many_methods),
-                   MethodSettings(**settings))
+                   MethodSettings(**settings), threads)
 
     @functools.cached_property
     def model(self) -> str:

@@ -20,6 +20,7 @@ from .common import (
     prompt_limit,
     read,
     say_input,
+    say_threads,
     store,
 )
 
@@ -108,9 +109,10 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
             for event in events:
                 reading.over()
                 if isinstance(event, TextPiece):
+                    shown = event.text if any(piece.strip() for piece in pieces) else event.text.lstrip()
                     pieces.append(event.text)
-                    if stream:
-                        display.write(event.text)
+                    if stream and shown:  # an answer starts at its first word, not at a blank line
+                        display.write(shown)
                 else:
                     finished = event
         except KeyboardInterrupt:
@@ -118,7 +120,7 @@ def _stream_answer(talk: Conversation, instruction: str, sampler: Sampler, answe
             if stream and pieces:
                 display.write("\n")
             raise
-    text = "".join(pieces)
+    text = "".join(pieces).lstrip()
     if not answering.json_output:
         display.write(("" if text.endswith("\n") else "\n") if stream else text.strip() + "\n")
     if finished.reason == "length":
@@ -158,6 +160,7 @@ class _Reading:
 
 def _say_stats(finished: Finished) -> None:
     say(stats_line(finished))
+    say_threads()
 
 
 def stats_line(finished: Finished) -> str:

@@ -1,6 +1,7 @@
 """What the runs share: the checks before anything is read, reading, loading, the document cache, and the lines and
 facts every answer reports."""
 
+import contextlib
 import functools
 import logging
 import os
@@ -26,6 +27,7 @@ from ..estimate import PrefillClock, duration, free_memory, holdable_tokens, kv_
 from ..generate import Finished
 from ..methods import kept_window
 from ..model.loading import LoadedModel, load_model
+from ..threads import cpu_threads, in_use
 from . import ModelChoice, Reading
 from .batch_files import Rank
 
@@ -33,12 +35,14 @@ Params, Result = ParamSpec("Params"), TypeVar("Result")
 
 
 def entry_point(run: Callable[Params, Result]) -> Callable[Params, Result]:
-    """A run the command line calls: library chatter kept off stderr while it runs, and CUDA running out of memory
-    reported as what it is, with what to change."""
+    """A run the command line calls: library chatter kept off stderr while it runs, on the CPU threads its
+    ModelChoice asks for (gali_cli.threads), and CUDA running out of memory reported as what it is, with what to
+    change."""
 
     @functools.wraps(run)
     def quietly(*args: Params.args, **kwargs: Params.kwargs) -> Result:
-        with _quiet_libraries():
+        choice = next((value for value in (*args, *kwargs.values()) if isinstance(value, ModelChoice)), None)
+        with _quiet_libraries(), cpu_threads(choice.threads) if choice else contextlib.nullcontext():
             try:
                 return run(*args, **kwargs)
             except torch.cuda.OutOfMemoryError:
@@ -164,6 +168,13 @@ def say_input(loaded: LoadedModel, method: str, document: Document, tokens: int,
     about = (f"the model's {window}-token window" if window == loaded.train_len else
              f"the {window}-token window of --train-len (the model's: {loaded.train_len})")
     say(f"{document.name}: {pages}{tokens} tokens, {tokens / window:.1f}x {about} ({method})", style="dim")
+
+
+def say_threads() -> None:
+    """-v's line on the CPU threads the run uses and how OpenMP's wait (gali_cli.threads)."""
+    chosen = in_use()
+    if chosen is not None:
+        say(chosen.describe(), style="dim")
 
 
 def facts(model: str, method: str, settings: dict, document: Document) -> dict:

@@ -15,7 +15,7 @@ from ..model.loading import LoadedModel
 from ..perplexity import Perplexity, perplexities
 from ..prompts import check_prompt_length, text_ids
 from . import ModelChoice, Reading
-from .common import announcing, entry_point, facts, load, prompt_limit, read, say_input
+from .common import announcing, entry_point, facts, load, prompt_limit, read, say_input, say_threads
 
 
 @entry_point
@@ -29,6 +29,8 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
     ids, total = ppl_ids(loaded, document, limit, prompt_limit(loaded, reading))
     if total > len(ids):
         say(f"Evaluating the first {limit} of {total} tokens ({'--lengths' if lengths else '--max-tokens'}).")
+    if verbose:
+        say_threads()
     rows, settings = [], {}
     for method in choice.methods:
         say_input(loaded, method, document, len(ids), choice.settings.train_len)

@@ -11,7 +11,7 @@ from ..server.run import address, bind
 from ..server.run import serve as run_server
 from ..server.worker import ModelWorker
 from . import ModelChoice, Serving
-from .common import entry_point, load, store
+from .common import entry_point, load, say_threads, store
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -40,6 +40,7 @@ def serve(choice: ModelChoice, serving: Serving) -> None:
                   f"{worker.window}-token window of --train-len, the model's {loaded.train_len}")
         say(f"gali serve: {settings.name} ({method}, {window}, prompts up to {settings.max_prompt_tokens:,} tokens) "
             f"at {address(listener)}/v1 (Ctrl-C stops)")
+        say_threads()
         run_server(worker, settings, listener, _log)
     finally:
         listener.close()
