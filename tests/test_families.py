@@ -36,6 +36,15 @@ def test_every_method_equals_its_float64_restatement(model_type, case, prompt):
     assert check.ok, (check.name, check.error)
 
 
+@pytest.mark.parametrize("model_type", OTHER_FAMILIES)
+def test_eager_decoding_equals_the_restatement_too(model_type, prompt, monkeypatch):
+    """The checks above decode by the static step where it pays; here every token by the eager forward."""
+    monkeypatch.setenv("GALI_DECODE", "eager")
+    for case in [case for case in CASES if case.label in ("gali", "self-extend", "rerope")]:
+        check = seam_check(tiny_model(model_type, train_len=16), prompt, case)
+        assert check.ok, (check.name, check.error)
+
+
 @pytest.mark.parametrize("model_type, part", [("qwen2", "self_attn.k_proj.bias"), ("qwen3", "self_attn.k_norm.weight")])
 def test_the_restatement_misses_nothing_of_the_family(model_type, part):
     """The restatement with the family's own part taken out (a bias, a norm's weights) is far from the model: the
@@ -112,7 +121,10 @@ def test_qwen3s_train_len_is_its_pretraining_context_not_the_window_padded_for_t
     assert default_train_len({"model_type": "qwen2", "max_position_embeddings": 32768}) == 32768
 
 
-def test_a_sliding_window_refuses_the_position_methods_and_reads_as_transformers_does():
+def test_a_sliding_window_refuses_the_position_methods_and_reads_as_transformers_does(tmp_path):
+    shown = read_model_config(_config_dir(tmp_path, model_type="mistral", sliding_window=4096)).facts()["methods"]
+    assert shown == ("no: its layers attend within a sliding window of 4096 tokens, so it never sees a distance it "
+                     "was not trained on: read it with --method original")
     assert why_no_methods({"model_type": "mistral", "sliding_window": None}) is None
     assert why_no_methods({"model_type": "qwen2", "sliding_window": 131072, "use_sliding_window": False}) is None
     assert "sliding window of 4096 tokens" in why_no_methods({"model_type": "mistral", "sliding_window": 4096})

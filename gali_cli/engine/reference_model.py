@@ -50,7 +50,8 @@ def chunk_positions(cur_len: int, add_token: int, train_len: int, local_window: 
 
 
 class NaiveLlama:
-    """A Llama spelled out from its weights, in float64, one forward per call, K/V cached without RoPE.
+    """A Llama spelled out from its weights, in float64, one forward per call, K/V cached without RoPE; with the
+    q/k/v biases (Qwen2) and the per-head q/k RMSNorms before RoPE (Qwen3) where the weights hold them.
 
     Subclasses give the attention logits of one head: `logits(q (n, D), keys (T, D), first, layer, head)`, scaled
     by 1/sqrt(d), for the queries of tokens first..first+n-1 over the keys of tokens 0..T-1; the causal mask,
