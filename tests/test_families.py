@@ -169,6 +169,9 @@ def test_the_commands_read_past_the_window_on_each_family(family_model_dir, tmp_
     answer = gali("ask", str(document), "When is the rent due?", "--max-new-tokens", "4", "--json")
     assert answer.exit_code == 0, answer.stderr
     assert json.loads(answer.stdout)["answer"] is not None
+    summary = gali("summarize", str(document), "--method", "self-extend", "--max-new-tokens", "4", "--json")
+    assert summary.exit_code == 0, summary.stderr
+    assert json.loads(summary.stdout)["answer"] is not None
 
 
 @pytest.mark.parametrize("model_type, sizes", [("qwen2", {}), ("qwen3", {"head_dim": 128})])
