@@ -14,7 +14,7 @@ import torch
 import transformers
 from rich.console import Console
 from test_documents import make_pdf
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import Phi3Config, Phi3ForCausalLM
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
@@ -282,10 +282,11 @@ def test_usage_errors_are_one_line_from_the_executable(args, capsys, tiny_model_
 def test_model_problems_exit_4(gali, doc, tmp_path):
     result = gali("summarize", str(doc), "-m", str(tmp_path / "no-model-here"), model=False)
     assert result.exit_code == 4 and "no such file or directory" in result.stderr
-    MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
+    phi3 = Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0)
+    Phi3ForCausalLM(phi3).save_pretrained(tmp_path / "m")
     result = gali("summarize", str(doc), "-m", str(tmp_path / "m"), model=False)
-    assert result.exit_code == 4 and "'mistral' model" in result.stderr
+    assert result.exit_code == 4 and "'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3" in result.stderr
 
 
 def test_out_of_memory_suggests_quantizing(gali, doc, monkeypatch):
