@@ -1,7 +1,8 @@
 """The end-to-end check of the seam with transformers (`gali info --check`, first): a tiny random Llama built in
-memory, patched with each method, prefilled in several forwards through one KV cache and decoded a few tokens by
-gali's own calls (generate.prefill, generate.decode), held to the method's float64 restatement
-(engine/reference_model.py), which computes the same Llama from its weights without transformers.
+memory, patched with each method (then a tiny model of each other family in model/families.py, unpatched and with
+GALI), prefilled in several forwards through one KV cache and decoded a few tokens by gali's own calls
+(generate.prefill, generate.decode), held to the method's float64 restatement (engine/reference_model.py), which
+computes the same model from its weights without transformers.
 
 This is the check that would have caught transformers 5.24, which renamed the cache argument: its prefill of a whole
 prompt stayed right, and every later forward ran at position 0. It runs in seconds on a CPU, needs no download, and
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from .config import MethodSettings
 from .engine import reference_model as ref
@@ -21,13 +22,20 @@ from .engine.kv_cache import new_cache
 from .engine.self_check import Check
 from .generate import decode, prefill
 from .methods import apply_method, prefill_spans, remove_method
+from .model.families import FAMILIES
 
 TRAIN_LEN, PROMPT, DECODED, SPAN = 16, 40, 4, 12  # a prompt 2.5 windows long, fed 12 tokens a forward at most
 VOCAB = 64
 TOLERANCE = 1e-4  # float32 against float64 on a tiny model; a position off by one moves logits by about 1
 
 
-def tiny_llama(
+def tiny_llama(**sizes) -> PreTrainedModel:
+    """A random Llama whose attention is sharp enough for position errors to show in the logits (`tiny_model`)."""
+    return tiny_model("llama", **sizes)
+
+
+def tiny_model(
+    model_type: str,
     train_len: int = 16,
     heads: int = 4,
     kv_heads: int = 2,
@@ -36,27 +44,38 @@ def tiny_llama(
     rope_parameters: dict | None = None,
     attn_implementation: str = "sdpa",
     seed: int = 0,
-) -> LlamaForCausalLM:
-    """A random Llama whose attention is sharp enough for position errors to show in the logits."""
-    config = LlamaConfig(
+    head_dim: int | None = None,
+    **family_fields,
+) -> PreTrainedModel:
+    """A random model of a family in model/families.py (its config's `model_type`), sized as a tiny Llama: random
+    q/k/v biases (Qwen2) and q/k norm weights (Qwen3), so that a restatement missing them is off. `family_fields`
+    set other config fields (Mistral's sliding_window, say); `head_dim`: hidden / heads unless given."""
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
         max_position_embeddings=train_len,
         rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
         attn_implementation=attn_implementation,
+        **{"sliding_window": None, **family_fields} if model_type == "mistral" else family_fields,
     )
     with torch.random.fork_rng(devices=[]):  # the global generator as it was afterwards
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).eval()
+        model = AutoModelForCausalLM.from_config(config).eval()
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if parameter.ndim == 2:  # unit-variance projections; queries twice as strong for peaked attention
                     std = (2.0 if "q_proj" in name else 1.0) / parameter.shape[1] ** 0.5
                     parameter.normal_(0.0, std if "embed" not in name else 1.0)
+                elif name.endswith("_proj.bias"):
+                    parameter.normal_(0.0, 0.5)
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    parameter.uniform_(0.5, 1.5)
     return model
 
 
@@ -67,7 +86,7 @@ class SeamCase:
     label: str
     method: str
     settings: MethodSettings
-    reference: Callable[[LlamaForCausalLM, dict], ref.NaiveLlama]  # (patched model, resolved settings)
+    reference: Callable[[PreTrainedModel, dict], ref.NaiveLlama]  # (patched model, resolved settings)
     decoded: int = DECODED
 
 
@@ -103,20 +122,27 @@ CASES = (
 )
 
 
+# The other families' checks: the unpatched model and GALI, each through gali's prefill and decode (every method on
+# every family: tests/test_families.py).
+FAMILY_CASES = ("original", "gali")
+
+
 def seam_checks() -> Iterator[Check]:
-    """One check per case, as each completes."""
-    model = tiny_llama(train_len=TRAIN_LEN)
+    """One check per case, as each completes: every case on a Llama, then FAMILY_CASES on each other family."""
     ids = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(7))
-    try:
-        for case in CASES:
-            yield _seam_check(model, ids, case)
-    finally:
-        remove_method(model)
+    for family in FAMILIES:
+        model = tiny_model(family.model_type, train_len=TRAIN_LEN)
+        cases = CASES if family.model_type == "llama" else [case for case in CASES if case.label in FAMILY_CASES]
+        try:
+            for case in cases:
+                yield seam_check(model, ids, case, "" if family.model_type == "llama" else f"{family.name}, ")
+        finally:
+            remove_method(model)
 
 
-def _seam_check(model: LlamaForCausalLM, ids: torch.Tensor, case: SeamCase) -> Check:
+def seam_check(model: PreTrainedModel, ids: torch.Tensor, case: SeamCase, family: str = "") -> Check:
     """gali's prefill and greedy decoding of `ids` with `case`'s method against its float64 restatement."""
-    name = f"transformers seam, {case.label}: {PROMPT}-token prompt"
+    name = f"transformers seam, {family}{case.label}: {PROMPT}-token prompt"
     started = time.perf_counter()
     try:
         with torch.inference_mode():

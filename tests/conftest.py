@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 # The seam check's tiny random Llama: the tests' too. VOCAB is imported from here by the tests, hence the noqa.
-from gali_cli.seam_check import VOCAB, tiny_llama  # noqa: F401
+from gali_cli.seam_check import VOCAB, tiny_llama, tiny_model  # noqa: F401
 
 
 @pytest.fixture
@@ -27,20 +27,24 @@ def make_llama():
 
 @pytest.fixture
 def cache_argument_renamed(monkeypatch):
-    """transformers as a release that renamed the forward's cache argument again (to `kv_cache`) would be: LlamaModel
-    and LlamaForCausalLM declare it under the new name, and the causal LM hands it to the model under it."""
-    from transformers import LlamaForCausalLM, LlamaModel
+    """transformers as a release that renamed the forward's cache argument again (to `kv_cache`) would be: every
+    family's decoder model (LlamaModel, ...) and causal LM declare it under the new name, and the causal LM hands it
+    to the model under it."""
+    import transformers
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from gali_cli.engine import seam
+    from gali_cli.model.families import FAMILIES
 
-    current = seam.cache_parameter(LlamaModel)
-    model_forward = LlamaModel.forward
+    def renamed(model_class):
+        current, model_forward = seam.cache_parameter(model_class), model_class.forward
 
-    def renamed_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, kv_cache=None,
-                              inputs_embeds=None, use_cache=None, **kwargs):
-        return model_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, use_cache=use_cache, **{current: kv_cache}, **kwargs)
+        def renamed_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, kv_cache=None,
+                                  inputs_embeds=None, use_cache=None, **kwargs):
+            return model_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 inputs_embeds=inputs_embeds, use_cache=use_cache, **{current: kv_cache}, **kwargs)
+
+        return renamed_model_forward
 
     def renamed_causal_forward(self, input_ids=None, attention_mask=None, position_ids=None, kv_cache=None,
                                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
@@ -49,8 +53,10 @@ def cache_argument_renamed(monkeypatch):
                             **kwargs).last_hidden_state
         return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, -logits_to_keep:]))
 
-    monkeypatch.setattr(LlamaModel, "forward", renamed_model_forward)
-    monkeypatch.setattr(LlamaForCausalLM, "forward", renamed_causal_forward)
+    for family in FAMILIES:
+        model_class = getattr(transformers, family.causal_lm.replace("ForCausalLM", "Model"))
+        monkeypatch.setattr(model_class, "forward", renamed(model_class))
+        monkeypatch.setattr(getattr(transformers, family.causal_lm), "forward", renamed_causal_forward)
     seam.forward_parameters.cache_clear()  # it remembers each class's declared parameters
     yield
     seam.forward_parameters.cache_clear()
@@ -109,10 +115,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), hidden=64)
 
 
-def save_tiny_llama(directory: Path, **llama) -> Path:
-    """tiny_model_dir's model, of `llama`'s sizes (seam_check.tiny_llama's arguments), saved in `directory`."""
+def save_tiny_llama(directory: Path, model_type: str = "llama", **llama) -> Path:
+    """tiny_model_dir's model, of `llama`'s sizes (seam_check.tiny_model's arguments; another family by its
+    `model_type`), saved in `directory`."""
     tokenizer = tiny_tokenizer()
-    model = tiny_llama(train_len=32, **llama)
+    model = tiny_model(model_type, train_len=32, **llama)
     stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|eot_id|>")]
     model.resize_token_embeddings(len(tokenizer))
     with torch.no_grad():
@@ -136,16 +143,18 @@ def _own_model_cache(_model_cache_directory, monkeypatch):
     monkeypatch.setenv("GALI_MODEL_CACHE", str(_model_cache_directory))
 
 
-def write_gguf(path: Path, model_dir: Path, architecture: str = "llama", quantized: bool = True) -> Path:
-    """Write the model and tokenizer in `model_dir` as a GGUF the way llama.cpp's converter lays a Llama out: q and
-    k rows permuted for its rotary layout, and (with `quantized`) the projections in Q8_0 blocks."""
+def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, quantized: bool = True) -> Path:
+    """Write the model and tokenizer in `model_dir` as a GGUF the way llama.cpp's converter lays it out: a Llama's q
+    and k rows permuted for its rotary layout (a Qwen's not), Qwen2's q/k/v biases, Qwen3's q/k norms and head
+    width, and (with `quantized`) the projections in Q8_0 blocks. `architecture`: the one the header names (the
+    model's model_type unless given)."""
     import gguf
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = LlamaForCausalLM.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = model.config
-    writer = gguf.GGUFWriter(str(path), architecture)
+    writer = gguf.GGUFWriter(str(path), architecture or config.model_type)
     writer.add_name("tiny llama")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -153,7 +162,11 @@ def write_gguf(path: Path, model_dir: Path, architecture: str = "llama", quantiz
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = model.model.layers[0].self_attn.head_dim
+    writer.add_rope_dimension_count(head_dim)
+    if config.model_type == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -170,7 +183,9 @@ def write_gguf(path: Path, model_dir: Path, architecture: str = "llama", quantiz
     writer.add_add_bos_token(True)
     writer.add_chat_template(tokenizer.chat_template)
 
-    def permute(weight, heads):  # llama.cpp's rotary layout: the two halves of each head interleaved
+    def permute(weight, heads):  # llama.cpp's rotary layout for a Llama: the two halves of each head interleaved
+        if config.model_type != "llama":
+            return weight
         return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
             weight.shape)
 
@@ -189,6 +204,13 @@ def write_gguf(path: Path, model_dir: Path, architecture: str = "llama", quantiz
         add(f"{prefix}.attn_q.weight", permute(attention.q_proj.weight, config.num_attention_heads), True)
         add(f"{prefix}.attn_k.weight", permute(attention.k_proj.weight, config.num_key_value_heads), True)
         add(f"{prefix}.attn_v.weight", attention.v_proj.weight, True)
+        for part in ("q", "k", "v"):
+            bias = getattr(attention, f"{part}_proj").bias
+            if bias is not None:
+                add(f"{prefix}.attn_{part}.bias", bias)
+        if hasattr(attention, "q_norm"):
+            add(f"{prefix}.attn_q_norm.weight", attention.q_norm.weight)
+            add(f"{prefix}.attn_k_norm.weight", attention.k_norm.weight)
         add(f"{prefix}.attn_output.weight", attention.o_proj.weight, True)
         add(f"{prefix}.ffn_norm.weight", layer.post_attention_layernorm.weight)
         add(f"{prefix}.ffn_gate.weight", mlp.gate_proj.weight, True)

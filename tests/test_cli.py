@@ -14,7 +14,7 @@ import torch
 import transformers
 from rich.console import Console
 from test_documents import make_pdf
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import Phi3Config, Phi3ForCausalLM
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
@@ -282,10 +282,11 @@ def test_usage_errors_are_one_line_from_the_executable(args, capsys, tiny_model_
 def test_model_problems_exit_4(gali, doc, tmp_path):
     result = gali("summarize", str(doc), "-m", str(tmp_path / "no-model-here"), model=False)
     assert result.exit_code == 4 and "no such file or directory" in result.stderr
-    MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
+    phi3 = Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0)
+    Phi3ForCausalLM(phi3).save_pretrained(tmp_path / "m")
     result = gali("summarize", str(doc), "-m", str(tmp_path / "m"), model=False)
-    assert result.exit_code == 4 and "'mistral' model" in result.stderr
+    assert result.exit_code == 4 and "'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3" in result.stderr
 
 
 def test_out_of_memory_suggests_quantizing(gali, doc, monkeypatch):
@@ -597,9 +598,9 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 23 of 23 passed" in result.stderr
-    assert len(lines) == 23 and all(line.startswith("ok ") for line in lines)
-    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:13]) == 13  # the seam first
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 29 of 29 passed" in result.stderr
+    assert len(lines) == 29 and all(line.startswith("ok ") for line in lines)
+    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:19]) == 19  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
     assert any(line.startswith("ok   GALI vs Alg. 3 as written: 300 keys") and "GALI " in line and " ms" in line
                for line in lines)
@@ -608,8 +609,8 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
                                "SiLU-gated") for line in lines)
     facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
     checks = facts["check"]["checks"]
-    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 23
-    assert sum(item["seam"] for item in checks) == 13
+    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 29
+    assert sum(item["seam"] for item in checks) == 19
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
 
 
@@ -630,7 +631,7 @@ def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, mon
     assert sum(line.startswith("FAIL noisy attention, native vs PyTorch") for line in result.stdout.splitlines()) == 4
     assert sum(line.startswith("FAIL GALI vs Alg. 3") for line in result.stdout.splitlines()) == 2  # its route
     assert result.stderr.strip().splitlines()[-1] == (
-        "gali: self-check: 7 of 23 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
+        "gali: self-check: 7 of 29 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
     assert "FAIL transformers seam, gali with noise" in result.stdout  # noisy GALI takes the wrong kernel too
 
 
@@ -643,7 +644,7 @@ def test_info_check_reports_wrong_products_as_bytes(gali, small_self_check, monk
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     assert sum(line.startswith("FAIL a decoding step's projection as bytes") for line in lines) == 2
-    assert "2 of 23 checks failed on cpu" in result.stderr
+    assert "2 of 29 checks failed on cpu" in result.stderr
 
 
 def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, small_self_check,
@@ -652,11 +653,11 @@ def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, s
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     seam = [line for line in lines if "transformers seam" in line]
-    assert len(seam) == 13 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
+    assert len(seam) == 19 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
     assert "takes its KV cache under none of the names gali knows (cache, past_key_values)" in seam[0]
     assert sum(line.startswith("ok   ") for line in lines) == 10  # the attention paths themselves hold
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "gali: self-check: 13 of 23 checks failed; the transformers seam fails (see above): gali's answers would be "
+        "gali: self-check: 19 of 29 checks failed; the transformers seam fails (see above): gali's answers would be "
         "wrong with transformers ")
 
 

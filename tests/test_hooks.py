@@ -1,7 +1,7 @@
 import pytest
 import torch
 from conftest import VOCAB
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM, StaticCache
+from transformers import DynamicCache, Phi3Config, Phi3ForCausalLM, StaticCache
 
 import gali_cli.engine.hooks as hooks
 import gali_cli.engine.plan as plan
@@ -319,12 +319,12 @@ def test_padded_batches_and_custom_positions_are_refused(make_llama):
 
 
 def test_unsupported_models_get_a_clear_error(make_llama):
-    mistral = MistralForCausalLM(
-        MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2)
+    phi3 = Phi3ForCausalLM(
+        Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
     )
-    with pytest.raises(UnsupportedModelError, match="model_type 'mistral'"):
-        apply_gali(mistral)
+    with pytest.raises(UnsupportedModelError, match=r"^Phi3ForCausalLM is a 'phi3' model; gali supports Llama"):
+        apply_gali(phi3)
     dynamic = make_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic'"):
         apply_gali(dynamic)

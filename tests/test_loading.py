@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import Phi3Config, Phi3ForCausalLM
 
 from gali_cli.cli import main
 from gali_cli.errors import ConfigError, ModelLoadError, UnsupportedModelError
@@ -106,10 +106,10 @@ def test_the_default_model_with_a_gpu_is_llama_3(monkeypatch):
     assert ModelChoice.parse(None, "none", "cpu", "auto", "gali").model == "smollm2"
 
 
-def test_non_llama_models_are_refused_before_loading_weights(tmp_path):
-    MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="'mistral' model"):
+def test_models_of_other_families_are_refused_before_loading_weights(tmp_path):
+    Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'phi3' model; gali supports Llama, Mistral"):
         load_config(str(tmp_path))
     empty = tmp_path / "empty"
     empty.mkdir()

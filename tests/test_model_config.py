@@ -4,10 +4,12 @@ import json
 import re
 
 import pytest
-from transformers import AutoConfig, LlamaConfig, MistralConfig
+from transformers import AutoConfig, LlamaConfig, Phi3Config
 
 from gali_cli.errors import ModelLoadError, UnsupportedModelError
 from gali_cli.model.config import demo_model_path, read_model_config
+
+LLAMA = {"family": "Llama", "methods": "yes"}  # gali's own table (model/families.py)
 
 
 def transformers_facts(directory) -> dict:
@@ -16,7 +18,7 @@ def transformers_facts(directory) -> dict:
     return {"architecture": (config.architectures or ["LlamaForCausalLM"])[0], "layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size, "heads": config.num_attention_heads,
             "kv_heads": config.num_key_value_heads, "vocab_size": config.vocab_size,
-            "train_len": config.max_position_embeddings, "rope": dict(config.rope_parameters or {})}
+            "train_len": config.max_position_embeddings, "rope": dict(config.rope_parameters or {}), **LLAMA}
 
 
 LLAMA_3_1_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -44,9 +46,9 @@ def test_configs_transformers_wrote(tmp_path, tiny_model_dir):
 
 
 def test_what_cannot_be_read(tmp_path):
-    MistralConfig().save_pretrained(tmp_path / "mistral")
-    with pytest.raises(UnsupportedModelError, match="'mistral' model; gali supports Llama models only"):
-        read_model_config(str(tmp_path / "mistral"))
+    Phi3Config().save_pretrained(tmp_path / "phi3")
+    with pytest.raises(UnsupportedModelError, match=r"'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3$"):
+        read_model_config(str(tmp_path / "phi3"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match=r"cannot load model .*: no config.json in it"):
         read_model_config(str(tmp_path / "empty"))
@@ -69,14 +71,14 @@ def test_a_gguf_header_reads_as_transformers_reads_the_file(tiny_gguf):
                 "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                 "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                 "vocab_size": config.vocab_size, "train_len": config.max_position_embeddings,
-                "rope": dict(config.rope_parameters or {})}
+                "rope": dict(config.rope_parameters or {}), **LLAMA}
     assert read_model_config(str(tiny_gguf)).facts() == expected
 
 
 def test_a_gguf_of_another_architecture_is_refused(tiny_model_dir, tmp_path):
     from conftest import write_gguf
 
-    path = write_gguf(tmp_path / "other.gguf", tiny_model_dir, architecture="qwen2")
+    path = write_gguf(tmp_path / "other.gguf", tiny_model_dir, architecture="gemma3")
     with pytest.raises(UnsupportedModelError):
         read_model_config(str(path))
 

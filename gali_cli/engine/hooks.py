@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from transformers import AttentionInterface, LlamaModel, PreTrainedModel, StaticCache
+from transformers import AttentionInterface, PreTrainedModel, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from ..compat import warn_if_untested
 from ..errors import GaliError, UnsupportedModelError
+from ..model.families import family_of, why_no_methods
 from .plan import AttentionPlan, plan_for
 from .rope import RopeTable, rotate, rotation
 from .seam import cached_tokens, forward_arguments, seam_error
@@ -156,6 +157,9 @@ class Forward:
 def install(model: PreTrainedModel, method: PositionalAttention) -> None:
     """Patch `model` in place to compute attention with `method`, replacing any method installed before."""
     base = llama_model(model)
+    refusal = why_no_methods(model.config)
+    if refusal is not None:
+        raise UnsupportedModelError(f"{method.name} does not apply to this model: {refusal}")
     warn_if_untested()
     if hasattr(base, "_positional"):
         uninstall(model)
@@ -308,18 +312,14 @@ def _no_mask(batch_size: int, q_length: int, kv_length: int, attention_mask=None
     return None
 
 
-def llama_model(model: nn.Module) -> LlamaModel:
-    """The LlamaModel inside `model`, or an error naming what is not supported."""
+def llama_model(model: nn.Module) -> PreTrainedModel:
+    """The decoder model inside `model` (a LlamaModel, or its counterpart in a family of model/families.py), or an
+    error naming what is not supported."""
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type != "llama":
-        raise UnsupportedModelError(
-            f"gali supports Llama models (Llama 2, 3, 3.1); this is {type(model).__name__} "
-            f"with model_type {model_type!r}"
-        )
-    base = model if isinstance(model, LlamaModel) else getattr(model, "model", None)
-    if not isinstance(base, LlamaModel) or not hasattr(base, "rotary_emb"):
-        raise UnsupportedModelError(f"no LlamaModel with a rotary embedding inside {type(model).__name__}")
+    family = family_of(config, type(model).__name__)
+    base = model if hasattr(model, "rotary_emb") else getattr(model, "model", None)
+    if not isinstance(base, PreTrainedModel) or not hasattr(base, "rotary_emb") or not hasattr(base, "layers"):
+        raise UnsupportedModelError(f"no {family.name} decoder with a rotary embedding inside {type(model).__name__}")
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(

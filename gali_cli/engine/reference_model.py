@@ -50,7 +50,8 @@ def chunk_positions(cur_len: int, add_token: int, train_len: int, local_window: 
 
 
 class NaiveLlama:
-    """A Llama spelled out from its weights, in float64, one forward per call, K/V cached without RoPE.
+    """A Llama spelled out from its weights, in float64, one forward per call, K/V cached without RoPE; with the
+    q/k/v biases (Qwen2) and the per-head q/k RMSNorms before RoPE (Qwen3) where the weights hold them.
 
     Subclasses give the attention logits of one head: `logits(q (n, D), keys (T, D), first, layer, head)`, scaled
     by 1/sqrt(d), for the queries of tokens first..first+n-1 over the keys of tokens 0..T-1; the causal mask,
@@ -90,16 +91,20 @@ class NaiveLlama:
     def forward(self, ids: list[int]) -> torch.Tensor:
         w, cfg = self.weights, self.config
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        head_dim = cfg.hidden_size // heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         first, new = self.length, len(ids)
         total = first + new
         x = w["model.embed_tokens.weight"][torch.tensor(ids)]
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
             h = self._rms_norm(x, w[p + "input_layernorm.weight"])
-            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(new, heads, head_dim)
-            self.keys[layer].append((h @ w[p + "self_attn.k_proj.weight"].T).view(new, kv_heads, head_dim))
-            self.values[layer].append((h @ w[p + "self_attn.v_proj.weight"].T).view(new, kv_heads, head_dim))
+            q = self._projection(h, p + "self_attn.q_proj").view(new, heads, head_dim)
+            k = self._projection(h, p + "self_attn.k_proj").view(new, kv_heads, head_dim)
+            if p + "self_attn.q_norm.weight" in w:  # Qwen3: each head's q and k RMS-normed before RoPE
+                q = self._rms_norm(q, w[p + "self_attn.q_norm.weight"])
+                k = self._rms_norm(k, w[p + "self_attn.k_norm.weight"])
+            self.keys[layer].append(k)
+            self.values[layer].append(self._projection(h, p + "self_attn.v_proj").view(new, kv_heads, head_dim))
             keys, values = torch.cat(self.keys[layer]), torch.cat(self.values[layer])
             heads_out = []
             for head in range(heads):
@@ -122,6 +127,11 @@ class NaiveLlama:
     def rope_logits(self, query, keys, query_positions, key_positions) -> torch.Tensor:
         """f(q, P_q)^T f(k, P_k) / sqrt(d) for every query/key pair, positions as float tensors."""
         return self.rope(query, query_positions) @ self.rope(keys, key_positions).T / math.sqrt(query.shape[-1])
+
+    def _projection(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x W^T, plus the bias where the model has one (Qwen2's q/k/v)."""
+        bias = self.weights.get(name + ".bias")
+        return x @ self.weights[name + ".weight"].T + (0 if bias is None else bias)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight

@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..errors import ConfigError, GaliWarning
+from ..model.families import family_of
 from .dense import Partial, biased_partial, merge_partials
 from .grid_weights import Projections, grid_projections, module_projections
 from .hooks import PositionalAttention, installed_method, llama_model, original_rotary
@@ -101,9 +102,10 @@ def decode_choice() -> str:
 def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
     """Why `model` cannot decode on `cache` with the static step (None: it can)."""
     base = llama_model(model)
-    if type(model).__name__ != "LlamaForCausalLM" or any(type(layer).__name__ != "LlamaDecoderLayer"
-                                                         for layer in base.layers):
-        return f"{type(model).__name__} is not a plain LlamaForCausalLM"
+    family = family_of(model.config)
+    if type(model).__name__ != family.causal_lm or any(type(layer).__name__ != family.decoder_layer
+                                                       for layer in base.layers):
+        return f"{type(model).__name__} is not a plain {family.causal_lm}"
     devices = {parameter.device for parameter in model.parameters()}
     if len(devices) != 1:
         return "the model is spread over several devices"
@@ -215,6 +217,7 @@ class StaticDecoder:
         if rotary is not None:
             self.inv_freq = rotary.inv_freq.to(self.device, torch.float64)
             self.scaling = float(rotary.attention_scaling) ** 2  # on the query and the key: RoPE's m times m
+        self.qk_norm = family_of(model.config).qk_norm  # Qwen3: q and k normed per head before RoPE
         self.grid_weights = grid_weights
         self.projections: Projections = module_projections(model)  # grids on the native route (`_first_static`)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -340,6 +343,8 @@ class StaticDecoder:
             query = query.view(shape).transpose(1, 2)  # (B, H, 1, D)
             key = key.view(shape).transpose(1, 2)  # (B, Hkv, 1, D)
             value = value.view(shape).transpose(1, 2)
+            if self.qk_norm:
+                query, key = attention.q_norm(query), attention.k_norm(key)
             output = self._attend(number, attention.scaling, query, key, value, rotation, mask)
             hidden = parts.add_attention_output(hidden, output.transpose(1, 2).reshape(hidden.shape[0], 1, -1))
             hidden = parts.add_mlp(hidden)

@@ -32,6 +32,7 @@ from ..config import MethodSettings
 from ..engine.hooks import PositionalAttention, install, installed_method, uninstall
 from ..errors import ConfigError
 from ..generate import forward_spans
+from ..model.families import default_train_len
 from .chunk_llama import DualChunkAttention
 from .dpe import DPE, check_scales, default_groups, published_settings
 from .gali import Gali, apply_gali, gali_settings
@@ -276,7 +277,7 @@ def kept_window(name: str, train_len: int | None, model_window: int) -> int:
 
 
 def _train_len(config: PretrainedConfig, settings: MethodSettings) -> int:
-    window = config.max_position_embeddings
+    window = default_train_len(config)
     train_len = settings.train_len if settings.train_len is not None else window
     if train_len > window:
         raise ConfigError(f"--train-len ({train_len}) exceeds the model's training window ({window})")

@@ -14,6 +14,7 @@ from ..engine.positions import chunk_plan
 from ..engine.rope import absolute_table
 from ..engine.static_decode import Placement
 from ..errors import GaliError
+from ..model.families import default_train_len
 
 
 class Gali(PositionalAttention):
@@ -137,7 +138,7 @@ def apply_gali(model: PreTrainedModel, config: GaliConfig | None = None) -> PreT
         The same model, for chaining.
     """
     llama_model(model)
-    resolved = (config or GaliConfig()).resolved(model.config.max_position_embeddings)  # before touching the model
+    resolved = (config or GaliConfig()).resolved(default_train_len(model.config))  # before touching the model
     install(model, Gali(resolved))
     return model
 

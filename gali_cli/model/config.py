@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ModelLoadError, UnsupportedModelError
-from .gguf import GgufFile, check_llama, is_gguf, read_header
+from ..errors import ModelLoadError
+from .families import default_train_len, family_of, why_no_methods
+from .gguf import GgufFile, check_architecture, is_gguf, read_header
 from .hub import check_hub
 from .machine import cuda_available
 
@@ -120,14 +121,17 @@ class ModelConfig:
     heads: int
     kv_heads: int
     vocab_size: int
-    train_len: int  # max_position_embeddings
+    train_len: int  # --train-len's default (families.default_train_len)
     rope: dict
+    family: str  # model/families.py
+    methods: str  # "yes", or why the position methods do not apply (families.why_no_methods)
 
     def facts(self) -> dict:
         """As `gali info` shows them (and as its --json has always named them)."""
-        return {"architecture": self.architecture, "layers": self.layers, "hidden_size": self.hidden_size,
-                "heads": self.heads, "kv_heads": self.kv_heads, "vocab_size": self.vocab_size,
-                "train_len": self.train_len, "rope": dict(self.rope)}
+        return {"architecture": self.architecture, "family": self.family, "layers": self.layers,
+                "hidden_size": self.hidden_size, "heads": self.heads, "kv_heads": self.kv_heads,
+                "vocab_size": self.vocab_size, "train_len": self.train_len, "rope": dict(self.rope),
+                "methods": self.methods}
 
 
 def read_model_config(name: str) -> ModelConfig:
@@ -148,8 +152,7 @@ def read_model_config(name: str) -> ModelConfig:
             raise ValueError("config.json does not hold a JSON object")
     except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested thousands deep
         raise ModelLoadError(load_failure(name, location, error)) from error
-    if raw.get("model_type") != "llama":
-        raise UnsupportedModelError(f"{name} is a {raw.get('model_type')!r} model; gali supports Llama models only")
+    family_of(raw, name)
     check_config(name, raw)
     try:
         return _llama_config(raw)
@@ -158,26 +161,25 @@ def read_model_config(name: str) -> ModelConfig:
                              ) from error
 
 
-# A Llama GGUF's header keys (after "llama.") and the config.json fields transformers makes of them; it rebuilds no
-# rope scaling for a Llama GGUF, and takes the vocabulary's size from the tokenizer's tokens when the key is absent.
+# A GGUF's header keys (after "<architecture>.") and the config.json fields transformers makes of them; it rebuilds
+# no rope scaling for these architectures, and takes the vocabulary's size from the tokenizer's tokens when the key
+# is absent. llama.cpp writes a Mistral as "llama": the same layers, read as a Llama.
 _GGUF_FIELDS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
                 "embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
                 "attention.head_count_kv": "num_key_value_heads", "rope.freq_base": "rope_theta",
-                "vocab_size": "vocab_size"}
+                "vocab_size": "vocab_size", "feed_forward_length": "intermediate_size"}
 
 
 def _gguf_config(name: str, gguf: GgufFile) -> ModelConfig:
-    """A Llama GGUF's config from its header alone (the file is checked as loading checks it)."""
+    """A GGUF's config from its header alone (the file is checked as loading checks it)."""
     header = read_header(gguf.path)
-    check_llama(gguf.path, header)
-    raw = {field: header.metadata[f"llama.{key}"] for key, field in _GGUF_FIELDS.items()
-           if f"llama.{key}" in header.metadata}
+    check_architecture(gguf.path, header)
+    architecture = header.architecture  # the model_type transformers gives it
+    keys = {field: f"{architecture}.{key}" for key, field in _GGUF_FIELDS.items()}
+    raw = {"model_type": architecture, **{field: header.metadata[key] for field, key in keys.items()
+                                          if key in header.metadata}}
     raw.setdefault("vocab_size", header.metadata.get("tokenizer.ggml.tokens", 32000))  # an array: its length
-    # llama.cpp's converter writes the feed-forward width; the tensors' shapes are checked in check_llama
-    if "llama.feed_forward_length" in header.metadata:
-        raw["intermediate_size"] = header.metadata["llama.feed_forward_length"]
-    check_config(name, raw, {**{field: f"llama.{key}" for key, field in _GGUF_FIELDS.items()},
-                             "intermediate_size": "llama.feed_forward_length"})
+    check_config(name, raw, keys)
     try:
         return _llama_config(raw)
     except (TypeError, ValueError) as error:
@@ -200,17 +202,24 @@ def _hub_file(repo: str, filename: str) -> str:
 def _llama_config(raw: dict) -> ModelConfig:
     """The fields, with LlamaConfig's defaults and transformers' normalization of the rope parameters (an old
     config's rope_scaling and rope_theta become one rope_parameters dict)."""
+    family = family_of(raw)
     heads = int(raw.get("num_attention_heads", 32))
-    train_len = int(raw.get("max_position_embeddings", 2048))
+    train_len = default_train_len(raw)
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope.setdefault("rope_type", rope.get("type", "default"))
     if rope["rope_type"] in ("llama3", "yarn", "longrope"):
         rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings", train_len))
-    return ModelConfig(architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
+    return ModelConfig(architecture=(raw.get("architectures") or [family.causal_lm])[0],
                        layers=int(raw.get("num_hidden_layers", 32)), hidden_size=int(raw.get("hidden_size", 4096)),
                        heads=heads, kv_heads=int(raw.get("num_key_value_heads") or heads),
-                       vocab_size=int(raw.get("vocab_size", 32000)), train_len=train_len, rope=rope)
+                       vocab_size=int(raw.get("vocab_size", 32000)), train_len=train_len, rope=rope,
+                       family=family.name, methods=_yes_or_why_not(why_no_methods(raw)))
+
+
+def _yes_or_why_not(reason: str | None) -> str:
+    """As `gali info` shows whether something applies."""
+    return "yes" if reason is None else f"no: {reason}"
 
 
 # Sizes far past every released Llama (Llama 3.1 405B: 126 layers, hidden 16384, 128 heads, head_dim 128,

@@ -17,7 +17,11 @@ from pathlib import Path
 from ..errors import ModelLoadError, UnsupportedModelError
 
 MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama",)
+# The GGUF architectures of gali's families that transformers reads (llama.cpp writes a Mistral as "llama").
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# transformers takes no head width from a Qwen3 GGUF (its attention.key_length): Qwen3Config's default, 128, which
+# every released Qwen3 has; another would load with its attention weights silently re-initialised.
+QWEN3_GGUF_HEAD_DIM = 128
 _VERSIONS = (2, 3)  # version 1 counted in 32 bits; llama.cpp has not written it since 2023
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -203,31 +207,39 @@ def _check_offsets(reader: _Reader, tensors: list[TensorInfo], alignment: int) -
         previous = tensor
 
 
-def check_llama(path: Path, header: GgufHeader) -> None:
-    """Refuse a GGUF of another architecture, or whose tensors do not match its metadata (layers, embedding and
-    projection shapes), before it is dequantized."""
-    if header.architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"{path} is a {header.architecture!r} GGUF; gali supports Llama models only")
-    metadata, shapes = header.metadata, {tensor.name: tensor.shape for tensor in header.tensors}
+def check_architecture(path: Path, header: GgufHeader) -> None:
+    """Refuse a GGUF of an architecture gali does not read, or whose tensors do not match its metadata (layers,
+    embedding and projection shapes), before it is dequantized."""
+    architecture = header.architecture
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"{path} is a {architecture!r} GGUF; gali reads GGUFs of "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)} (Mistral's are llama)")
+    shapes = {tensor.name: tensor.shape for tensor in header.tensors}
+
+    def field(key: str, default: object = None) -> object:
+        return header.metadata.get(f"{architecture}.{key}", default)
 
     def damaged(detail: str) -> ModelLoadError:
         return ModelLoadError(f"cannot load model {str(path)!r}: its metadata does not match its tensors "
                               f"({detail}); a damaged or hostile GGUF file")
 
     blocks = {int(name.split(".")[1]) for name in shapes if name.startswith("blk.") and name.split(".")[1].isdigit()}
-    count = metadata.get("llama.block_count")
+    count = field("block_count")
     if (not isinstance(count, int) or isinstance(count, bool) or count != len(blocks)
             or max(blocks, default=-1) != count - 1):
-        raise damaged(f"llama.block_count is {count!r} and the file holds {len(blocks)} blocks")
-    hidden, heads = metadata.get("llama.embedding_length"), metadata.get("llama.attention.head_count")
-    kv_heads = metadata.get("llama.attention.head_count_kv", heads)
-    vocab = metadata.get("llama.vocab_size", metadata.get("tokenizer.ggml.tokens"))
+        raise damaged(f"{architecture}.block_count is {count!r} and the file holds {len(blocks)} blocks")
+    hidden, heads = field("embedding_length"), field("attention.head_count")
+    kv_heads = field("attention.head_count_kv", heads)
+    vocab = field("vocab_size", header.metadata.get("tokenizer.ggml.tokens"))
     if not all(isinstance(value, int) and value > 0 for value in (hidden, heads, kv_heads)):
         return  # the config check names the bad value (model_config.check_config)
-    head_dim = hidden // heads
+    head_dim = field("attention.key_length") or hidden // heads  # Qwen3's heads are wider than hidden / heads
+    if architecture == "qwen3" and head_dim != QWEN3_GGUF_HEAD_DIM:
+        raise UnsupportedModelError(f"{path}: a Qwen3 GGUF with heads {head_dim} wide; transformers reads every "
+                                    f"Qwen3 GGUF's as {QWEN3_GGUF_HEAD_DIM} (as all released Qwen3 have them)")
     expected = {"token_embd.weight": (hidden, vocab), "blk.0.attn_q.weight": (hidden, heads * head_dim),
                 "blk.0.attn_k.weight": (hidden, kv_heads * head_dim),
-                "blk.0.ffn_gate.weight": (hidden, metadata.get("llama.feed_forward_length"))}
+                "blk.0.ffn_gate.weight": (hidden, field("feed_forward_length"))}
     for name, shape in expected.items():
         if name in shapes and None not in shape and shapes[name] != shape:
             raise damaged(f"{name} has shape {list(shapes[name])}, the metadata says {list(shape)}")

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
-from ..errors import ConfigError, ModelLoadError, UnsupportedModelError
+from ..errors import ConfigError, ModelLoadError
 from .chat_template import check_chat_template
 
 # Where a model loads from is decided without torch (config.py, for gali info); the names stay importable from
@@ -32,7 +32,8 @@ from .config import (  # noqa: F401
     smollm2_gguf,
 )
 from .dequantized import DequantizedModels
-from .gguf import GgufFile, check_llama, read_header, require_gguf_package
+from .families import default_train_len, family_of
+from .gguf import GgufFile, check_architecture, read_header, require_gguf_package
 from .machine import choose_device, choose_dtype, cpu_bf16
 
 QUANTIZATIONS = ("none", "8bit", "4bit")
@@ -52,7 +53,7 @@ class LoadedModel:
 
     @property
     def train_len(self) -> int:
-        return self.model.config.max_position_embeddings
+        return default_train_len(self.model.config)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -77,8 +78,7 @@ def load_config(name: str):
                                                                                           trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise ModelLoadError(load_failure(name, source.location, error)) from error
-    if config.model_type != "llama":
-        raise UnsupportedModelError(f"{name} is a {config.model_type!r} model; gali supports Llama models only")
+    family_of(config, name)
     return config
 
 
@@ -90,7 +90,7 @@ def _gguf_config(gguf: GgufFile):
 
 @functools.lru_cache(maxsize=4)
 def _checked_gguf_config(gguf: GgufFile):
-    check_llama(gguf.path, read_header(gguf.path))
+    check_architecture(gguf.path, read_header(gguf.path))
     return DequantizedModels().config(gguf)
 
 
