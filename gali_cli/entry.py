@@ -3,12 +3,12 @@ quietly too, and so that OpenMP's settings are in place before torch loads it.""
 
 import sys
 
-from .threads import prepare_openmp
-
 
 def main() -> None:
-    prepare_openmp()
     try:
+        from .threads import prepare_openmp
+
+        prepare_openmp()
         from .cli import main as run
     except KeyboardInterrupt:
         sys.exit(130)

@@ -13,9 +13,11 @@ extrapolation: docs/performance.md says how close it came.
 
 import os
 import time
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import PretrainedConfig
+if TYPE_CHECKING:  # imported by gali info, which answers without torch
+    import torch
+    from transformers import PretrainedConfig
 
 READ_SECONDS = 300.0  # the longest a default-bounded prompt should take to read
 # Sustained FLOP/s a prefill gets, GALI's attention included (on CPU it costs ten times more per FLOP than the matrix
@@ -24,7 +26,7 @@ FLOPS_PER_SECOND = {"cpu": 5e10, "cuda": 1e13}
 MEMORY_SHARE = 0.5  # of the free memory, for the prompt's keys and values (activations and the rest need room)
 
 
-def prefill_flops(config: PretrainedConfig) -> tuple[float, float]:
+def prefill_flops(config: "PretrainedConfig") -> tuple[float, float]:
     """FLOPs of a Llama's forward per token (the projections and the MLP: a multiply-add per weight) and per
     (query, earlier key) pair (q·k and the value sum: a multiply-add per head and dimension each)."""
     heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
@@ -46,7 +48,7 @@ class PrefillClock:
     `start` tokens are already in the model's cache (they count as context, not as work done).
     """
 
-    def __init__(self, config: PretrainedConfig, start: int = 0) -> None:
+    def __init__(self, config: "PretrainedConfig", start: int = 0) -> None:
         self.per_token, self.per_pair = prefill_flops(config)
         self.start = start
         self.started = self._last = time.perf_counter()
@@ -97,15 +99,17 @@ def duration(seconds: float) -> str:
     return f"{seconds:.0f} seconds"
 
 
-def kv_bytes_per_token(config: PretrainedConfig, element_bytes: int) -> int:
+def kv_bytes_per_token(config: "PretrainedConfig", element_bytes: int) -> int:
     """Bytes of one token's keys and values, in all layers."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
 
 
-def free_memory(device: torch.device) -> int:
+def free_memory(device: "torch.device") -> int:
     """Bytes free for new tensors: the GPU's free memory, or the RAM the kernel calls available."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as meminfo:
@@ -125,7 +129,7 @@ def holdable_tokens(token_bytes: int, window: int, free_bytes: int) -> int:
     return max(window, int(MEMORY_SHARE * free_bytes // token_bytes))
 
 
-def readable_tokens(config: PretrainedConfig, element_bytes: int, free_bytes: int, flops_per_second: float,
+def readable_tokens(config: "PretrainedConfig", element_bytes: int, free_bytes: int, flops_per_second: float,
                     seconds: float = READ_SECONDS) -> int:
     """The longest prompt whose keys and values fit MEMORY_SHARE of `free_bytes` and whose prefill takes at most
     `seconds` at `flops_per_second` (tokens * per_token + pairs * per_pair FLOPs, as PrefillClock models it); never

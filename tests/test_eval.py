@@ -27,8 +27,9 @@ TIMING = {"seconds", "prefill_tokens_per_second", "decode_tokens_per_second", "p
 def _short_answers(monkeypatch):
     """Answers of 8 tokens, not RULER's 128: the tiny model never stops early, and each token costs a forward."""
     real = evaluate.answer_sample
-    monkeypatch.setattr(evaluate, "answer_sample", lambda loaded, method, choice, sample, cache, system=None: real(
-        loaded, method, choice, replace(sample, max_new_tokens=8), cache, system))
+    monkeypatch.setattr(evaluate, "answer_sample", lambda loaded, method, choice, sample, cache, system=None,
+                        max_prompt_tokens=None: real(loaded, method, choice, replace(sample, max_new_tokens=8), cache,
+                                                     system, max_prompt_tokens))
 
 
 @pytest.fixture

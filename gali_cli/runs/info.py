@@ -81,15 +81,18 @@ def run_self_check(device, json_output: bool) -> list:
     return checks
 
 
-def _holdable(config: ModelConfig, facts: dict) -> int:
-    """The prompt length the answering commands read at most by default here (runs/common.prompt_limit)."""
-    import torch
+def _holdable(config: ModelConfig, facts: dict) -> int | None:
+    """The prompt length the answering commands read at most by default here (runs/common.prompt_limit), or None
+    on a GPU, whose free memory only torch can tell (gali info answers without it)."""
+    from types import SimpleNamespace
 
     from ..estimate import free_memory, holdable_tokens
 
-    element_bytes = torch.empty(0, dtype=getattr(torch, str(facts["dtype"]), torch.float32)).element_size()
+    if facts["device"] != "cpu":
+        return None
+    element_bytes = 4 if facts["dtype"] == "float32" else 2
     token_bytes = 2 * config.layers * config.kv_heads * (config.hidden_size // config.heads) * element_bytes
-    return holdable_tokens(token_bytes, config.train_len, free_memory(torch.device(facts["device"])))
+    return holdable_tokens(token_bytes, config.train_len, free_memory(SimpleNamespace(type="cpu")))
 
 
 def _previews(choice: ModelChoice) -> dict:

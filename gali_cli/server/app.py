@@ -46,9 +46,6 @@ class ServerSettings:
     name: str  # the model's name for clients ("model" in requests)
     api_key: str | None = None
     max_body_bytes: int = 32 * 2**20
-    # The bodies being read and parsed at once, in all requests: parsing takes about 150 times a body's bytes, so
-    # this bounds that memory (about 10 GB) whatever many clients send; past it, 503 and Retry-After.
-    body_budget_bytes: int = 64 * 2**20
     max_new_tokens: int = 1024  # when a request does not say (max_tokens)
     temperature: float = 0.0  # when a request does not say
     top_p: float = 1.0
@@ -57,6 +54,9 @@ class ServerSettings:
     max_parts: int = 2048  # text parts per chat request, in all its messages (a string content is one)
     max_prompt_tokens: int | None = None  # past it, 400 context_length_exceeded (None: no bound)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # The bodies being read and parsed at once, in all requests: parsing takes about 150 times a body's bytes, so
+    # this bounds that memory (about 10 GB) whatever many clients send; past it, 503 and Retry-After.
+    body_budget_bytes: int = 64 * 2**20
     created: int = field(default_factory=lambda: int(time.time()))
 
 
