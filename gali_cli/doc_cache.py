@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from .config import parse_size
-from .engine.kv_cache import new_cache
+from .engine.seam.kv_cache import new_cache
 from .file_locks import hold, left_behind
 from .printable import encodable
 
