@@ -522,7 +522,7 @@ def test_the_window_served_is_the_one_the_method_keeps_to(loaded):
 @pytest.mark.slow
 def test_gali_serve_says_the_window_of_train_len():
     with gali_serve("--train-len", "64") as (url, process, lines):
-        assert "(gali, 64-token window of --train-len, the model's 256)" in "".join(lines)
+        assert "(gali, 64-token window of --train-len, the model's 256, prompts up to " in "".join(lines)
         health = json.loads(urlopen(f"{url}/health", timeout=60).read())
         assert health["train_len"] == 64 and health["model_train_len"] == 256
         process.send_signal(signal.SIGINT)
