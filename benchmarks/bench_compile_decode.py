@@ -11,6 +11,8 @@ Variants (--variants, any of them, in this order each round, rotated by one each
   static                    gali's static step as `gali` decodes by default: on the CPU the native attention and
                             the projections as bytes where they lie on grids; on CUDA recorded as one CUDA graph
   static-float              CPU: the static step with the projections in PyTorch (no grids)
+  static-compile            the static step (checked as `static`) run through torch.compile(mode="reduce-overhead")
+                            instead of its own CUDA graph: replacing only the hand-recorded graph
   compile-default           torch.compile(model.forward) over a StaticCache of length + 2 + tokens slots
   compile-reduce-overhead   the same with mode="reduce-overhead" (CUDA graphs on a GPU; on a CPU Inductor skips them)
 
@@ -44,22 +46,24 @@ from bench_speed import SHAPES, build_model, synchronize
 from gali_cli.config import MethodSettings
 from gali_cli.engine.kv_cache import new_cache, reserve
 from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder, difference, model_route
+from gali_cli.engine.static_decode import ROUTES, StaticDecoder, difference, model_route
 from gali_cli.generate import truncate_cache
-from gali_cli.methods import METHODS, apply_method
+from gali_cli.methods import METHODS, apply_method, prefill_spans
 
-VARIANTS = ("eager", "static", "static-float", "compile-default", "compile-reduce-overhead")
+VARIANTS = ("eager", "static", "static-float", "static-compile", "compile-default", "compile-reduce-overhead")
 
 
 class GaliCache:
     """The eager and static variants' shared KV cache (gali's, rows reserved), prefilled once."""
 
-    def __init__(self, model, ids: torch.Tensor, length: int, capacity: int) -> None:
+    def __init__(self, model, method: str, ids: torch.Tensor, length: int, capacity: int) -> None:
         self.model, self.ids, self.length = model, ids, length
+        self.token_ids = ids[0].tolist()  # read on the host: no device sync in a timed step
         self.cache = new_cache(model)
         reserve(self.cache, capacity)
         self.given = with_cache(model, self.cache)
-        model(input_ids=ids[:, :length], **self.given, use_cache=True, logits_to_keep=1)
+        for first, last in prefill_spans(model, method, 0, length):  # as gali prefills: GALI's chunks per forward
+            model(input_ids=ids[:, first:last], **self.given, use_cache=True, logits_to_keep=1)
         self.forward(length)  # the cache now holds [0, length]: every variant decodes from length + 1
 
     def forward(self, index: int) -> torch.Tensor:
@@ -81,13 +85,13 @@ class Eager:
 class Static:
     """gali's static step; its first step (token `length`) checked against the forward, and recorded on a GPU."""
 
-    def __init__(self, shared: GaliCache, grid_weights: bool) -> None:
+    def __init__(self, shared: GaliCache, grid_weights: bool, route: str | None) -> None:
         self.shared = shared
-        route = model_route(shared.model)
+        route = route or model_route(shared.model)
         self.decoder = StaticDecoder(shared.model, shared.cache, route=route, grid_weights=grid_weights)
         length = shared.length
         started = time.perf_counter()
-        self.decoder.first_step(int(shared.ids[0, length]), length, lambda: shared.forward(length))
+        self.decoder.first_step(shared.token_ids[length], length, lambda: shared.forward(length))
         synchronize(shared.ids.device.type)
         self.setup_s = time.perf_counter() - started
         if not self.decoder.checked:
@@ -98,7 +102,37 @@ class Static:
         truncate_cache(self.shared.cache, self.shared.length + 1)
 
     def step(self, index: int) -> torch.Tensor:
-        return self.decoder.step(int(self.shared.ids[0, index]), index).float()
+        return self.decoder.step(self.shared.token_ids[index], index).float()
+
+
+class StaticCompiled(Static):
+    """gali's static step, checked as `Static` is, then run through torch.compile(mode="reduce-overhead") instead of
+    the CUDA graph the step records itself: what replacing the hand-recorded graph (and nothing else) would give.
+    The first three calls at token `length` are the compile time."""
+
+    def __init__(self, shared: GaliCache, route: str | None) -> None:
+        super().__init__(shared, grid_weights=True, route=route)
+        self.decoder.graph = None  # the step's own recording, set aside
+        self.compiled = torch.compile(self.decoder._step, mode="reduce-overhead", dynamic=False)
+        self.frames = 0
+        started = time.perf_counter()
+        for _ in range(3):
+            truncate_cache(shared.cache, shared.length)
+            self.step(shared.length)
+        synchronize(shared.ids.device.type)
+        self.setup_s += time.perf_counter() - started
+        self.description += "; the step through torch.compile(mode='reduce-overhead')"
+
+    def step(self, index: int) -> torch.Tensor:
+        decoder = self.decoder
+        decoder.token.fill_(self.shared.token_ids[index])
+        decoder.index.fill_(index)
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        logits = self.compiled()
+        self.frames += torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames
+        for layer in decoder.layers:  # as StaticDecoder.step leaves the cache's views
+            layer.extend(index + 1)
+        return logits[0, -1].float().clone()
 
 
 class Compiled:
@@ -145,12 +179,28 @@ class Compiled:
         return out.logits[0, -1].float().clone()  # reduce-overhead's outputs are overwritten by the next replay
 
 
-def build(name: str, model, ids: torch.Tensor, shared: GaliCache, capacity: int):
+def decode(runner, length: int, tokens: int, device: torch.device, logits: dict, name: str) -> float:
+    """One round of `runner`: the median ms of its tokens; the first round's logits kept in `logits[name]`."""
+    runner.start()
+    per_token, made = [], []
+    for index in range(length + 1, length + 1 + tokens):
+        synchronize(device.type)
+        start = time.perf_counter()
+        made.append(runner.step(index))
+        synchronize(device.type)
+        per_token.append(1000 * (time.perf_counter() - start))
+    logits.setdefault(name, torch.stack(made))
+    return statistics.median(per_token)
+
+
+def build(name: str, model, ids: torch.Tensor, shared: GaliCache, capacity: int, route: str | None):
     if name == "eager":
         return Eager(shared)
     if name.startswith("static"):
         truncate_cache(shared.cache, shared.length)  # its first step is token `length`, held to the forward
-        return Static(shared, grid_weights=name == "static")
+        if name == "static-compile":
+            return StaticCompiled(shared, route)
+        return Static(shared, grid_weights=name == "static", route=None)
     return Compiled(model, ids, shared.length, capacity, name.removeprefix("compile-"))
 
 
@@ -168,6 +218,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="tokens decoded per variant per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="eager,static,static-float,compile-default,compile-reduce-overhead")
+    parser.add_argument("--route", choices=ROUTES, default=None, help="static-compile's attention (default: the "
+                        "device's kernel; on a CPU the native kernel reads the index in Python, which breaks the graph "
+                        "every token: torch there)")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="write the rows and the run's context to this file")
     args = parser.parse_args()
@@ -190,11 +243,11 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = {}
     with torch.inference_mode():
-        shared = GaliCache(model, ids, args.length, capacity)
+        shared = GaliCache(model, args.method, ids, args.length, capacity)
         runners = {}
         for name in variants:
             try:
-                runners[name] = build(name, model, ids, shared, capacity)
+                runners[name] = build(name, model, ids, shared, capacity, args.route)
             except Exception as failure:  # a variant that cannot run here is reported, the others go on
                 rows[name] = {"variant": name, "error": f"{type(failure).__name__}: {str(failure)[:300]}"}
         times = {name: [] for name in runners}
@@ -202,19 +255,16 @@ def main() -> None:
         names = list(runners)
         for turn in range(args.rounds):
             for name in names[turn % len(names):] + names[: turn % len(names)]:
-                runner = runners[name]
-                runner.start()
-                per_token, made = [], []
-                for index in range(args.length + 1, args.length + 1 + args.tokens):
-                    synchronize(device.type)
-                    start = time.perf_counter()
-                    made.append(runner.step(index))
-                    synchronize(device.type)
-                    per_token.append(1000 * (time.perf_counter() - start))
-                times[name].append(statistics.median(per_token))
-                logits.setdefault(name, torch.stack(made))
+                if name in rows:  # failed in an earlier round
+                    continue
+                try:
+                    times[name].append(decode(runners[name], args.length, args.tokens, device, logits, name))
+                except Exception as failure:  # e.g. a graph that cannot be recorded here: the others go on
+                    rows[name] = {"variant": name, "error": f"{type(failure).__name__}: {str(failure)[:300]}"}
         reference = logits.get("eager")
         for name, runner in runners.items():
+            if name in rows:
+                continue
             row = {"variant": name, "ms": statistics.median(times[name]), "ms_min": min(times[name]),
                    "ms_max": max(times[name]), "setup_s": runner.setup_s,
                    "frames": getattr(runner, "frames", None), "how": getattr(runner, "description", "")}
