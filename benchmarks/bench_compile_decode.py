@@ -32,7 +32,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as gali runs on a CPU (ga
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speed import SHAPES, build_model, synchronize
+from bench_speed import SHAPES, build_model, check_choices, run_context, synchronize
 
 from gali_cli.config import MethodSettings
 from gali_cli.engine.kv_cache import new_cache, reserve
@@ -225,9 +224,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the rows and the run's context to this file")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {', '.join(sorted(unknown))}: use {', '.join(VARIANTS)}")
+    check_choices(parser, variants, VARIANTS, "variants")
     if args.method != "original" and args.method not in METHODS:
         parser.error(f"unknown method {args.method}: use original or {', '.join(METHODS)}")
     if args.threads:
@@ -284,10 +281,8 @@ def main() -> None:
         print(f"| {name} | {row['ms']:.2f} ({row['ms_min']:.2f}-{row['ms_max']:.2f}) | {speed} | "
               f"{row['setup_s']:.2f} | {row['frames'] if row['frames'] is not None else '-'} | "
               f"{row.get('difference', float('nan')):.1e}, {row.get('same_argmax', float('nan')):.0%} |")
-    context = {"argv": sys.argv[1:], "torch": torch.__version__, "device": str(device), "threads":
-               torch.get_num_threads(), "machine": platform.machine(), "load_before": load_before,
-               "load_after": os.getloadavg(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
+    context = run_context(load_before, device=str(device),
+                          gpu=torch.cuda.get_device_name() if device.type == "cuda" else None)
     print(f"\n{context['gpu'] or 'CPU'}, torch {torch.__version__}, {context['threads']} threads; load average "
           f"before {load_before}, after {context['load_after']}", file=sys.stderr)
     if args.json:

@@ -31,7 +31,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as gali runs (gali_cli/th
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speed import build_model
+from bench_speed import build_model, check_choices, run_context
 
 from gali_cli.engine.grid_weights import BLOCK, LayerProjections, Projections, module_projections, to_grid
 from gali_cli.engine.hooks import llama_model
@@ -315,9 +314,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the rows and the run's context to this file")
     args = parser.parse_args()
     kernels = args.kernels.split(",")
-    unknown = set(kernels) - set(KERNELS)
-    if unknown:
-        parser.error(f"unknown kernels {', '.join(sorted(unknown))}: use {', '.join(KERNELS)}")
+    check_choices(parser, kernels, KERNELS, "kernels")
     torch.set_num_threads(args.threads)
     args.device, args.dtype, args.layers = "cpu", "float32", 0
     model = build_model(args)
@@ -329,10 +326,7 @@ def main() -> None:
         else:
             rows = measure_step(model, kernels, args.length, args.tokens, args.rounds)
             print_step(rows)
-    context = {"argv": sys.argv[1:], "torch": torch.__version__, "threads": args.threads,
-               "cpu": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
-               "load_before": load_before, "load_after": os.getloadavg(),
-               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    context = run_context(load_before)
     print(f"\nload average (1, 5, 15 min) before {load_before}, after {context['load_after']}; torch "
           f"{torch.__version__} ({context['cpu']}), {args.threads} threads, OMP_WAIT_POLICY "
           f"{context['omp_wait_policy']}", file=sys.stderr)

@@ -106,6 +106,23 @@ def peak_memory_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def check_choices(parser: argparse.ArgumentParser, given: list[str], known, what: str) -> None:
+    """A usage error naming what in `given` (a comma-separated option's values) is not in `known`, before any model
+    loads."""
+    unknown = set(given) - set(known)
+    if unknown:
+        parser.error(f"unknown {what} {', '.join(sorted(unknown))}: use {', '.join(known)}")
+
+
+def run_context(load_before: tuple[float, float, float], **facts) -> dict:
+    """What a benchmark's figures depend on, for its JSON: the command line, torch, the machine, the load average
+    before and after (the machines are shared), OpenMP's wait policy, and `facts` of its own."""
+    return {"argv": sys.argv[1:], "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "load_before": load_before, "load_after": os.getloadavg(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), **facts}
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
