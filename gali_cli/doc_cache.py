@@ -47,7 +47,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .config import expand_home, parse_size
 from .engine.kv_cache import new_cache
 from .file_locks import hold, left_behind
-from .printable import encodable
+from .printable import encodable, some_names
 
 FORMAT = "2"  # 2: with checksums
 WRITER = "gali document cache"  # every entry's header says so (entries written before it carry their key alone)
@@ -139,7 +139,7 @@ class DocumentCache:
         self.directory = directory
         self.limit = limit
         self.warn = warn
-        self._warned_foreign = False
+        self._looked_for_foreign = False
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
@@ -257,13 +257,14 @@ class DocumentCache:
                       key=lambda path: (-_size(path), path.name))
 
     def warn_about_foreign_files(self) -> None:
-        """One warning (per DocumentCache) naming the files in the directory that are not the cache's."""
-        if self._warned_foreign:
+        """One warning naming the files in the directory that are not the cache's; looked for once per DocumentCache
+        (every save would read every entry's header again)."""
+        if self._looked_for_foreign:
             return
+        self._looked_for_foreign = True
         foreign = self.foreign()
         if foreign:
-            self._warned_foreign = True
-            self.warn(f"the document cache directory {self.directory} also holds {_names(foreign)}, which gali did "
+            self.warn(f"the document cache directory {self.directory} also holds {some_names(foreign)}, which gali did "
                       "not write: they are left alone (give the cache a folder of its own: --cache-dir, "
                       "GALI_CACHE_DIR)")
 
@@ -364,13 +365,6 @@ def _only_entry_files(folder: Path) -> bool:
             return all(entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False) for entry in found)
     except OSError:
         return False
-
-
-def _names(paths: list[Path], shown: int = 3) -> str:
-    """"a, b, c and 4 more" (names only)."""
-    names = [path.name for path in paths[:shown]]
-    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
-    return ", ".join(names) + more
 
 
 def _size(path: Path) -> int:

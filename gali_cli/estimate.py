@@ -102,7 +102,13 @@ def duration(seconds: float) -> str:
 def kv_bytes_per_token(config: "PretrainedConfig", element_bytes: int) -> int:
     """Bytes of one token's keys and values, in all layers."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
+    return kv_bytes(config.num_hidden_layers, config.num_key_value_heads, head_dim, element_bytes)
+
+
+def kv_bytes(layers: int, kv_heads: int, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one token's keys and values in `layers` layers of `kv_heads` heads (gali info reads them from
+    model/config.py's ModelConfig, without transformers)."""
+    return 2 * layers * kv_heads * head_dim * element_bytes
 
 
 def free_memory(device: "torch.device") -> int:

@@ -27,6 +27,12 @@ def _escape(character: str) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
+def some_names(paths: list, shown: int = 3) -> str:
+    """"a, b, c and 4 more": the first `shown` of `paths`' file names, printable (they are strangers' too)."""
+    names = ", ".join(printable(path.name) for path in paths[:shown])
+    return names + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
+
+
 def encodable(text: str) -> str:
     """`text` with each lone surrogate as its escape (\\udcff), the only characters UTF-8 cannot encode; a file name
     with a byte that is not UTF-8 would otherwise fail every write of it (UnicodeEncodeError)."""

@@ -120,6 +120,7 @@ class ModelConfig:
     hidden_size: int
     heads: int
     kv_heads: int
+    head_dim: int  # the config's, else hidden_size / heads (Qwen3's is wider than that)
     vocab_size: int
     train_len: int  # --train-len's default (families.default_train_len)
     rope: dict
@@ -203,7 +204,7 @@ def _llama_config(raw: dict) -> ModelConfig:
     """The fields, with LlamaConfig's defaults and transformers' normalization of the rope parameters (an old
     config's rope_scaling and rope_theta become one rope_parameters dict)."""
     family = family_of(raw)
-    heads = int(raw.get("num_attention_heads", 32))
+    heads, hidden = int(raw.get("num_attention_heads", 32)), int(raw.get("hidden_size", 4096))
     train_len = default_train_len(raw)
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
@@ -211,8 +212,9 @@ def _llama_config(raw: dict) -> ModelConfig:
     if rope["rope_type"] in ("llama3", "yarn", "longrope"):
         rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings", train_len))
     return ModelConfig(architecture=(raw.get("architectures") or [family.causal_lm])[0],
-                       layers=int(raw.get("num_hidden_layers", 32)), hidden_size=int(raw.get("hidden_size", 4096)),
+                       layers=int(raw.get("num_hidden_layers", 32)), hidden_size=hidden,
                        heads=heads, kv_heads=int(raw.get("num_key_value_heads") or heads),
+                       head_dim=int(raw.get("head_dim") or hidden // heads),
                        vocab_size=int(raw.get("vocab_size", 32000)), train_len=train_len, rope=rope,
                        family=family.name, methods=_yes_or_why_not(why_no_methods(raw)))
 

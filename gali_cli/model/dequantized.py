@@ -44,6 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from ..config import expand_home
 from ..errors import GaliWarning, ModelLoadError
 from ..file_locks import hold, left_behind
+from ..printable import some_names
 from .gguf import GgufFile
 
 FORMAT = "1"
@@ -91,7 +92,7 @@ class DequantizedModels:
     def __init__(self, directory: Path | None = None, notice: Callable[[str], None] | None = None) -> None:
         self.directory = directory or default_directory()
         self.notice = notice or (lambda message: None)
-        self._warned_foreign = False
+        self._looked_for_foreign = False
 
     def check(self) -> None:
         """Refuse at once a cache directory that cannot be one (a file, or a path under a file): a load calls it
@@ -151,15 +152,16 @@ class DequantizedModels:
         return sorted(path for path in found if path not in ours and not path.name.startswith(_PARTIAL))
 
     def warn_about_foreign_files(self) -> None:
-        """One warning naming what the directory holds that gali did not write (they are left alone)."""
+        """One warning naming what the directory holds that gali did not write (they are left alone); looked for
+        once per DequantizedModels (it reads every entry's manifest)."""
+        if self._looked_for_foreign:
+            return
+        self._looked_for_foreign = True
         foreign = self.foreign()
-        if foreign and not self._warned_foreign:
-            self._warned_foreign = True
-            names = ", ".join(path.name for path in foreign[:3]) + (f" and {len(foreign) - 3} more"
-                                                                    if len(foreign) > 3 else "")
-            warnings.warn(f"the model cache {self.directory} also holds {names}, which gali did not write: they are "
-                          "left alone (give the cache a folder of its own: GALI_MODEL_CACHE)", GaliWarning,
-                          stacklevel=2)
+        if foreign:
+            warnings.warn(f"the model cache {self.directory} also holds {some_names(foreign)}, which gali did not "
+                          "write: they are left alone (give the cache a folder of its own: GALI_MODEL_CACHE)",
+                          GaliWarning, stacklevel=2)
 
     def prune(self, unused_seconds: float = 0.0) -> tuple[list[ModelEntry], list[ModelEntry]]:
         """Delete the entries this installation cannot use (another transformers release, a GGUF gone or changed,

@@ -86,12 +86,12 @@ def _holdable(config: ModelConfig, facts: dict) -> int | None:
     on a GPU, whose free memory only torch can tell (gali info answers without it)."""
     from types import SimpleNamespace
 
-    from ..estimate import free_memory, holdable_tokens
+    from ..estimate import free_memory, holdable_tokens, kv_bytes
 
     if facts["device"] != "cpu":
         return None
     element_bytes = 4 if facts["dtype"] == "float32" else 2
-    token_bytes = 2 * config.layers * config.kv_heads * (config.hidden_size // config.heads) * element_bytes
+    token_bytes = kv_bytes(config.layers, config.kv_heads, config.head_dim, element_bytes)
     return holdable_tokens(token_bytes, config.train_len, free_memory(SimpleNamespace(type="cpu")))
 
 
