@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speed import SHAPES, build_model, check_choices, run_context, synchronize
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine.kv_cache import new_cache, reserve
 from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import ROUTES, StaticDecoder, difference, model_route
+from gali_cli.engine.seam.kv_cache import new_cache, reserve
+from gali_cli.engine.seam.static_decode import ROUTES, StaticDecoder, difference, model_route
 from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, prefill_spans
 

@@ -19,8 +19,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine.kv_cache import new_cache
 from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.kv_cache import new_cache
 from gali_cli.methods import apply_method, remove_method
 from gali_cli.model.loading import load_model
 

@@ -1,5 +1,5 @@
 """Decode on a GPU: every method's eager step against its static step replayed as a CUDA graph, side by side on the
-same prefilled cache (engine/static_decode.py), with how far the graph's logits are from the model's own forward.
+same prefilled cache (engine/seam/static_decode.py), with how far the graph's logits are from the model's own forward.
 
     python benchmarks/bench_graph_decode.py --shape llama3-8b --dtype bfloat16 --train-len 8192 \
         --lengths 8192,32768 --tokens 16
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speed import SHAPES, build_model, synchronize
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine.kv_cache import new_cache, reserve
 from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import ROUTES, StaticDecoder, difference, model_route, why_not_static
+from gali_cli.engine.seam.kv_cache import new_cache, reserve
+from gali_cli.engine.seam.static_decode import ROUTES, StaticDecoder, difference, model_route, why_not_static
 from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, prefill_spans
 

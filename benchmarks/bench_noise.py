@@ -1,4 +1,4 @@
-"""GALI's noise on the CPU, one tile: the native kernel (engine/native_kernels.c) against the same computation in
+"""GALI's noise on the CPU, one tile: the native kernel (kernels/native_kernels.c) against the same computation in
 PyTorch, eager and through torch.compile (inductor's C++ for the CPU). Per logit: the noise (hash, Box-Muller),
 the row maximum, exp and the row sum, as one chunk of noisy attention needs them.
 
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from gali_cli.engine.native_noise import RowLayout, noisy_softmax_, pair_hashes
-from gali_cli.engine.noise import GOLDEN, mix32
+from gali_cli.engine.kernels.native_noise import RowLayout, noisy_softmax_, pair_hashes
+from gali_cli.engine.math.noise import GOLDEN, mix32
 
 
 def in_pytorch(logits, scale, row_hash, row_index, pair_hash, weight):

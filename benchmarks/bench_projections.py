@@ -44,8 +44,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speed import build_model, check_choices, run_context
 
-from gali_cli.engine.grid_weights import BLOCK, LayerProjections, Projections, module_projections, to_grid
-from gali_cli.engine.hooks import llama_model
+from gali_cli.engine.seam.grid_weights import BLOCK, LayerProjections, Projections, module_projections, to_grid
+from gali_cli.engine.seam.hooks import llama_model
 
 KERNELS = ("grid", "int4", "int4-bf16", "int8", "int8-bf16", "bfloat16", "float32", "modules")
 GROUPS = ("qkv", "output", "gate_up", "down", "head")
@@ -221,9 +221,9 @@ def calibrate(run: Callable[[], object], seconds: float) -> int:
 
 def measure_step(model: nn.Module, kernels: list[str], length: int, tokens: int, rounds: int) -> list[dict]:
     """The static decoding step through each kernel, side by side on one prefilled cache."""
-    from gali_cli.engine.kv_cache import new_cache, reserve
     from gali_cli.engine.seam import with_cache
-    from gali_cli.engine.static_decode import StaticDecoder
+    from gali_cli.engine.seam.kv_cache import new_cache, reserve
+    from gali_cli.engine.seam.static_decode import StaticDecoder
     from gali_cli.generate import truncate_cache
 
     generator = torch.Generator().manual_seed(1)

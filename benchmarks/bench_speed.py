@@ -15,7 +15,7 @@ and ratios to the unpatched model measured in the same run.
         --variants sdpa,gali,gali-noise,gali-noise-torch,self-extend,chunk-llama --decode-factors "" --decode-tokens 16
 
 A worker that fails (out of memory, typically the anchor at long lengths) is reported as such; the others go on.
-The KV cache is gali's, which appends in place (engine/kv_cache.py); figures in docs/performance.md dated before
+The KV cache is gali's, which appends in place (engine/seam/kv_cache.py); figures in docs/performance.md dated before
 2026-11-26's "Decode on the CPU" used transformers' DynamicCache: `--cache dynamic` measures that again.
 """
 
@@ -95,7 +95,7 @@ def make_cache(model: LlamaForCausalLM, kind: str):
     """An empty KV cache: gali's, which appends in place (`growing`), or transformers' DynamicCache (`dynamic`)."""
     from transformers import DynamicCache
 
-    from gali_cli.engine.kv_cache import new_cache
+    from gali_cli.engine.seam.kv_cache import new_cache
 
     return new_cache(model) if kind == "growing" else DynamicCache(config=model.config)
 
@@ -130,9 +130,9 @@ def synchronize(device: str) -> None:
 
 def two_matmul_gali(settings):
     """GALI computed the straightforward way, as the anchor: Alg. 3 literally, per chunk (the tests' oracle)."""
-    from gali_cli.engine.noise import Noise
-    from gali_cli.engine.positions import interpolate
-    from gali_cli.engine.reference import reference_gali_attention
+    from gali_cli.engine.checks.reference import reference_gali_attention
+    from gali_cli.engine.math.noise import Noise
+    from gali_cli.engine.math.positions import interpolate
     from gali_cli.methods.gali import Gali
 
     class TwoMatmulGali(Gali):
@@ -157,7 +157,7 @@ def apply_variant(model: LlamaForCausalLM, variant: str, train_len: int, tokens:
     """Patch `model` for `variant` (replacing any method applied before); returns GALI's resolved settings."""
     from gali_cli import GaliConfig, apply_gali
     from gali_cli.config import MethodSettings
-    from gali_cli.engine.hooks import install
+    from gali_cli.engine.seam.hooks import install
     from gali_cli.methods import apply_method, remove_method
 
     remove_method(model)

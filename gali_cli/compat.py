@@ -1,6 +1,6 @@
 """Which transformers releases gali has been tested with, and saying so (once) when another one is installed.
 
-gali hooks into transformers (engine/hooks.py, engine/seam.py), and a minor release can change what the hooks rely on
+gali hooks into transformers (engine/seam/), and a minor release can change what the hooks rely on
 without raising anything: 5.24 renamed the forward's cache argument, and every token decoded after a long prompt was
 computed at position 0. So pyproject.toml admits only the releases on which the engine's equivalence tests passed
 (`scripts/compat.py` runs them, one environment per release; docs/compatibility.md has the table), and a user who

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from .config import MethodSettings
 from .doc_cache import DocumentCache
 from .document_states import DocumentStates
-from .engine.kv_cache import new_cache
+from .engine.seam.kv_cache import new_cache
 from .generate import (
     Finished,
     Progress,

@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from .config import expand_home, parse_size
-from .engine.kv_cache import new_cache
+from .engine.seam.kv_cache import new_cache
 from .file_locks import hold, left_behind
 from .printable import encodable, some_names
 

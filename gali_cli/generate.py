@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .engine.kv_cache import new_cache, reserve
 from .engine.seam import with_cache
-from .engine.static_decode import static_decoder
+from .engine.seam.kv_cache import new_cache, reserve
+from .engine.seam.static_decode import static_decoder
 from .errors import ConfigError
 
 Sampler = Callable[[torch.Tensor], int]

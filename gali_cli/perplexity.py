@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from .engine.kv_cache import new_cache, reserve
 from .engine.seam import with_cache
+from .engine.seam.kv_cache import new_cache, reserve
 from .errors import ConfigError
 
 # Positions whose logits exist at once: logits are (slice x vocab) floats, e.g. 512 x 128k x 4 B = 256 MiB.

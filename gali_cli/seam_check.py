@@ -1,7 +1,7 @@
 """The end-to-end check of the seam with transformers (`gali info --check`, first): a tiny random Llama built in
 memory, patched with each method (then a tiny model of each other family in model/families.py, unpatched and with
 GALI), prefilled in several forwards through one KV cache and decoded a few tokens by gali's own calls
-(generate.prefill, generate.decode), held to the method's float64 restatement (engine/reference_model.py), which
+(generate.prefill, generate.decode), held to the method's float64 restatement (engine/checks/reference_model.py), which
 computes the same model from its weights without transformers.
 
 This is the check that would have caught transformers 5.24, which renamed the cache argument: its prefill of a whole
@@ -17,9 +17,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from .config import MethodSettings
-from .engine import reference_model as ref
-from .engine.kv_cache import new_cache
-from .engine.self_check import Check
+from .engine.checks import reference_model as ref
+from .engine.checks.self_check import Check
+from .engine.seam.kv_cache import new_cache
 from .generate import decode, prefill
 from .methods import apply_method, prefill_spans, remove_method
 from .model.families import FAMILIES

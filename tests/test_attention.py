@@ -1,14 +1,15 @@
 import pytest
 import torch
 
-import gali_cli.engine.dense as dense
-from gali_cli.engine.dense import Partial, causal_attention, lower_right_causal_attention, merge_partials
-from gali_cli.engine.gali_attention import chunk_context, chunk_contexts, gali_attention
-from gali_cli.engine.noise import Noise
-from gali_cli.engine.noisy_attention import add_noise
-from gali_cli.engine.positions import chunk_plan, interpolate
-from gali_cli.engine.reference import reference_gali_attention
-from gali_cli.engine.rope import RopeTable, key_rotation
+import gali_cli.engine.attention.dense as dense
+from gali_cli.engine.attention.choice import plan_for
+from gali_cli.engine.attention.dense import Partial, causal_attention, lower_right_causal_attention, merge_partials
+from gali_cli.engine.attention.gali_attention import chunk_context, chunk_contexts, gali_attention
+from gali_cli.engine.attention.noisy_attention import add_noise
+from gali_cli.engine.checks.reference import reference_gali_attention
+from gali_cli.engine.math.noise import Noise
+from gali_cli.engine.math.positions import chunk_plan, interpolate
+from gali_cli.engine.math.rope import RopeTable, key_rotation
 
 HEAD_DIM = 16
 
@@ -91,7 +92,12 @@ def test_noisy_path_is_the_same_in_any_tiling(monkeypatch):
     assert torch.equal(gali_attention(query, key, value, [chunk], 0.25, noise=noise), whole)
 
 
-@pytest.mark.parametrize("attention", [causal_attention, lower_right_causal_attention])  # the CPU and CUDA routes
+def planned_causal_attention(query, key, value, scale):
+    """dense.causal_attention by the plan a forward decides for these tensors (the routes take it as an argument)."""
+    return causal_attention(query, key, value, scale, 0.0, plan_for(query, key, value))
+
+
+@pytest.mark.parametrize("attention", [planned_causal_attention, lower_right_causal_attention])  # CPU, CUDA
 @pytest.mark.parametrize("q_len, kv_len", [(1, 9), (9, 9), (4, 9), (3, 40)])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_causal_attention_is_lower_right(attention, q_len, kv_len, kv_heads):
@@ -172,10 +178,11 @@ def test_causal_attention_matches_the_masked_formulation_with_and_without_gradie
     mask = torch.ones(5, 12, dtype=torch.bool).tril(7)
     expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3,
                                                                 enable_gqa=True)
-    torch.testing.assert_close(causal_attention(query, key, value, 0.3), expected, rtol=1e-5, atol=1e-6)
+    got = planned_causal_attention(query, key, value, 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
     gradients = []
-    for attend in (causal_attention, lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
+    for attend in (planned_causal_attention, lambda q, k, v, scale: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)):
         leaves = [x.clone().requires_grad_() for x in (query, key, value)]
         with torch.enable_grad():

@@ -511,7 +511,7 @@ def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):
 @pytest.mark.parametrize("noise", [False, True])
 def test_info_prints_the_attention_plan(gali, monkeypatch, kernel, noise):
     """gali info's words are the plan's, as the engine decides it for this device, dtype and noise."""
-    from gali_cli.engine.plan import decide
+    from gali_cli.engine.attention.plan import decide
 
     flags = ["--noise"] if noise else []
     facts = json.loads(gali("info", "--json", *flags, env={"GALI_KERNEL": kernel}).stdout)
@@ -535,7 +535,7 @@ def test_gali_warnings_are_one_line_on_stderr(gali, doc, monkeypatch):
     """E.g. a fused kernel that failed its first-use check: the run goes on, the user is told once, in one line."""
     import warnings
 
-    import gali_cli.engine.noisy_attention as noisy_attention
+    import gali_cli.engine.attention.noisy_attention as noisy_attention
     from gali_cli.errors import GaliWarning
 
     def fall_back(*arguments):
@@ -584,7 +584,7 @@ def test_serve_refuses_bad_settings_before_loading(gali, monkeypatch):
 @pytest.fixture
 def small_self_check(monkeypatch):
     """The self-check's own code on smaller problems (the full one takes minutes on two shared cores)."""
-    from gali_cli.engine import self_check
+    from gali_cli.engine.checks import self_check
 
     monkeypatch.setattr(self_check, "HEAD_SHAPES", ((64, 9, 3), (128, 4, 4)))
     monkeypatch.setattr(self_check, "LENGTHS", {"cuda": (320,), "cpu": (320,), "interpreted": (200,), "gali": (300,)})
@@ -615,8 +615,8 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
 
 
 def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, monkeypatch):
-    import gali_cli.engine.native_noise as native_noise
-    import gali_cli.engine.noisy_attention as noisy_attention
+    import gali_cli.engine.attention.noisy_attention as noisy_attention
+    import gali_cli.engine.kernels.native_noise as native_noise
 
     assert noisy_attention.native_verified()  # the first-use check passed: the kernel goes wrong after it
     right = native_noise.noisy_partial
@@ -636,7 +636,7 @@ def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, mon
 
 
 def test_info_check_reports_wrong_products_as_bytes(gali, small_self_check, monkeypatch):
-    from gali_cli.engine.grid_weights import GridWeight
+    from gali_cli.engine.seam.grid_weights import GridWeight
 
     product = GridWeight.__call__
     monkeypatch.setattr(GridWeight, "__call__", lambda self, x, **options: product(self, x, **options) * 1.01)

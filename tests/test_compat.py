@@ -12,10 +12,10 @@ from conftest import VOCAB
 from transformers import DynamicCache
 
 import gali_cli.compat as compat
-import gali_cli.engine.hooks as hooks
+import gali_cli.engine.seam.hooks as hooks
 from gali_cli import GaliConfig, GaliError, apply_gali
 from gali_cli.config import MethodSettings
-from gali_cli.engine.reference_model import NaiveGali
+from gali_cli.engine.checks.reference_model import NaiveGali
 from gali_cli.engine.seam import CACHE_NAMES, SeamError, cache_parameter, forward_arguments, with_cache
 from gali_cli.errors import GaliWarning
 from gali_cli.generate import decode, prefill

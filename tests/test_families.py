@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine import reference_model as ref
-from gali_cli.engine.kv_cache import new_cache, reserve
+from gali_cli.engine.checks import reference_model as ref
 from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder, why_not_static
+from gali_cli.engine.seam.kv_cache import new_cache, reserve
+from gali_cli.engine.seam.static_decode import StaticDecoder, why_not_static
 from gali_cli.errors import UnsupportedModelError
 from gali_cli.generate import prefill
 from gali_cli.methods import apply_method, prefill_spans, remove_method

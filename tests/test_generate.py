@@ -5,8 +5,8 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig, apply_gali
-from gali_cli.engine.kv_cache import new_cache
-from gali_cli.engine.positions import chunk_plan
+from gali_cli.engine.math.positions import chunk_plan
+from gali_cli.engine.seam.kv_cache import new_cache
 from gali_cli.generate import (
     ANSWER_ROWS_RESERVED,
     Finished,

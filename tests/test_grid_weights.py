@@ -13,10 +13,10 @@ import torch
 from test_static_decode import prefilled, worst_step_difference
 from test_triton_decode import KERNEL_METHODS
 
-from gali_cli.engine import grid_weights, native_noise
-from gali_cli.engine.grid_weights import BLOCK, GridWeight, grid_projections, to_grid
-from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder
+from gali_cli.engine.kernels import native_noise
+from gali_cli.engine.seam import grid_weights, with_cache
+from gali_cli.engine.seam.grid_weights import BLOCK, GridWeight, grid_projections, to_grid
+from gali_cli.engine.seam.static_decode import StaticDecoder
 from gali_cli.errors import GaliWarning
 from gali_cli.model.loading import load_model, smollm2_gguf
 from gali_cli.seam_check import tiny_llama

@@ -3,13 +3,13 @@ import torch
 from conftest import VOCAB
 from transformers import DynamicCache, Phi3Config, Phi3ForCausalLM, StaticCache
 
-import gali_cli.engine.hooks as hooks
-import gali_cli.engine.plan as plan
+import gali_cli.engine.attention.choice as choice
+import gali_cli.engine.seam.hooks as hooks
 from gali_cli import ConfigError, GaliConfig, GaliError, UnsupportedModelError, apply_gali, gali_settings, remove_gali
-from gali_cli.engine.gali_attention import chunk_contexts
-from gali_cli.engine.positions import chunk_plan, interpolate
-from gali_cli.engine.reference_model import NaiveGali
-from gali_cli.engine.rope import absolute_table
+from gali_cli.engine.attention.gali_attention import chunk_contexts
+from gali_cli.engine.checks.reference_model import NaiveGali
+from gali_cli.engine.math.positions import chunk_plan, interpolate
+from gali_cli.engine.math.rope import absolute_table
 from gali_cli.engine.seam import with_cache
 from gali_cli.methods.gali import Gali
 
@@ -93,8 +93,8 @@ def test_attention_routes_are_decided_once_per_forward(make_llama, monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(plan, "decide", counted("causal", plan.decide))
-    monkeypatch.setattr(plan, "checked", counted("kernel", plan.checked))
+    monkeypatch.setattr(choice, "decide", counted("causal", choice.decide))
+    monkeypatch.setattr(choice, "checked", counted("kernel", choice.checked))
     model = apply_gali(make_llama(train_len=16, layers=3), GaliConfig(chunk_size=4, local_window=2, noise=True))
     model(prompt(60))  # 11 chunks beyond the window, 3 layers
     assert sorted(decisions) == ["causal", "kernel"]

@@ -1,4 +1,4 @@
-"""The KV cache gali generates with (engine/kv_cache.py): appends in place, reads as transformers' DynamicCache."""
+"""The KV cache gali generates with (engine/seam/kv_cache.py): appends in place, reads as transformers' DynamicCache."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine.kv_cache import GrowingLayer, new_cache, reserve
 from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.kv_cache import GrowingLayer, new_cache, reserve
 from gali_cli.generate import decode, prefill, truncate_cache
 from gali_cli.methods import METHODS, apply_method, prefill_spans
 

@@ -9,9 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import gali_cli.methods.gali as gali_module
 from gali_cli import ConfigError, GaliConfig
 from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
-from gali_cli.engine.hooks import installed_method
-from gali_cli.engine.positions import chunk_plan
-from gali_cli.engine.reference_model import (
+from gali_cli.engine.checks.reference_model import (
     NaiveDPE,
     NaiveDualChunk,
     NaiveLaMPE,
@@ -19,7 +17,9 @@ from gali_cli.engine.reference_model import (
     NaiveSelfExtend,
     NaiveString,
 )
+from gali_cli.engine.math.positions import chunk_plan
 from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.hooks import installed_method
 from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans, preview_method, remove_method
 from gali_cli.methods.dpe import published_settings

@@ -10,11 +10,12 @@ import torch
 from test_static_decode import prefilled, worst_step_difference
 from test_triton_decode import KERNEL_METHODS, expected_attention, offset_tables, tables
 
-from gali_cli.engine import native_decode, native_noise, static_decode
-from gali_cli.engine.native_decode import native_decode_attention
-from gali_cli.engine.native_noise import int32_bits
-from gali_cli.engine.noise import Noise, head_streams
-from gali_cli.engine.static_decode import StaticDecoder
+from gali_cli.engine.kernels import native_decode, native_noise
+from gali_cli.engine.kernels.native_decode import native_decode_attention
+from gali_cli.engine.kernels.native_noise import int32_bits
+from gali_cli.engine.math.noise import Noise, head_streams
+from gali_cli.engine.seam import static_decode
+from gali_cli.engine.seam.static_decode import StaticDecoder
 from gali_cli.errors import GaliWarning
 from gali_cli.seam_check import tiny_llama
 
@@ -164,4 +165,4 @@ def test_a_built_wheel_carries_the_native_kernels_source(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(tmp_path)], check=True, capture_output=True, timeout=600)
     (wheel,) = tmp_path.glob("*.whl")
-    assert "gali_cli/engine/native_kernels.c" in zipfile.ZipFile(wheel).namelist()
+    assert "gali_cli/engine/kernels/native_kernels.c" in zipfile.ZipFile(wheel).namelist()

@@ -1,4 +1,4 @@
-"""The native CPU noise kernel (engine/native_noise.py) against the PyTorch path: the same noise, the same attention."""
+"""The native noise kernel (kernels/native_noise.py) against the PyTorch path: the same noise, the same attention."""
 
 import dataclasses
 import warnings
@@ -9,13 +9,17 @@ from test_attention import qkv
 from test_hooks import prompt
 from transformers import DynamicCache
 
-import gali_cli.engine.native_noise as native_noise
-import gali_cli.engine.noisy_attention as noisy_attention
+import gali_cli.engine.attention.noisy_attention as noisy_attention
+import gali_cli.engine.kernels.native_noise as native_noise
 from gali_cli import GaliConfig, apply_gali
-from gali_cli.engine.noise import Noise
-from gali_cli.engine.noisy_attention import explicit_noisy_partial, native_noisy_attention, tiled_noisy_attention
-from gali_cli.engine.plan import plan_for
-from gali_cli.engine.positions import grouping
+from gali_cli.engine.attention.choice import plan_for
+from gali_cli.engine.attention.noisy_attention import (
+    explicit_noisy_partial,
+    native_noisy_attention,
+    tiled_noisy_attention,
+)
+from gali_cli.engine.math.noise import Noise
+from gali_cli.engine.math.positions import grouping
 from gali_cli.engine.seam import with_cache
 from gali_cli.errors import ConfigError, GaliWarning
 

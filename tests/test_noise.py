@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gali_cli.engine.noise import Noise, mix32, standard_normal, stream_key
+from gali_cli.engine.math.noise import Noise, mix32, standard_normal, stream_key
 
 
 def test_mix32_is_a_bijection_on_a_sample():

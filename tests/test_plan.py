@@ -1,4 +1,4 @@
-"""The attention plan (engine/plan.py): each input combination gives its routes, and the plan is decided once per
+"""The attention plan (attention/plan.py): each input combination gives its routes, and the plan is decided once per
 forward and followed. (`gali info` prints its words from the plan itself: test_cli.py.)"""
 
 import pytest
@@ -7,8 +7,9 @@ from test_attention import qkv
 from test_hooks import prompt
 
 from gali_cli import GaliConfig, apply_gali
-from gali_cli.engine import dense, plan
-from gali_cli.engine.plan import AttentionPlan, decide, plan_for
+from gali_cli.engine.attention import choice, dense, plan
+from gali_cli.engine.attention.choice import plan_for
+from gali_cli.engine.attention.plan import AttentionPlan, decide
 from gali_cli.errors import ConfigError, GaliWarning
 
 # (device, dtype, forward only) -> (causal, partial)
@@ -136,7 +137,7 @@ def test_the_one_test_of_autograd_or_dropout():
 
 
 def test_a_failed_first_use_check_takes_the_pytorch_path(monkeypatch):
-    from gali_cli.engine import noisy_attention
+    from gali_cli.engine.attention import noisy_attention
 
     monkeypatch.delenv("GALI_KERNEL", raising=False)
     monkeypatch.setattr(noisy_attention, "native_verified", lambda: False)
@@ -147,13 +148,13 @@ def test_a_failed_first_use_check_takes_the_pytorch_path(monkeypatch):
 
 def test_a_forward_decides_once_and_every_layer_follows(make_llama, monkeypatch):
     plans = []
-    decide_plan = plan.plan_for
+    decide_plan = choice.plan_for
 
     def recorded(*arguments, **keywords) -> AttentionPlan:
         plans.append(decide_plan(*arguments, **keywords))
         return plans[-1]
 
-    monkeypatch.setattr("gali_cli.engine.hooks.plan_for", recorded)
+    monkeypatch.setattr("gali_cli.engine.contract.plan_for", recorded)
     model = apply_gali(make_llama(train_len=16, layers=3), GaliConfig(chunk_size=4, local_window=2, noise=True))
     with torch.inference_mode():
         model(prompt(60))

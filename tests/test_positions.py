@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from gali_cli.engine.positions import chunk_plan, gali_positions, group_size, interpolate
-from gali_cli.engine.reference_model import alg1_chunk_sizes, alg2_positions
+from gali_cli.engine.checks.reference_model import alg1_chunk_sizes, alg2_positions
+from gali_cli.engine.math.positions import chunk_plan, gali_positions, group_size, interpolate
 
 
 def test_paper_figure_1():

@@ -1,4 +1,4 @@
-"""The static decoding step (engine/static_decode.py), which a GPU records as a CUDA graph: on the CPU it runs eagerly
+"""The static decoding step (seam/static_decode.py), which a GPU records as a CUDA graph: on the CPU it runs eagerly
 and is held here to the model's own forward, token by token, for every method it serves."""
 
 import warnings
@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine import static_decode
-from gali_cli.engine.dense import Partial, biased_partial
-from gali_cli.engine.kv_cache import new_cache
-from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder, why_not_static
+from gali_cli.engine.attention.dense import Partial, biased_partial
+from gali_cli.engine.seam import static_decode, with_cache
+from gali_cli.engine.seam.kv_cache import new_cache
+from gali_cli.engine.seam.static_decode import StaticDecoder, why_not_static
 from gali_cli.errors import ConfigError, GaliWarning
 from gali_cli.generate import DecodePath, decode, prefill
 from gali_cli.methods import METHODS, apply_method, prefill_spans
@@ -31,7 +30,7 @@ def prefilled(make_llama, method: str, prompt: int, answer: int, dtype=torch.flo
     apply_method(model, name, SETTINGS.get(method, MethodSettings(train_len=32)), prompt + answer)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt + answer))
     cache = new_cache(model)
-    from gali_cli.engine.kv_cache import reserve
+    from gali_cli.engine.seam.kv_cache import reserve
 
     reserve(cache, prompt + answer)
     prefill(model, ids[:, :prompt], cache, prefill_spans(model, name, 0, prompt, step=24))
@@ -221,7 +220,7 @@ def test_offsets_stay_within_the_reach_a_method_declares(make_llama, train_len, 
     """The kernels rotate keys from a table of reach + 2 rows per offset where a method declares a reach: for every
     query up to 8x the window, every key's offset up to the query is a whole number in [-reach, 0], the query's own
     0 (the row after the farthest, GALI's R(p - 1), is in the table too)."""
-    from gali_cli.engine.hooks import installed_method
+    from gali_cli.engine.seam.hooks import installed_method
 
     model = make_llama(train_len=train_len)
     apply_method(model, method, MethodSettings(train_len=train_len, noise=True, **settings), 8 * train_len)

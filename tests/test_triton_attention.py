@@ -14,11 +14,11 @@ import pytest
 import torch
 from test_attention import qkv
 
-import gali_cli.engine.plan as plan_module
+import gali_cli.engine.attention.plan as plan_module
 from gali_cli import GaliConfig, apply_gali
-from gali_cli.engine.noise import Noise
-from gali_cli.engine.noisy_attention import kernel_verified, noisy_attention, tiled_noisy_attention
-from gali_cli.engine.plan import plan_for
+from gali_cli.engine.attention.choice import plan_for
+from gali_cli.engine.attention.noisy_attention import kernel_verified, noisy_attention, tiled_noisy_attention
+from gali_cli.engine.math.noise import Noise
 from gali_cli.errors import ConfigError, GaliWarning
 
 
@@ -29,12 +29,12 @@ def fused_kernel_applies(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def kernel():
-    """gali_cli.engine.triton_attention, on the CPU under the interpreter (conftest sets TRITON_INTERPRET=1 before torch
-    loads triton) or, with TRITON_INTERPRET=0, compiled for the GPU."""
+    """gali_cli.engine.kernels.triton_attention, on the CPU under the interpreter (conftest sets TRITON_INTERPRET=1
+    before torch loads triton) or, with TRITON_INTERPRET=0, compiled for the GPU."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET=0 needs a CUDA device")
-    yield importlib.import_module("gali_cli.engine.triton_attention")
+    yield importlib.import_module("gali_cli.engine.kernels.triton_attention")
     kernel_verified.cache_clear()
 
 
@@ -116,12 +116,14 @@ def test_under_autograd_noisy_attention_takes_the_differentiable_path(kernel, de
     query, key, value = (x.requires_grad_() for x in qkv(1, 4, 2, 20, 60, device=device))
     noise = Noise(seed=2, layer=1, scale=1.0)
     with torch.enable_grad():
-        noisy_attention(query, key, value, 3, 30, 0.3, noise).square().sum().backward()
+        noisy_attention(query, key, value, 3, 30, 0.3, noise, 0.0,
+                        plan_for(query, key, value, noise=True)).square().sum().backward()
     fused_grad = query.grad.clone()
     query.grad = None
     monkeypatch.setenv("GALI_KERNEL", "torch")
     with torch.enable_grad():
-        noisy_attention(query, key, value, 3, 30, 0.3, noise).square().sum().backward()
+        noisy_attention(query, key, value, 3, 30, 0.3, noise, 0.0,
+                        plan_for(query, key, value, noise=True)).square().sum().backward()
     torch.testing.assert_close(fused_grad, query.grad)
     assert query.grad.abs().sum() > 0
 
@@ -166,7 +168,7 @@ COMPILE = """
 import inspect, json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gali_cli.engine.triton_attention import _noisy_gali_forward, tiles
+from gali_cli.engine.kernels.triton_attention import _noisy_gali_forward, tiles
 short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 names = list(inspect.signature(_noisy_gali_forward.fn).parameters)
 results = []

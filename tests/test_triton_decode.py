@@ -10,10 +10,9 @@ import pytest
 import torch
 from test_static_decode import prefilled, worst_step_difference
 
-from gali_cli.engine import static_decode
-from gali_cli.engine.noise import Noise, head_streams, standard_normal
-from gali_cli.engine.seam import with_cache
-from gali_cli.engine.static_decode import StaticDecoder
+from gali_cli.engine.math.noise import Noise, head_streams, standard_normal
+from gali_cli.engine.seam import static_decode, with_cache
+from gali_cli.engine.seam.static_decode import StaticDecoder
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +20,7 @@ def kernel():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET=0 needs a CUDA device")
-    return importlib.import_module("gali_cli.engine.triton_decode")
+    return importlib.import_module("gali_cli.engine.kernels.triton_decode")
 
 
 @pytest.fixture

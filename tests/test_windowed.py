@@ -3,10 +3,10 @@ import torch
 from test_attention import HEAD_DIM, qkv, rope_table
 from transformers import DynamicCache
 
-from gali_cli.engine.dense import PARTIAL
-from gali_cli.engine.kept_keys import KeptKeys
-from gali_cli.engine.plan import plan_for
-from gali_cli.engine.windowed import windowed_attention
+from gali_cli.engine.attention.choice import plan_for
+from gali_cli.engine.attention.dense import PARTIAL
+from gali_cli.engine.attention.kept_keys import KeptKeys
+from gali_cli.engine.attention.windowed import windowed_attention
 
 
 def rope64(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

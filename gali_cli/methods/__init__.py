@@ -29,7 +29,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..compat import warn_if_untested
 from ..config import MethodSettings
-from ..engine.hooks import PositionalAttention, install, installed_method, uninstall
+from ..engine.contract import PositionalAttention
+from ..engine.seam.hooks import install, installed_method, uninstall
 from ..errors import ConfigError
 from ..generate import forward_spans
 from ..model.families import default_train_len

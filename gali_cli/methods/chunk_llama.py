@@ -6,17 +6,15 @@ The input is cut into chunks of s tokens and keys sit at positions j mod s (Eq. 
   nearest keys keep exact distances, Eq. 7);
 - to all older keys at c - 1 (inter-chunk, Eq. 5),
 with c the pretraining window. Keys are cached without RoPE; positions depend on (i, j) only, a key's on j alone, so
-while decoding the keys are kept rotated from token to token (engine/kept_keys.py).
+while decoding the keys are kept rotated from token to token (engine/attention/kept_keys.py).
 """
 
 import torch
 from torch import nn
 
-from ..engine.dense import causal_partial, merge_partials, partial_attention
-from ..engine.hooks import Forward, PositionalAttention
-from ..engine.kept_keys import KeptKeys
-from ..engine.rope import rotate
-from ..engine.static_decode import Placement
+from ..engine.attention.dense import causal_partial, merge_partials, partial_attention
+from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
+from ..engine.math.rope import rotate
 from ..errors import ConfigError
 
 

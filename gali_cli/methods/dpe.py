@@ -18,11 +18,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..engine.hooks import Forward, PositionalAttention
-from ..engine.kept_keys import KeptKeys
-from ..engine.rope import rotate, rotation
-from ..engine.static_decode import Placement
-from ..engine.windowed import kept_far_keys, windowed_attention
+from ..engine.attention.windowed import kept_far_keys, windowed_attention
+from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
+from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 
 # Settings from the official repository's config/dpe_config.yaml (eight equal groups of Llama-3's 64 frequencies,

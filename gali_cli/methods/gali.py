@@ -5,14 +5,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..config import GaliConfig
-from ..engine.decode import DecodeStep, decode_attention, decode_step
-from ..engine.gali_attention import chunk_contexts, gali_attention, noisy
-from ..engine.hooks import Forward, PositionalAttention, install, installed_method, llama_model, uninstall
-from ..engine.kept_keys import KeptKeys
-from ..engine.noise import Noise
-from ..engine.positions import chunk_plan
-from ..engine.rope import absolute_table
-from ..engine.static_decode import Placement
+from ..engine.attention.decode import DecodeStep, decode_attention, decode_step
+from ..engine.attention.gali_attention import chunk_contexts, gali_attention, noisy
+from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
+from ..engine.math.noise import Noise
+from ..engine.math.positions import chunk_plan
+from ..engine.math.rope import absolute_table
+from ..engine.seam.hooks import install, installed_method, llama_model, uninstall
 from ..errors import GaliError
 from ..model.families import default_train_len
 

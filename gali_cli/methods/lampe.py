@@ -34,12 +34,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..engine.dense import Partial, PartialAttention, causal_partial, merge_partials, partial_attention
-from ..engine.hooks import Forward, PositionalAttention
-from ..engine.kept_keys import KeptKeys
-from ..engine.rope import rotate, rotation
-from ..engine.static_decode import Placement
-from ..engine.windowed import far_attention, near_attention
+from ..engine.attention.dense import Partial, PartialAttention, causal_partial, merge_partials, partial_attention
+from ..engine.attention.windowed import far_attention, near_attention
+from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
+from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 from .dpe import published_settings as llama3_match
 

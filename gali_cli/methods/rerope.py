@@ -16,11 +16,9 @@ import math
 import torch
 from torch import nn
 
-from ..engine.hooks import Forward, PositionalAttention
-from ..engine.kept_keys import KeptKeys
-from ..engine.rope import rotate, rotation
-from ..engine.static_decode import Placement
-from ..engine.windowed import kept_far_keys, windowed_attention
+from ..engine.attention.windowed import kept_far_keys, windowed_attention
+from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
+from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ..engine.hooks import llama_model
+from ..engine.seam.hooks import llama_model
 from ..errors import ConfigError
 
 

@@ -5,18 +5,16 @@ attend with grouped positions: the key at j // G, the query at i // G + W - W //
 continue where the window ends. Keys are cached without RoPE, like GALI's. Positions depend on (i, j) only, so any
 split of the input into forwards gives the same result; a key's grouped position depends on j alone, so while
 decoding the grouped keys are kept rotated from token to token, and those of the window at their token indices
-(engine/kept_keys.py, KeptKeys.split). The attention is engine/windowed.py's, which ReRoPE and DPE share: neighbours
+(KeptKeys.split). The attention is engine/attention/windowed.py's, which ReRoPE and DPE share: neighbours
 at true distances, farther keys as the method places them.
 """
 
 import torch
 from torch import nn
 
-from ..engine.hooks import Forward, PositionalAttention
-from ..engine.kept_keys import KeptKeys
-from ..engine.rope import rotate
-from ..engine.static_decode import Placement
-from ..engine.windowed import kept_far_keys, windowed_attention
+from ..engine.attention.windowed import kept_far_keys, windowed_attention
+from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
+from ..engine.math.rope import rotate
 from ..errors import ConfigError
 
 

@@ -23,11 +23,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..engine.hooks import Forward, PositionalAttention
-from ..engine.kept_keys import KeptKeys
-from ..engine.rope import rotate, rotation
-from ..engine.static_decode import Placement
-from ..engine.windowed import decoding_at_token_index, windowed_attention
+from ..engine.attention.windowed import decoding_at_token_index, windowed_attention
+from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
+from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 from .dpe import llama3_8b
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import compat
-from ..engine.plan import decide
+from ..engine.attention.plan import decide
 from ..errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")

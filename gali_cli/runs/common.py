@@ -21,7 +21,7 @@ from ..conversation import Conversation
 from ..display import say, warn
 from ..doc_cache import DocumentCache, default_directory, default_limit
 from ..documents import Document, read_document
-from ..engine.kernel_choice import kernel_choice
+from ..engine.kernels.kernel_choice import kernel_choice
 from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration, free_memory, holdable_tokens, kv_bytes_per_token
 from ..generate import Finished

@@ -9,7 +9,7 @@ from .. import display
 from ..compat import TESTED_TRANSFORMERS, installed_transformers
 from ..config import PREVIEWED_METHODS
 from ..display import print_json, say
-from ..engine.plan import decide
+from ..engine.attention.plan import decide
 from ..errors import GaliError
 from ..model.config import ModelConfig, read_model_config
 from ..model.machine import environment_facts
@@ -22,7 +22,7 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> No
     needed: it runs even when the model cannot load)."""
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
-    # The routes a forward takes here, from the plan the engine decides by (engine/plan.py), not restated.
+    # The routes a forward takes here, from the plan the engine decides by (engine/attention/plan.py), not restated.
     facts["attention"] = decide(facts["device"], facts["dtype"], forward_only=True,
                                 noise=bool(choice.settings.gali().noise)).describe()
     try:
@@ -60,8 +60,8 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> No
 
 def run_self_check(device, json_output: bool) -> list:
     """The transformers seam (seam_check.py, on the CPU: it checks transformers' plumbing, not a device), then
-    engine/self_check.py on `device`; each check shown as it completes (unless the output is JSON)."""
-    from ..engine.self_check import self_check
+    engine/checks/self_check.py on `device`; each check shown as it completes (unless the output is JSON)."""
+    from ..engine.checks.self_check import self_check
     from ..seam_check import seam_checks
 
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"

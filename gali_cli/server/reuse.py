@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from ..doc_cache import DocumentCache
 from ..document_states import DocumentStates
-from ..engine.kv_cache import new_cache
+from ..engine.seam.kv_cache import new_cache
 from ..generate import truncate_cache
 from ..methods import METHODS, forward_ends
 from ..model.loading import LoadedModel

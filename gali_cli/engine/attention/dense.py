@@ -7,15 +7,15 @@ q queries are the last q of its T keys (lower-right causal).
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..errors import GaliWarning
-from .plan import AttentionPlan, plan_for
+from ...errors import GaliWarning
+from ..math.partials import Partial, merge_partials
+from .plan import AttentionPlan
 
 # Explicit logits held at once (a tile of queries): on the CPU 1M float32, 4 MiB (cache-sized); on a GPU 32M, 128 MiB,
 # since there each tile costs a few kernel launches whatever its size (at 4 MiB, 32 heads x 8k keys made tiles of
@@ -31,19 +31,6 @@ def logits_tile_rows(device: torch.device, batch: int, heads: int, keys: int) ->
 
 # (query, key, value, scale, dropout) -> (B, H, q, D): causal attention of q < T queries, the last q of the T keys.
 CausalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor]
-
-
-class Partial(NamedTuple):
-    """Attention of queries over one part of their keys, and what merging it with the other parts needs.
-
-    Softmax attention over disjoint key sets A and B is exactly the two partial results weighted by their shares of
-    the normaliser: out = out_A exp(lse_A - lse) + out_B exp(lse_B - lse), lse = logaddexp(lse_A, lse_B)
-    (`merge_partials`). So a method whose logits follow different rules on different keys (positions, noise, a
-    window) computes each part with an ordinary mask-free call and merges them, never building a (q x T) mask.
-    """
-
-    output: torch.Tensor  # (B, H, q, D), normalised over this part's keys
-    lse: torch.Tensor  # (B, H, q) float32: log-sum-exp of the part's scaled logits, per query
 
 
 # (query, key, value, scale, causal=False, mask=None, dropout=0.0) -> Partial; see `flash_partial`.
@@ -75,18 +62,15 @@ def causal_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
-    dropout: float = 0.0,
-    plan: AttentionPlan | None = None,
+    dropout: float,
+    plan: AttentionPlan,
 ) -> torch.Tensor:
-    """scaled_dot_product_attention where the q queries are the last q of the T keys (lower-right causal).
-
-    `plan`: the forward's (`plan.plan_for`), decided once per forward; decided here for these tensors when not given.
-    """
+    """scaled_dot_product_attention where the q queries are the last q of the T keys (lower-right causal), by the
+    route the forward's `plan` names (`choice.plan_for`)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len == 1 or q_len == kv_len:  # no mask needed: decoding, or a square causal block
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=q_len > 1, scale=scale,
                                               enable_gqa=query.shape[1] != key.shape[1])
-    plan = plan or plan_for(query, key, value, dropout)
     return CAUSAL[plan.causal](query, key, value, scale, dropout)
 
 
@@ -270,29 +254,6 @@ def causal_partial(
     if past == 0:
         return own
     return merge_partials([partial(query, key[:, :, :past], value[:, :, :past], scale), own])
-
-
-def merge_partials(parts: Sequence[Partial]) -> Partial:
-    """Attention over the union of the parts' (disjoint) key sets, from the parts: exact, see `Partial`.
-
-    Two at a time, each in one lerp: out_A + (out_B - out_A) * share_B (a few small elementwise ops, where a stacked
-    log-sum-exp over all parts costs more on the few rows of a decode step). Parts may come in different dtypes (a
-    noisy part in the model's, a CUDA part in float32): when they do, the merge is in float32."""
-    merged = parts[0]
-    for output, lse in parts[1:]:
-        if output.dtype != merged.output.dtype:
-            merged, output = Partial(merged.output.float(), merged.lse), output.float()
-        share = torch.sigmoid(lse - merged.lse).unsqueeze(-1)
-        merged = Partial(torch.lerp(merged.output, output, share.to(output.dtype)), torch.logaddexp(merged.lse, lse))
-    return merged
-
-
-def merge_runs(output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """A decoding step's attention from its runs of keys (flash-decoding, triton_decode and native_decode): outputs
-    (B, Hkv, runs, g, D) and log-sum-exps (B, Hkv, runs, g), float32, merged over the runs into (B, Hkv, g, D). An
-    empty run has -inf and weighs nothing; the first run holds key 0, seen by every token, so the total is finite."""
-    total = torch.logsumexp(lse, dim=2, keepdim=True)
-    return (output * torch.exp(lse - total).unsqueeze(-1)).sum(2)
 
 
 def lower_right_causal_attention(

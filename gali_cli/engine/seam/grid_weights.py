@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..errors import GaliWarning
+from ...errors import GaliWarning
+from ..kernels.native_noise import load_kernel, share_among_threads
 from .hooks import llama_model
-from .native_noise import load_kernel, share_among_threads
 
 BLOCK = 32  # weights per block, as native_kernels.c's GRID_BLOCK
 # How close every weight of a block must be to its grid point, relative to the block's largest magnitude: a few

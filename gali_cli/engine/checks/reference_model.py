@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .noise import Noise, standard_normal
+from ..math.noise import Noise, standard_normal
 
 
 def alg1_chunk_sizes(prefill_len: int, train_len: int, chunk_size: int) -> list[int]:

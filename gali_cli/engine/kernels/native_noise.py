@@ -33,10 +33,10 @@ from pathlib import Path
 import platformdirs
 import torch
 
-from ..errors import GaliError
-from .dense import Partial
+from ...errors import GaliError
+from ..math.noise import GOLDEN, Noise, head_streams, mix32
+from ..math.partials import Partial
 from .kernel_choice import compiler
-from .noise import GOLDEN, Noise, head_streams, mix32
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 # -fno-math-errno, -fno-trapping-math: sqrt and comparisons become plain vector instructions (no errno, no traps).

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dense import merge_runs
+from ..math.partials import merge_runs
 from .triton_attention import _GOLDEN, _LOG2E, _TURN, _UNIT, _mix32
 
 _LN2 = tl.constexpr(0.6931471805599453)

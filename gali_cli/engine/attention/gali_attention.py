@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..math.noise import Noise
+from ..math.positions import group_size, grouping, interpolate
+from ..math.rope import RopeTable, key_rotation, rotate_fused
+from .choice import plan_for
 from .dense import Partial, causal_attention, flash_partial, merge_partials
-from .noise import Noise
 from .noisy_attention import NOISY, NOISY_PARTIAL, NoisyPartial
-from .plan import AttentionPlan, plan_for
-from .positions import group_size, grouping, interpolate
-from .rope import RopeTable, key_rotation, rotate_fused
+from .plan import AttentionPlan
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .rope import rotate_fused
+from ..math.rope import rotate_fused
 
 # (first, last) -> cos, sin (last - first, D): the rotation of tokens [first, last), the same for every layer
 Rotation = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]

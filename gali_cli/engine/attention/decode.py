@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..math.noise import Noise
+from ..math.positions import interpolate
+from ..math.rope import AbsoluteTable, RopeTable, key_rotation, rotate, rotate_fused
+from .choice import plan_for
 from .dense import merge_partials, partial_attention
-from .noise import Noise
 from .noisy_attention import NOISY_PARTIAL
-from .plan import AttentionPlan, plan_for
-from .positions import interpolate
-from .rope import AbsoluteTable, RopeTable, key_rotation, rotate, rotate_fused
+from .plan import AttentionPlan
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import GaliWarning
+from ...errors import GaliWarning
+from ..math.noise import Noise, standard_normal
 from .dense import Partial, flash_partial, grouped_logits, mask_future, merge_partials, tiled_attention
-from .noise import Noise, standard_normal
-from .plan import AttentionPlan, plan_for
+from .plan import AttentionPlan
 
 # (query, key, value, group, grouped, scale, noise, dropout) -> (B, H, q, D)
 NoisyAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, float, Noise, float], torch.Tensor]
@@ -51,7 +51,7 @@ def fused_noisy_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """The CUDA path of `noisy_attention`: the fused Triton kernel (forward only: the plan takes it only then)."""
-    from .triton_attention import noisy_gali_attention
+    from ..kernels.triton_attention import noisy_gali_attention
 
     return noisy_gali_attention(query, key, value, group, grouped, scale, noise)
 
@@ -64,12 +64,11 @@ def noisy_attention(
     grouped: int,
     scale: float,
     noise: Noise,
-    dropout: float = 0.0,
-    plan: AttentionPlan | None = None,
+    dropout: float,
+    plan: AttentionPlan,
 ) -> torch.Tensor:
     """Causal GALI attention with logit noise of rotated queries (B, H, q, D), the last q of the mixed keys
-    (B, Hkv, T, D), by the path the forward's `plan` names (decided here for these tensors when not given)."""
-    plan = plan or plan_for(query, key, value, dropout, noise=True)
+    (B, Hkv, T, D), by the path the forward's `plan` names (`choice.plan_for`, with noise)."""
     return NOISY[plan.noisy](query, key, value, group, grouped, scale, noise, dropout)
 
 
@@ -113,7 +112,7 @@ def native_noisy_attention(
     past = kv_len - q_len
     if grouped > past:  # a chunk longer than the exact tail, whose own keys get noise (unusual settings)
         return tiled_noisy_attention(query, key, value, group, grouped, scale, noise, dropout)
-    from .native_noise import noisy_partial
+    from ..kernels.native_noise import noisy_partial
 
     noisy = noisy_partial(query, key[:, :, :past], value[:, :, :past], scale, noise, past, group, grouped, kv_len)
     rest = flash_partial(query, key[:, :, past:], value[:, :, past:], scale, causal=True)
@@ -147,7 +146,7 @@ def tiled_noisy_attention(
 def native_verified() -> bool:
     """Build the native noise kernel (once per machine) and hold it to the PyTorch path on small problems (once per
     process), so that a machine whose C compiler is missing or fails takes the PyTorch path, with one warning."""
-    from .native_noise import noisy_partial
+    from ..kernels.native_noise import noisy_partial
 
     try:
         error = max(_native_error(noisy_partial, heads, kv_heads, queries, keys)
@@ -181,7 +180,7 @@ def kernel_verified(device: torch.device, dtype: torch.dtype, head_dim: int, hea
     """Run the kernel once on a small problem of the model's head dim (which picks the compiled variant and its tiles)
     and head grouping, and compare it with the PyTorch path, so that a GPU, driver or triton version the kernel was
     never tried on falls back to the PyTorch path (with a warning) instead of failing or answering wrongly."""
-    from .triton_attention import noisy_gali_attention
+    from ..kernels.triton_attention import noisy_gali_attention
 
     generator = torch.Generator().manual_seed(0)
     shapes = ((1, 2 * heads_per_kv, 70, head_dim), (1, 2, 200, head_dim), (1, 2, 200, head_dim))
@@ -205,7 +204,7 @@ def kernel_verified(device: torch.device, dtype: torch.dtype, head_dim: int, hea
 
 def native_noisy_partial(*arguments) -> Partial:
     """native_noise.noisy_partial, imported when first used (`NoisyPartial`'s arguments)."""
-    from .native_noise import noisy_partial
+    from ..kernels.native_noise import noisy_partial
 
     return noisy_partial(*arguments)
 

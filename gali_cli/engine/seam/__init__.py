@@ -16,8 +16,8 @@ from typing import Any
 import transformers
 from torch import nn
 
-from ..compat import TESTED_TRANSFORMERS
-from ..errors import GaliError
+from ...compat import TESTED_TRANSFORMERS
+from ...errors import GaliError
 
 CACHE_NAMES = ("cache", "past_key_values")  # newest first: 5.24 renamed past_key_values to cache
 

@@ -8,11 +8,11 @@ and `gali info --check` (self_check.py) hold `gali_attention` to it; benchmarks/
 
 import torch
 
-from .dense import mask_future
-from .noise import Noise
-from .noisy_attention import add_noise
-from .positions import Interpolation
-from .rope import RopeTable, rotate
+from ..attention.dense import mask_future
+from ..attention.noisy_attention import add_noise
+from ..math.noise import Noise
+from ..math.positions import Interpolation
+from ..math.rope import RopeTable, rotate
 
 
 def reference_gali_attention(

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from .gali_attention import chunk_context, gali_attention
-from .noise import Noise
-from .noisy_attention import tiled_noisy_attention
-from .positions import grouping, interpolate
+from ..attention.gali_attention import chunk_context, gali_attention
+from ..attention.noisy_attention import tiled_noisy_attention
+from ..math.noise import Noise
+from ..math.positions import grouping, interpolate
+from ..math.rope import RopeTable
 from .reference import reference_gali_attention
-from .rope import RopeTable
 
 _TRAIN_LEN, _LOCAL_WINDOW, _CHUNK = 256, 128, 64  # a chunk as GALI cuts it at train_len 256, past the window
 # (head dim, query heads, key/value heads): SmolLM2 (GQA 3), Llama-3-8B (GQA 4), and one key head per query head.
@@ -91,13 +91,13 @@ def _noisy_kernels(device: torch.device, triton_interpreted: bool) -> dict[str, 
     kernels = {}
     if device.type == "cuda" or triton_interpreted:
         try:
-            from .triton_attention import noisy_gali_attention
+            from ..kernels.triton_attention import noisy_gali_attention
         except ImportError as error:
             kernels["Triton"] = _unavailable(error)
         else:
             kernels["Triton"] = noisy_gali_attention
     if device.type == "cpu":
-        from .noisy_attention import native_noisy_attention
+        from ..attention.noisy_attention import native_noisy_attention
 
         kernels["native"] = native_noisy_attention
     return kernels
@@ -154,7 +154,7 @@ def _partial_check(device: torch.device, dtype: torch.dtype, head_dim: int, head
                    keys: int) -> Check:
     """Attention over part of the keys with its log-sum-exp (SelfExtend, ChunkLlama, ReRoPE, DPE, STRING, LaMPE):
     torch's memory-efficient CUDA kernel against explicit float32 logits, output and log-sum-exp."""
-    from .dense import cuda_partial, explicit_partial, partial_difference
+    from ..attention.dense import cuda_partial, explicit_partial, partial_difference
 
     generator = torch.Generator().manual_seed(keys + heads)
     shapes = ((1, heads, _CHUNK, head_dim), (1, kv_heads, keys, head_dim), (1, kv_heads, keys, head_dim))
@@ -180,9 +180,9 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
     PyTorch route (keys rotated first, noise and mask as a bias), which on an H200 in float32 was itself 4-9e-5 from
     float64 where the kernel was 1e-7. Head dim 64 rotates each key as GALI's step does, by a row of a RoPE table
     per offset (a 1k window's) mixed with the next; the others by each key's own row of a table."""
-    from .noise import head_streams, standard_normal
-    from .rope import rotate_fused
-    from .static_decode import split_key_attention
+    from ..math.noise import head_streams, standard_normal
+    from ..math.rope import rotate_fused
+    from ..seam.static_decode import split_key_attention
 
     generator = torch.Generator().manual_seed(keys + head_dim)
     group = heads // kv_heads
@@ -228,7 +228,7 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
     with torch.inference_mode():
         try:
             if path == "Triton":
-                from .triton_decode import rotating_decode_attention
+                from ..kernels.triton_decode import rotating_decode_attention
 
                 at = torch.tensor(index, device=device)
                 kernel_cos, kernel_sin = table if by_offset else (cos, sin)
@@ -236,8 +236,8 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
                                                                      kernel_sin, sigma, streams, **by_offset), (),
                                    device)
             else:
-                from .native_decode import native_decode_attention
-                from .native_noise import int32_bits
+                from ..kernels.native_decode import native_decode_attention
+                from ..kernels.native_noise import int32_bits
 
                 bits = int32_bits(streams)
                 kernel_cos, kernel_sin = table if by_offset else (cos.float(), sin.float())
@@ -259,7 +259,7 @@ def _grid_check(rows: int, columns: int, gated: bool) -> Check:
     (docs/performance.md)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from .grid_weights import BLOCK, to_grid
+    from ..seam.grid_weights import BLOCK, to_grid
 
     generator = torch.Generator().manual_seed(rows + columns)
     codes = torch.randint(0, 16, (rows, columns), generator=generator)

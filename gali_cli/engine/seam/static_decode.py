@@ -30,16 +30,17 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..errors import ConfigError, GaliWarning
-from ..model.families import family_of
-from .dense import Partial, biased_partial, merge_partials
+from ...errors import ConfigError, GaliWarning
+from ...model.families import family_of
+from ..attention.dense import Partial, biased_partial, merge_partials
+from ..contract import Placement, PositionalAttention
+from ..kernels.kernel_choice import kernel_choice, triton_installed
+from ..math.noise import Noise, head_streams, standard_normal
+from ..math.rope import rotate, rotate_fused
+from ..math.rope import rotation as rope_rotation
 from .grid_weights import Projections, grid_projections, module_projections
-from .hooks import PositionalAttention, installed_method, llama_model, original_rotary
-from .kernel_choice import kernel_choice, triton_installed
+from .hooks import installed_method, llama_model, original_rotary
 from .kv_cache import GrowingLayer
-from .noise import Noise, head_streams, standard_normal
-from .rope import rotate, rotate_fused
-from .rope import rotation as rope_rotation
 
 DECODE_CHOICES = ("auto", "eager", "static")
 ROUTES = ("triton", "native", "torch")  # how a static step attends over the cache (`attention_route`)
@@ -63,31 +64,9 @@ class _Rotation(NamedTuple):
 
     cos: torch.Tensor
     sin: torch.Tensor
-    placement: "Placement | None"
+    placement: Placement | None
     table_rows: torch.Tensor | None = None
     mix: torch.Tensor | None = None
-
-
-class Placement(NamedTuple):
-    """Where one decoded query places each of the cache's keys, as tensors (no Python value depends on the query's
-    index), the same for every layer.
-
-    `offset`: the key's position minus the query's, float64 or whole numbers, (C,) or (C, D/2) for a position per
-        frequency (DPE).
-    `weight`: GALI's interpolation: key j is rotated by (1 - c) R(offset) + c R(offset - 1), c = weight[j] (None: 0).
-    `noise_sigma`: GALI's noise strength per key (float32, 0 where c = 0); each layer draws its own normals.
-    `query_scale`: multiplies the query (ReRoPE's log n, STRING's and LaMPE's logit scale).
-    `reach`: the offsets of the keys up to the query are whole numbers in [-reach, 0] (GALI's: inside the training
-        window). A kernel then rotates each key from a table of RoPE per offset, reach + 2 rows made once, instead of
-        a (C, D/2) table of float64 angles made every step (after 128k tokens on an H200 that table cost GALI 10% of
-        the unpatched step) and read by every layer. None: no such bound.
-    """
-
-    offset: torch.Tensor
-    weight: torch.Tensor | None = None
-    noise_sigma: torch.Tensor | None = None
-    query_scale: torch.Tensor | float = 1.0
-    reach: int | None = None
 
 
 def decode_choice() -> str:
@@ -129,11 +108,11 @@ def attention_route(device: torch.device, dtype: torch.dtype, head_dim: int, gro
     `split_key_attention`)."""
     choice = kernel_choice()
     if device.type == "cuda" and choice in ("auto", "triton") and triton_installed():
-        from .triton_decode import supports
+        from ..kernels.triton_decode import supports
 
         return "triton" if supports(dtype, head_dim) else "torch"
     if device.type == "cpu" and choice in ("auto", "native"):
-        from .native_decode import supports
+        from ..kernels.native_decode import supports
 
         return "native" if supports(dtype, head_dim, group) and native_decode_available() else "torch"
     return "torch"
@@ -143,7 +122,7 @@ def attention_route(device: torch.device, dtype: torch.dtype, head_dim: int, gro
 def native_decode_available() -> bool:
     """Build (once per machine) and load the native kernels; a machine whose C compiler is missing or fails decodes
     with the PyTorch route, after one warning."""
-    from .native_noise import load_kernel
+    from ..kernels.native_noise import load_kernel
 
     try:
         load_kernel()
@@ -422,12 +401,12 @@ class StaticDecoder:
         batch, heads, _, dim = query.shape
         rows = query.to(keys.dtype).view(batch, keys.shape[1], heads // keys.shape[1], dim)
         if self.route == "triton":
-            from .triton_decode import rotating_decode_attention
+            from ..kernels.triton_decode import rotating_decode_attention
 
             output = rotating_decode_attention(rows, keys, values, self.index, scaling, cos, sin, sigma, streams,
                                                self.kernel_splits, rotation.table_rows, rotation.mix)
         else:  # nothing is graphed on a CPU: the index is read here
-            from .native_decode import native_decode_attention
+            from ..kernels.native_decode import native_decode_attention
 
             output = native_decode_attention(rows, keys, values, int(self.index), scaling, cos, sin, sigma, streams,
                                              self.kernel_splits, rotation.table_rows, rotation.mix)
@@ -440,7 +419,7 @@ class StaticDecoder:
         config = self.method.config
         noise = Noise(config.seed, number, config.noise_scale)
         if self.route == "native":
-            from .native_noise import cpu_head_streams
+            from ..kernels.native_noise import cpu_head_streams
 
             return cpu_head_streams(noise, batch, heads)
         if number not in self.streams:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .noise import GOLDEN, MULTIPLIER_A, MULTIPLIER_B, Noise, head_streams
+from ..math.noise import GOLDEN, MULTIPLIER_A, MULTIPLIER_B, Noise, head_streams
 
 _GOLDEN = tl.constexpr(GOLDEN)
 _MULTIPLIER_A = tl.constexpr(MULTIPLIER_A)

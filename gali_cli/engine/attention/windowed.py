@@ -20,17 +20,15 @@ outside autograd and dropout, else float32 logits a tile of rows at a time.
 Shapes: B batch, H query heads, Hkv key/value heads, q queries (tokens [start, start + q)), D head dim.
 """
 
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..contract import Forward
+from ..math.rope import RopeTable, rotate, rotate_fused
+from .choice import plan_for
 from .dense import Partial, PartialAttention, merge_partials, partial_attention
 from .kept_keys import KeptKeys, Rotation
-from .plan import AttentionPlan, plan_for
-from .rope import RopeTable, rotate, rotate_fused
-
-if TYPE_CHECKING:
-    from .hooks import Forward
+from .plan import AttentionPlan
 
 
 def _rows(part: Partial, index: slice) -> Partial:

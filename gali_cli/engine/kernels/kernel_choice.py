@@ -9,7 +9,7 @@ import importlib.util
 import os
 import shlex
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 KERNEL_CHOICES = ("auto", "triton", "native", "torch")
 

@@ -1,0 +1,159 @@
+"""The method contract: what a position-remapping method (GALI, SelfExtend, ChunkLlama, ReRoPE, DPE, STRING, LaMPE,
+SELF) implements and what it is handed, in one module. A method subclasses `PositionalAttention`; the hooks
+(seam/hooks.py) call its `attend` with a `Forward` for every layer of a prefill chunk or eager decoding step, and the
+static decoding step (seam/static_decode.py) asks its `decode_placement` once per token for a `Placement`, which the
+PyTorch step and both kernels (kernels/triton_decode.py, kernels/native_decode.py) consume. `KeptKeys` holds the
+rotated keys a method keeps with the KV cache between forwards.
+
+Nothing here hooks transformers or records the decoding step: a method imports this module, the math and the
+attention routes, never the seam.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from transformers import StaticCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from .attention.choice import plan_for
+from .attention.kept_keys import KeptKeys, Rotation
+from .attention.plan import AttentionPlan
+from .math.rope import RopeTable, rotate, rotation
+
+__all__ = ["Forward", "Installed", "KeptKeys", "Placement", "PositionalAttention", "Rotation"]
+
+
+class PositionalAttention(ABC):
+    """A method that rotates queries and keys itself, with positions of its own, from un-rotated ones."""
+
+    name: str  # the attention implementation it registers as
+    exact_until: int  # a forward ending at or before this token is computed exactly as the unpatched model does
+
+    @abstractmethod
+    def table_rows(self, start: int, stop: int) -> int:
+        """How many integer positions (from 0) the rotations of a forward over tokens [start, stop) use."""
+
+    @abstractmethod
+    def attend(self, forward: "Forward", module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
+        """Attention of the forward's queries (B, H, q, D) over keys/values (B, Hkv, >= stop, D): (B, q, H, D)."""
+
+    def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> "Placement":
+        """Where one decoded query, at the token index `query` (a 0-d int64 tensor), places the keys of token indices
+        `keys` (C,), for the static decoding step (static_decode.py): tensor operations only, nothing that reads
+        `query` in Python, so that a CUDA graph replays it for any index. A method that does not say decodes
+        eagerly."""
+        raise NotImplementedError
+
+
+@dataclass
+class Installed:
+    """What `install` changed on a model, so that `uninstall` can put it back."""
+
+    method: PositionalAttention
+    rotary: nn.Module
+    original_attention: str
+    config: Any  # the config object the model had, perhaps shared with other models
+    hook: RemovableHandle | None = None
+    check: RemovableHandle | None = None
+
+
+class Forward:
+    """One forward over tokens [start, stop): what all its layers share, built once on first use."""
+
+    def __init__(self, installed: Installed, start: int, stop: int, cache: Any = None) -> None:
+        self.installed = installed
+        self.start, self.stop = start, stop
+        self.cache = cache  # the model's KV cache object, if it was given one
+        # A StaticCache hands every layer all its slots; any other cache exactly the keys of tokens [0, stop).
+        self.preallocated = isinstance(cache, StaticCache)
+        self.plan: AttentionPlan | None = None  # decided by the first layer (`attention_plan`)
+        self._memo: dict[tuple, Any] = {}
+
+    def attention_plan(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
+                       noise: bool = False) -> AttentionPlan:
+        """The routes every layer of this forward takes (plan.py): decided by its first layer, from its tensors
+        (their device and dtype are first known there), and followed by the others without checking again."""
+        if self.plan is None:
+            self.plan = plan_for(query, key, value, dropout, noise)
+        return self.plan
+
+    def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """`build()` once per forward and key (e.g. per device and dtype); later layers reuse it."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def table(self, device: torch.device, dtype: torch.dtype) -> RopeTable:
+        """The model's own cos/sin at positions 0..rows-1, in `dtype` and in float32."""
+        return self.memo(("table", device, dtype), lambda: self._build_table(device, dtype))
+
+    def at_token_index(self, first: int, last: int, device: torch.device,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (last - first, D) of the model's rotary at token indices [first, last), where the unpatched model
+        rotates them (any index, float64 angles: rope.rotation), in `dtype`; built once per forward."""
+        rotary = self.installed.rotary
+        return self.memo(("token-index", device, dtype, first, last), lambda: rotation(
+            torch.arange(first, last, device=device).unsqueeze(-1), rotary.inv_freq, rotary.attention_scaling, dtype))
+
+    def _build_table(self, device: torch.device, dtype: torch.dtype) -> RopeTable:
+        method = self.installed.method
+        # The exact path needs the plain positions 0..stop-1 while the method promises exactness.
+        rows = max(method.table_rows(self.start, self.stop), min(self.stop, method.exact_until))
+        positions = torch.arange(rows, device=device).unsqueeze(0)
+        cos32, sin32 = self.installed.rotary(torch.empty(0, dtype=torch.float32, device=device), positions)
+        # .to(device): under a device map, accelerate's hook on the rotary module returns them on its own device.
+        cos32, sin32 = cos32[0].float().to(device), sin32[0].float().to(device)
+        return RopeTable(cos32.to(dtype), sin32.to(dtype), cos32, sin32)
+
+    def exact_attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        last: int, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
+        """The unpatched model's computation for this forward's queries up to token `last`: the same rotation
+        (plain RoPE from the model's own table), attention function and mask. Returns (B, n, H, D)."""
+        queries = last - self.start
+        table = self.table(query.device, query.dtype)
+        query = rotate(query[:, :, :queries], table.cos[self.start : last], table.sin[self.start : last])
+        key = rotate(key[:, :, :last], table.cos[:last], table.sin[:last])
+        mask = self.memo(("mask", last, query.device), lambda: self._original_mask(module, query, last))
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.installed.original_attention, eager_attention_forward)
+        output, _ = attention(module, query, key, value[:, :, :last], mask, dropout=dropout, scaling=scaling,
+                              **kwargs)
+        return output
+
+    def _original_mask(self, module: nn.Module, query: torch.Tensor, last: int) -> Any:
+        make_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(self.installed.original_attention)
+        if make_mask is None:
+            return None
+        return make_mask(batch_size=query.shape[0], q_length=last - self.start, kv_length=last, q_offset=self.start,
+                         kv_offset=0, mask_function=causal_mask_function, attention_mask=None,
+                         allow_is_causal_skip=True, dtype=query.dtype, config=module.config, use_vmap=False,
+                         device=query.device)
+
+
+class Placement(NamedTuple):
+    """Where one decoded query places each of the cache's keys, as tensors (no Python value depends on the query's
+    index), the same for every layer.
+
+    `offset`: the key's position minus the query's, float64 or whole numbers, (C,) or (C, D/2) for a position per
+        frequency (DPE).
+    `weight`: GALI's interpolation: key j is rotated by (1 - c) R(offset) + c R(offset - 1), c = weight[j] (None: 0).
+    `noise_sigma`: GALI's noise strength per key (float32, 0 where c = 0); each layer draws its own normals.
+    `query_scale`: multiplies the query (ReRoPE's log n, STRING's and LaMPE's logit scale).
+    `reach`: the offsets of the keys up to the query are whole numbers in [-reach, 0] (GALI's: inside the training
+        window). A kernel then rotates each key from a table of RoPE per offset, reach + 2 rows made once, instead of
+        a (C, D/2) table of float64 angles made every step (after 128k tokens on an H200 that table cost GALI 10% of
+        the unpatched step) and read by every layer. None: no such bound.
+    """
+
+    offset: torch.Tensor
+    weight: torch.Tensor | None = None
+    noise_sigma: torch.Tensor | None = None
+    query_scale: torch.Tensor | float = 1.0
+    reach: int | None = None

@@ -1,0 +1,103 @@
+"""No import circle anywhere in gali_cli: the package's imports, read from its source with `ast`, form no cycle.
+
+Every import counts, wherever it is written: at module level, inside a function (an import moved into a function to
+dodge a circle is still one), and under `if TYPE_CHECKING:` (a type that only one side may name belongs to neither
+side). An import of `package.module` is an edge to that module only; the package's `__init__` counts through its own
+imports.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import gali_cli
+
+ROOT = Path(gali_cli.__file__).parent
+PACKAGE = "gali_cli"
+
+
+def module_names() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its own name, from its `__init__.py`)."""
+    names = {}
+    for path in ROOT.rglob("*.py"):
+        parts = (PACKAGE, *path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that the module `name` imports, anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            # `from package import module` imports the module; `from module import name` the module alone.
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        found.update(target for target in targets if target in modules and target != name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_names()
+    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as the modules along it (first one repeated at the end), or None."""
+    state: dict[str, str] = {}  # "open" while on the walk's path, "done" after
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                return [*path[path.index(target):], target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("graph, expected", [
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),
+])
+def test_find_cycle_names_the_cycle(graph: dict[str, set[str]], expected: list[str] | None) -> None:
+    assert find_cycle(graph) == expected
+
+
+def test_imports_inside_functions_and_type_checking_count(tmp_path: Path) -> None:
+    source = tmp_path / "a.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import b\n"
+        "if TYPE_CHECKING:\n    from .c import Thing\n"
+        "def late():\n    from .d import helper\n"
+    )
+    modules = {name: tmp_path / f"{name}.py" for name in ("p.a", "p.b", "p.c", "p.d", "p.e")}
+    assert imported_modules("p.a", source, modules) == {"p.b", "p.c", "p.d"}
