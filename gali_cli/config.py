@@ -127,10 +127,10 @@ def _check_int(flag: str, value: object, minimum: int) -> None:
 # The methods --method accepts, in the order gali lists them; gali_cli.methods implements each (tests/test_methods.py
 # keeps the two in step). Listed here so that a mistyped name is refused before torch loads.
 METHOD_NAMES = ("original", "ntk", "dynamic-ntk", "yarn", "self-extend", "chunk-llama", "rerope", "leaky-rerope", "dpe",
-                "gali", "string", "lampe")
+                "gali", "string", "lampe", "self")
 # Those whose settings depend on the model's config before any input is seen (gali info shows them; they are checked
 # before a document is read); GALI's own are resolved without torch, in MethodSettings.gali().
-PREVIEWED_METHODS = ("rerope", "leaky-rerope", "dpe", "string", "lampe")
+PREVIEWED_METHODS = ("rerope", "leaky-rerope", "dpe", "string", "lampe", "self")
 
 
 def parse_methods(text: str, many: bool = True) -> tuple[str, ...]:
@@ -195,11 +195,12 @@ class MethodSettings:
                                       "its cached state serves every later question).")
     factor: float | None = _flag(None, _OTHER, "ntk, dynamic-ntk, yarn: the scaling factor (default: input tokens / "
                                                "train-len, rounded up).")
-    group_size: int | None = _flag(None, _OTHER, "self-extend: tokens per group (default: the smallest that reaches "
-                                                 "the input).")
-    neighbor_window: int | None = _flag(None, _OTHER, "self-extend, rerope, leaky-rerope, dpe, lampe: keys at exact "
-                                                      "distances (default: train-len / 4; dpe: train-len / 8; "
-                                                      "lampe: its head, train-len / 16).")
+    group_size: int | None = _flag(None, _OTHER, "self-extend: tokens per group; self: the capacity c, its groups "
+                                                 "grow to c - 1 tokens (default: the smallest that reaches the "
+                                                 "input).")
+    neighbor_window: int | None = _flag(None, _OTHER, "self-extend, self, rerope, leaky-rerope, dpe, lampe: keys at "
+                                                      "exact distances (default: train-len / 4; self, dpe: "
+                                                      "train-len / 8; lampe: its head, train-len / 16).")
     dca_chunk_size: int | None = _flag(None, _OTHER, "chunk-llama: chunk size (default: 3/4 of train-len).")
     leaky_factor: float | None = _flag(None, _OTHER, "leaky-rerope: k, distances past the window grow 1/k as fast "
                                                      "(default: 16, more if the input needs it).")
@@ -219,6 +220,9 @@ class MethodSettings:
                                                  "middle (default: 200 per 8192 of train-len).")
     lampe_length: int | None = _flag(None, _OTHER, "lampe: the positions the middle is compressed into, U (default: "
                                                    "3/16 of train-len, at most the input's length).")
+    self_rate: float = _flag(0.02, _OTHER, "self: r, the rate at which its groups grow along the logistic curve "
+                                           "c / (1 + (c - 1) e^(-r x)) of the grouped position x (default: the "
+                                           "official code's 0.02).")
 
     def __post_init__(self) -> None:
         self.gali()  # validates the settings GALI shares
@@ -231,6 +235,9 @@ class MethodSettings:
         if self.factor is not None and (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
                                         or not 1 <= self.factor < float("inf")):
             raise ConfigError(f"--factor must be a number >= 1, got {self.factor!r}")
+        if isinstance(self.self_rate, bool) or not isinstance(self.self_rate, (int, float)) or not (
+                0 < self.self_rate < float("inf")):
+            raise ConfigError(f"--self-rate must be a number > 0, got {self.self_rate!r}")
         if self.leaky_factor is not None and (
                 isinstance(self.leaky_factor, bool) or not isinstance(self.leaky_factor, (int, float))
                 or not 1 < self.leaky_factor < float("inf")):

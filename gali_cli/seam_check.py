@@ -112,6 +112,8 @@ CASES = (
     SeamCase("lampe", "lampe", MethodSettings(neighbor_window=4, lampe_tail=2, lampe_length=6),
              lambda model, s: ref.NaiveLaMPE(model, s["neighbor_window"], s["lampe_tail"], s["lampe_length"],
                                              s["tokens"])),
+    SeamCase("self", "self", MethodSettings(group_size=6, neighbor_window=4, self_rate=0.5),
+             lambda model, s: ref.NaiveSELF(model, s["group_size"], s["self_rate"], s["neighbor_window"])),
     # Static NTK and YaRN change only the rotary's frequencies (and scaling): plain RoPE with the patched rotary.
     SeamCase("ntk", "ntk", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
     SeamCase("yarn", "yarn", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),

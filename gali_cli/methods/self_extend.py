@@ -5,16 +5,15 @@ attend with grouped positions: the key at j // G, the query at i // G + W - W //
 continue where the window ends. Keys are cached without RoPE, like GALI's. Positions depend on (i, j) only, so any
 split of the input into forwards gives the same result; a key's grouped position depends on j alone, so while
 decoding the grouped keys are kept rotated from token to token, and those of the window at their token indices
-(KeptKeys.split). The attention is engine/attention/windowed.py's, which ReRoPE and DPE share: neighbours
-at true distances, farther keys as the method places them.
+(KeptKeys.split). The attention is engine/attention/windowed.py's grouped_attention, which SELF shares (its groups
+grow along a logistic curve), over the windowed attention ReRoPE and DPE use too.
 """
 
 import torch
 from torch import nn
 
-from ..engine.attention.windowed import kept_far_keys, windowed_attention
+from ..engine.attention.windowed import grouped_attention, grouped_placement
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
-from ..engine.math.rope import rotate
 from ..errors import ConfigError
 
 
@@ -48,36 +47,14 @@ class SelfExtend(PositionalAttention):
 
     def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
         size, window = self.group_size, self.neighbor_window
-        grouped = keys // size - (query // size + group_shift(size, window))
-        # Neighbours at -(W - 1)..0; grouped keys from j // G - i // G - shift, least at j = 0 and i = C - 1.
-        reach = max(window - 1, (keys.shape[0] - 1) // size + group_shift(size, window))
-        return Placement(torch.where(query - keys < window, keys - query, grouped), reach=reach)
+        # Grouped keys from j // G - i // G - shift, least at j = 0 and i = C - 1.
+        return grouped_placement(query, keys, window, keys // size - (query // size + group_shift(size, window)),
+                                 (keys.shape[0] - 1) // size + group_shift(size, window))
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
-        """The neighbours (i - W < j <= i) at true distances and the grouped keys (j <= i - W) at grouped positions,
-        merged by their log-sum-exps (engine.windowed)."""
-        size, window, start, stop = self.group_size, self.neighbor_window, forward.start, forward.stop
-        table = forward.table(query.device, query.dtype)
-        plan = forward.attention_plan(query, key, value, dropout)
-
-        def grouped_rotation(first_key: int, last_key: int) -> tuple[torch.Tensor, torch.Tensor]:
-            def build() -> tuple[torch.Tensor, torch.Tensor]:
-                rows = torch.arange(first_key, last_key, device=key.device) // size
-                return table.cos[rows], table.sin[rows]
-
-            return forward.memo(("grouped-keys", key.device, key.dtype, first_key, last_key), build)
-
-        if stop - start == 1:  # decoding: the keys kept from the previous token, grouped or in the window
-            grouped_key, at_token_index = kept_far_keys(self._kept, forward, module.layer_idx, query, key, window,
-                                                        grouped_rotation)
-        else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
-            self._kept.forget(forward.cache)
-            grouped_key, at_token_index = rotate(key[:, :, : stop - window], *grouped_rotation(0, stop - window)), None
-        # Queries at i // G + W - W // G (the rows of queries without grouped keys are not used), in the model's
-        # dtype like the grouped keys: windowed.far_attention then copies neither.
-        query_index = torch.arange(start, stop, device=key.device) // size + group_shift(size, window)
-        grouped_query = rotate(query, table.cos[query_index], table.sin[query_index])
-        output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, grouped_query, grouped_key,
-                                    window, start, scaling, dropout, plan, at_token_index)
-        return output.transpose(1, 2)
+        """The neighbours at true distances, the grouped keys at j // G, the queries at i // G + W - W // G
+        (engine.windowed.grouped_attention)."""
+        size, window = self.group_size, self.neighbor_window
+        return grouped_attention(forward, self._kept, module, query, key, value, window, lambda j: j // size,
+                                 lambda i: i // size + group_shift(size, window), scaling, dropout)

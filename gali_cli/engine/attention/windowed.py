@@ -1,5 +1,5 @@
 """Attention split at a distance `window`, for methods that keep the keys within a window of each query at their true
-distances and give the keys beyond it positions of their own (ReRoPE, Leaky ReRoPE, DPE, SelfExtend).
+distances and give the keys beyond it positions of their own (ReRoPE, Leaky ReRoPE, DPE, SelfExtend, SELF).
 
 Neither part builds a (queries x keys) tensor. Each is a few mask-free attention calls that also return the
 log-sum-exp of their logits, and the parts are merged exactly: softmax over a union of key sets is the parts' outputs
@@ -21,9 +21,12 @@ Shapes: B batch, H query heads, Hkv key/value heads, q queries (tokens [start, s
 """
 
 
-import torch
+from collections.abc import Callable
 
-from ..contract import Forward
+import torch
+from torch import nn
+
+from ..contract import Forward, Placement
 from ..math.rope import RopeTable, rotate, rotate_fused
 from .choice import plan_for
 from .dense import Partial, PartialAttention, merge_partials, partial_attention
@@ -212,3 +215,52 @@ def decoding_at_token_index(forward: "Forward", query: torch.Tensor,
     are kept at their token indices: the query (B, H, 1, D) rotated to its own token index, in float32."""
     cos, sin = forward.at_token_index(forward.start, forward.stop, query.device, torch.float32)
     return rotate(query.float(), cos, sin), keys
+
+
+# Token indices (an int64 tensor) -> the rows of the model's RoPE table they are rotated by: a grouped method's map.
+GroupedRows = Callable[[torch.Tensor], torch.Tensor]
+
+
+def grouped_attention(forward: Forward, kept: KeptKeys, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, window: int, key_rows: GroupedRows, query_rows: GroupedRows, scale: float,
+                      dropout: float) -> torch.Tensor:
+    """A grouped method's attention (SelfExtend, SELF): the neighbours (i - window < j <= i) at true distances, the
+    keys beyond at grouped positions, key j at row key_rows(j) and query i at row query_rows(i), merged by their
+    log-sum-exps (`windowed_attention`). Both maps are of the token index alone, so a decoding step keeps the grouped
+    keys rotated from token to token (`kept_far_keys`) and any split into forwards gives the same result.
+
+    query: (B, H, q, D) un-rotated; key/value: (B, Hkv, >= stop, D) un-rotated; `forward.table` must hold every row
+    the maps give for this forward and 2 * window. Returns (B, q, H, D).
+    """
+    start, stop = forward.start, forward.stop
+    table = forward.table(query.device, query.dtype)
+    plan = forward.attention_plan(query, key, value, dropout)
+
+    def grouped_rotation(first_key: int, last_key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            rows = key_rows(torch.arange(first_key, last_key, device=key.device))
+            return table.cos[rows], table.sin[rows]
+
+        return forward.memo(("grouped-keys", key.device, key.dtype, first_key, last_key), build)
+
+    if stop - start == 1:  # decoding: the keys kept from the previous token, grouped or in the window
+        grouped_key, at_token_index = kept_far_keys(kept, forward, module.layer_idx, query, key, window,
+                                                    grouped_rotation)
+    else:  # a longer forward rotates them for itself: keeping them would hold a copy of every layer's keys
+        kept.forget(forward.cache)
+        grouped_key, at_token_index = rotate(key[:, :, : stop - window], *grouped_rotation(0, stop - window)), None
+    # The queries in the model's dtype like the grouped keys (the rows of queries without grouped keys are not used):
+    # far_attention then copies neither.
+    rows = query_rows(torch.arange(start, stop, device=key.device))
+    grouped_query = rotate(query, table.cos[rows], table.sin[rows])
+    output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, grouped_query, grouped_key,
+                                window, start, scale, dropout, plan, at_token_index)
+    return output.transpose(1, 2)
+
+
+def grouped_placement(query: torch.Tensor, keys: torch.Tensor, window: int, grouped_offset: torch.Tensor,
+                      farthest: int) -> Placement:
+    """A grouped method's static decoding placement: the neighbours at their true offsets (-(window - 1)..0), the
+    others at `grouped_offset` (C,), key_rows(j) - query_rows(i), of which `farthest` bounds the magnitude for every
+    query the cache's C rows can hold."""
+    return Placement(torch.where(query - keys < window, keys - query, grouped_offset), reach=max(window - 1, farthest))

@@ -214,6 +214,36 @@ class NaiveSelfExtend(NaiveLlama):
         return torch.where(i.unsqueeze(1) - j.unsqueeze(0) < w, neighbor, grouped)
 
 
+class NaiveSELF(NaiveLlama):
+    """SELF (arXiv 2505.17296): SelfExtend whose grouped position x holds min(floor(f(x)), c - 1) tokens, f(x) =
+    c / (1 + (c - 1) e^(-r x)), filled in order from token 0; neighbour logits with true positions where i - j < W,
+    grouped logits with the key at its group's position G(j) and the query at W + G(i - W) elsewhere."""
+
+    def __init__(self, model, capacity, rate, neighbor_window):
+        super().__init__(model)
+        self.capacity, self.rate, self.neighbor_window = capacity, rate, neighbor_window
+
+    def group_of_each_token(self, tokens: int) -> list[int]:
+        """G(0..tokens-1): position after position, as many tokens as the logistic size says."""
+        c, r = self.capacity, self.rate
+        groups, position = [], 0
+        while len(groups) < tokens:
+            size = min(math.floor(c / (1 + (c - 1) * math.exp(-r * position))), c - 1)
+            groups += [position] * size
+            position += 1
+        return groups[:tokens]
+
+    def logits(self, query, keys, first, layer, head):
+        w = self.neighbor_window
+        i = torch.arange(first, first + len(query))
+        j = torch.arange(len(keys))
+        groups = self.group_of_each_token(len(keys))
+        query_positions = torch.tensor([w + groups[max(index - w, 0)] for index in i.tolist()])
+        neighbor = self.rope_logits(query, keys, i, j)
+        grouped = self.rope_logits(query, keys, query_positions, torch.tensor(groups))
+        return torch.where(i.unsqueeze(1) - j.unsqueeze(0) < w, neighbor, grouped)
+
+
 class NaiveDualChunk(NaiveLlama):
     """Dual Chunk Attention (An et al. 2024), Eq. 2-8: P_k = j mod s; P_intra = i mod s; P_succ = s + i mod s for
     the first w positions of a chunk, else c - 1; P_inter = c - 1; chosen by how many chunks apart i and j are."""
