@@ -14,8 +14,8 @@ from gali_cli.engine.checks.reference_model import (
     NaiveDualChunk,
     NaiveLaMPE,
     NaiveReRoPE,
-    NaiveSelfExtend,
     NaiveSELF,
+    NaiveSelfExtend,
     NaiveString,
 )
 from gali_cli.engine.math.positions import chunk_plan
@@ -449,6 +449,7 @@ def test_previews_refuse_what_apply_would_refuse():
     ("leaky-rerope", MethodSettings(neighbor_window=5, leaky_factor=8.0)),
     ("dpe", MethodSettings(neighbor_window=5, dpe_scales=(2, 6))),
     ("lampe", MethodSettings(neighbor_window=5, lampe_tail=2, lampe_length=9)),
+    ("self", MethodSettings(group_size=9, neighbor_window=4, self_rate=1.0)),
 ])
 def test_windowed_methods_in_batches_and_half_precision(make_llama, method, settings):
     """A batch gives each row's own logits (and decoding keeps each row's far keys); bf16 and fp16 models track the
@@ -469,7 +470,8 @@ def test_windowed_methods_in_batches_and_half_precision(make_llama, method, sett
                                               ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4)),
                                               ("string", MethodSettings(shifted_offset=6, local_window=2)),
                                               ("lampe", MethodSettings(neighbor_window=5, lampe_tail=2,
-                                                                       lampe_length=9))])
+                                                                       lampe_length=9)),
+                                              ("self", MethodSettings(group_size=9, neighbor_window=4, self_rate=1.0))])
 def test_kept_keys_do_not_outlive_a_cache_cut_back_and_refilled(make_llama, method, settings):
     """Decoding keeps rotated keys; a cache cut back and refilled by a longer forward to the same length must not
     find the old tokens' keys there."""
@@ -492,6 +494,7 @@ def test_kept_keys_do_not_outlive_a_cache_cut_back_and_refilled(make_llama, meth
     ("leaky-rerope", MethodSettings(neighbor_window=6, leaky_factor=7.0)),
     ("dpe", MethodSettings(neighbor_window=6, dpe_scales=(2, 3))),
     ("string", MethodSettings(shifted_offset=6, local_window=2)),
+    ("self", MethodSettings(group_size=9, neighbor_window=4, self_rate=1.0)),
 ])
 def test_a_longer_forward_after_decoding_continues_the_kept_keys(make_llama, method, settings):
     """While decoding, the window's keys are kept at their token indices beside the far keys (KeptKeys.split); a
@@ -510,6 +513,7 @@ def test_a_longer_forward_after_decoding_continues_the_kept_keys(make_llama, met
     ("dpe", MethodSettings(neighbor_window=6, dpe_scales=(2, 3))),
     ("string", MethodSettings(shifted_offset=6, local_window=2)),
     ("chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4)),
+    ("self", MethodSettings(group_size=9, neighbor_window=4, self_rate=1.0)),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decoding_in_half_precision_stays_close_to_float32(make_llama, method, settings, dtype):

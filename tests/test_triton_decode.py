@@ -130,7 +130,7 @@ def test_bad_arguments_are_refused(kernel):
 
 
 KERNEL_METHODS = ["original", "gali", "gali-noise", "gali-window-0", "self-extend", "chunk-llama", "rerope",
-                  "leaky-rerope", "dpe", "string", "lampe", "yarn"]
+                  "leaky-rerope", "dpe", "string", "lampe", "self", "yarn"]
 
 
 @pytest.mark.parametrize("method", KERNEL_METHODS)
