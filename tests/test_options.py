@@ -99,7 +99,7 @@ def test_usage_lines_name_the_arguments():
 @pytest.mark.parametrize("command, method, message", [
     ("summarize", "bogus",
      "must be one of original, ntk, dynamic-ntk, yarn, self-extend, chunk-llama, rerope, leaky-rerope, dpe, gali, "
-     "string, lampe; got"),
+     "string, lampe, self; got"),
     ("ppl", "bogus", "a comma list of them, or all; got 'bogus'"),
     ("summarize", "gali,yarn", "--method takes one method here, got 'gali,yarn' (lists and 'all' are for gali ppl)"),
     ("ask", "all", "--method takes one method here"),
