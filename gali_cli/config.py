@@ -220,9 +220,9 @@ class MethodSettings:
                                                  "middle (default: 200 per 8192 of train-len).")
     lampe_length: int | None = _flag(None, _OTHER, "lampe: the positions the middle is compressed into, U (default: "
                                                    "3/16 of train-len, at most the input's length).")
-    self_rate: float = _flag(0.02, _OTHER, "self: r, the rate at which its groups grow along the logistic curve "
-                                           "c / (1 + (c - 1) e^(-r x)) of the grouped position x (default: the "
-                                           "official code's 0.02).")
+    self_rate: float | None = _flag(None, _OTHER, "self: r, the rate at which its groups grow along the logistic "
+                                                  "curve c / (1 + (c - 1) e^(-r x)) of the grouped position x "
+                                                  "(default: the official code's 0.02, more if the input needs it).")
 
     def __post_init__(self) -> None:
         self.gali()  # validates the settings GALI shares
@@ -235,8 +235,8 @@ class MethodSettings:
         if self.factor is not None and (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
                                         or not 1 <= self.factor < float("inf")):
             raise ConfigError(f"--factor must be a number >= 1, got {self.factor!r}")
-        if isinstance(self.self_rate, bool) or not isinstance(self.self_rate, (int, float)) or not (
-                0 < self.self_rate < float("inf")):
+        if self.self_rate is not None and (isinstance(self.self_rate, bool) or not isinstance(
+                self.self_rate, (int, float)) or not 0 < self.self_rate < float("inf")):
             raise ConfigError(f"--self-rate must be a number > 0, got {self.self_rate!r}")
         if self.leaky_factor is not None and (
                 isinstance(self.leaky_factor, bool) or not isinstance(self.leaky_factor, (int, float))

@@ -25,7 +25,7 @@ from gali_cli.generate import truncate_cache
 from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans, preview_method, remove_method
 from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
-from gali_cli.methods.self_logistic import LogisticSelfExtend, grouped_positions, smallest_capacity
+from gali_cli.methods.self_logistic import LogisticSelfExtend, grouped_positions, smallest_capacity, smallest_rate
 from gali_cli.methods.self_logistic import reach as self_reach
 
 
@@ -134,8 +134,9 @@ def test_self_defaults_to_the_smallest_capacity_that_reaches_the_input(make_llam
     assert settings == {"train_len": 32, "neighbor_window": 4, "self_rate": 0.3, "group_size": capacity}
     assert self_reach(capacity - 1, 0.3, 4, 32) < 200 <= self_reach(capacity, 0.3, 4, 32)
     assert apply_method(model, "self", MethodSettings(), 30)["group_size"] == 2  # within train_len: plain RoPE
-    # Llama-2's window with the official PG19 script's W = 512: 16k tokens take groups of up to 5.
+    # Llama-2's window with the official PG19 script's W = 512: 16k tokens take groups of up to 5, at r = 0.02.
     assert smallest_capacity(0.02, 512, 4096, 16384) == 6
+    assert smallest_rate(512, 4096, 16384) == 0.02
     assert preview_method(llama3_config("3"), "self", MethodSettings()) == {
         "train_len": 8192, "neighbor_window": 1024, "self_rate": 0.02,
         "group_size": "the smallest that reaches the input"}
@@ -143,11 +144,23 @@ def test_self_defaults_to_the_smallest_capacity_that_reaches_the_input(make_llam
         self_reach(33, 0.02, 1024, 8192)
 
 
+def test_self_raises_its_rate_where_the_official_one_cannot_reach_the_input(make_llama):
+    """Within 28 grouped positions (L = 32, W = 4) r = 0.02 keeps every group at one token: the rate is raised, in
+    hundredths, to the first with which some capacity reaches the input."""
+    settings = apply_method(make_llama(train_len=32), "self", MethodSettings(), 200)
+    rate, capacity = settings["self_rate"], settings["group_size"]
+    assert rate > 0.02 and rate == round(rate, 2)
+    assert smallest_capacity(rate - 0.01, 4, 32, 200) is None and smallest_capacity(rate, 4, 32, 200) == capacity
+    assert apply_method(make_llama(train_len=32), "self", MethodSettings(group_size=capacity), 30)["self_rate"] == 0.02
+
+
 @pytest.mark.parametrize("settings, message", [
     (MethodSettings(group_size=1), "--group-size must be a whole number >= 2 for self"),
     (MethodSettings(group_size=3, self_rate=0.5, neighbor_window=4), "raise --group-size"),
-    (MethodSettings(neighbor_window=4), "raise --self-rate"),  # 0.02 over 12 positions: one token each
+    (MethodSettings(neighbor_window=4, self_rate=0.02), "raise --self-rate"),  # 12 positions of one token each
     (MethodSettings(neighbor_window=16), "--neighbor-window"),
+    (MethodSettings(neighbor_window=15), "too few for self to reach the input's 100 tokens at any --self-rate: lower "
+                                         "--neighbor-window"),
 ])
 def test_self_refuses_settings_that_make_no_sense_in_one_line(make_llama, settings, message):
     with pytest.raises(ConfigError, match=message) as refused:
@@ -345,8 +358,8 @@ def test_one_model_runs_every_method_in_turn(make_llama):
     ids = prompt(50)
     unpatched = model(ids).logits
     outputs = {}
-    for name in METHODS:  # SELF's default rate grows its groups too slowly for 50 tokens within 16
-        apply_method(model, name, MethodSettings(self_rate=1.0), 50)
+    for name in METHODS:
+        apply_method(model, name, MethodSettings(), 50)
         outputs[name] = model(ids).logits
     remove_method(model)
     assert torch.equal(model(ids).logits, unpatched) and torch.equal(outputs["original"], unpatched)

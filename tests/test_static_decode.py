@@ -18,8 +18,7 @@ from gali_cli.methods import METHODS, apply_method, prefill_spans
 STATIC = [name for name in sorted(METHODS) if name != "dynamic-ntk"]
 SETTINGS = {"gali-noise": MethodSettings(train_len=32, noise=True), "gali-window-0": MethodSettings(
     train_len=32, local_window=0, chunk_size=8), "leaky-rerope": MethodSettings(train_len=32, leaky_factor=4),
-    "dpe": MethodSettings(train_len=32, dpe_scales=(1, 2, 4, 8)),
-    "self": MethodSettings(train_len=32, self_rate=0.3)}  # the default rate grows its groups too slowly in 28
+    "dpe": MethodSettings(train_len=32, dpe_scales=(1, 2, 4, 8))}
 
 
 def prefilled(make_llama, method: str, prompt: int, answer: int, dtype=torch.float32, **llama):
@@ -213,7 +212,7 @@ REACHES = [("gali", {"local_window": 0}), ("gali", {"local_window": 4}), ("gali"
            ("self-extend", {}), ("self-extend", {"group_size": 20, "neighbor_window": 5}), ("chunk-llama", {}),
            ("chunk-llama", {"dca_chunk_size": 6}), ("rerope", {}), ("gali", {"chunk_size": 3}), ("string", {}),
            ("string", {"shifted_offset": 3}), ("string", {"shifted_offset": 5, "local_window": 2}),
-           ("self", {"self_rate": 1.0}), ("self", {"group_size": 200, "neighbor_window": 3, "self_rate": 1.0})]
+           ("self", {}), ("self", {"group_size": 200, "neighbor_window": 3, "self_rate": 1.0})]
 
 
 @pytest.mark.parametrize("train_len", [8, 13])

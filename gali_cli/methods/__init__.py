@@ -14,7 +14,7 @@
 | gali | Greedy Attention Logit Interpolation | --chunk-size L/4, --local-window L/2, --noise |
 | string | STRING: distances from S on shifted down to W, the largest never used | --shifted-offset 0.33L, --local-window 128 (at most S/2), --string-scale |
 | lampe | LaMPE: exact head window, middle compressed into U by N, first tokens at true spacing | --neighbor-window L/16, --lampe-tail 200L/8192, --lampe-length min(3L/16, N); published for Llama-3-8B |
-| self | SELF: SelfExtend whose groups grow along a logistic curve, up to c - 1 tokens | --neighbor-window L/8, --self-rate 0.02, --group-size (c): the smallest that reaches N |
+| self | SELF: SelfExtend whose groups grow along a logistic curve, up to c - 1 tokens | --neighbor-window L/8, --self-rate 0.02 (more if N needs it), --group-size (c): the smallest that reaches N |
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
 model can run them all in turn. Each also says where a forward may be cut without changing the results, and
@@ -43,9 +43,10 @@ from .lampe import published_settings as lampe_published
 from .rerope import ReRoPE, leaky_reach
 from .rope_scaling import rescale, restore
 from .self_extend import SelfExtend, reach
-from .self_logistic import LogisticSelfExtend, smallest_capacity
+from .self_logistic import OFFICIAL_RATE, LogisticSelfExtend
 from .self_logistic import check as check_self
 from .self_logistic import reach as self_reach
+from .self_logistic import resolve as resolve_self
 from .string_rope import StringRoPE, default_shift, default_window, published
 from .string_rope import check as check_string
 from .string_rope import reach as string_reach
@@ -179,19 +180,17 @@ def _lampe(config: PretrainedConfig, settings: MethodSettings, train_len: int, t
 
 def _self(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
     # W = L/8: the official PG19 script's 512 of Llama-2's 4096.
-    window, rate = _window(settings, train_len, max(1, train_len // 8)), settings.self_rate
-    resolved = {"train_len": train_len, "neighbor_window": window, "self_rate": rate}
+    window = _window(settings, train_len, max(1, train_len // 8))
+    resolved = {"train_len": train_len, "neighbor_window": window}
+    if tokens is not None:
+        capacity, rate = resolve_self(settings.group_size, settings.self_rate, window, train_len, tokens)
+        return {**resolved, "self_rate": rate, "group_size": capacity}
+    rate = settings.self_rate or OFFICIAL_RATE
     if settings.group_size is None:
-        capacity = "the smallest that reaches the input" if tokens is None else \
-            smallest_capacity(rate, window, train_len, tokens)
-        return {**resolved, "group_size": capacity}
+        return {**resolved, "self_rate": rate, "group_size": "the smallest that reaches the input"}
     check_self(settings.group_size, rate, window, train_len)
-    reaches = self_reach(settings.group_size, rate, window, train_len)
-    if tokens is not None and reaches < tokens:
-        raise ConfigError(f"--group-size {settings.group_size} with --self-rate {rate} and --neighbor-window {window} "
-                          f"reaches {reaches} tokens within train_len {train_len}; the input has {tokens}: raise "
-                          f"--group-size")
-    return {**resolved, "group_size": settings.group_size, **({"reaches": reaches} if tokens is None else {})}
+    return {**resolved, "self_rate": rate, "group_size": settings.group_size,
+            "reaches": self_reach(settings.group_size, rate, window, train_len)}
 
 
 def _head_dim(config: PretrainedConfig) -> int:

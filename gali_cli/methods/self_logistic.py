@@ -24,6 +24,9 @@ from ..engine.attention.windowed import grouped_attention, grouped_placement
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..errors import ConfigError
 
+OFFICIAL_RATE = 0.02  # r as the official code runs it: its position generator's default, the only one it reaches
+FASTEST_RATE = 100.0  # e^(-100 x) vanishes beside 1 from x = 1 on: every group past the first holds c - 1
+
 
 def group_sizes(capacity: int, rate: float, count: int) -> torch.Tensor:
     """s(0..count-1), the tokens each grouped position holds (int64): min(floor(f(x)), c - 1), f the paper's
@@ -47,25 +50,65 @@ def reach(capacity: int, rate: float, window: int, train_len: int) -> int:
     return window + int(group_sizes(capacity, rate, train_len - window).sum())
 
 
-def smallest_capacity(rate: float, window: int, train_len: int, tokens: int) -> int:
+def smallest_capacity(rate: float, window: int, train_len: int, tokens: int) -> int | None:
     """The smallest capacity c >= 2 whose positions reach `tokens` within train_len (SelfExtend's rule for its group
-    size). A larger c never holds fewer tokens per position (f grows with c), so a doubling search and a bisection
-    find it; past 2 * tokens the sizes follow e^(r x) rather than c, and a rate too slow to reach the input is
-    refused, naming --self-rate."""
-    if reach(2, rate, window, train_len) >= tokens:
-        return 2
-    low, high = 2, 4  # reach(low) < tokens
-    while reach(high, rate, window, train_len) < tokens:
-        if high > 2 * tokens:
-            raise ConfigError(
-                f"self with --self-rate {rate} and --neighbor-window {window} reaches at most "
-                f"{reach(high, rate, window, train_len)} tokens within train_len {train_len}, whatever --group-size; "
-                f"the input has {tokens}: raise --self-rate")
-        low, high = high, 2 * high
+    size), by bisection: a larger c never holds fewer tokens per position (f grows with c). None when none up to
+    `most_capacity` does: there the sizes follow e^(r x) rather than c, and the rate is too slow for the input."""
+    high = most_capacity(tokens)
+    if reach(high, rate, window, train_len) < tokens:
+        return None
+    low = 1  # not a capacity; reach(high) >= tokens throughout
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if reach(middle, rate, window, train_len) < tokens else (low, middle)
     return high
+
+
+def most_capacity(tokens: int) -> int:
+    """The largest capacity searched: groups of 2N tokens are more than an input of N can fill."""
+    return max(2, 2 * tokens)
+
+
+def smallest_rate(window: int, train_len: int, tokens: int) -> float:
+    """The official 0.02, or where no capacity reaches `tokens` with it (a small train_len - W: the groups grow too
+    slowly within it), the first multiple of 0.01 with which one does, as --leaky-factor is raised past its default.
+    A window that leaves too few grouped positions for any rate is refused, naming --neighbor-window."""
+    def reaches(hundredths: int) -> bool:  # the most any capacity reaches grows with the rate, as f does
+        return reach(most_capacity(tokens), hundredths / 100, window, train_len) >= tokens
+
+    low, high = round(OFFICIAL_RATE * 100), round(FASTEST_RATE * 100)
+    if reaches(low):
+        return OFFICIAL_RATE
+    if not reaches(high):
+        raise ConfigError(f"--neighbor-window {window} leaves {train_len - window} grouped positions within train_len "
+                          f"{train_len}, too few for self to reach the input's {tokens} tokens at any --self-rate: "
+                          f"lower --neighbor-window")
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if not reaches(middle) else (low, middle)
+    return high / 100
+
+
+def resolve(capacity: int | None, rate: float | None, window: int, train_len: int, tokens: int) -> tuple[int, float]:
+    """The capacity and rate an input of `tokens` runs with: given ones checked, missing ones the smallest that reach
+    it, the rate first (with a capacity given, the official one); every refusal a one-line ConfigError naming the flag
+    to change."""
+    if capacity is not None:
+        rate = rate or OFFICIAL_RATE
+        check(capacity, rate, window, train_len)
+        reaches = reach(capacity, rate, window, train_len)
+        if reaches < tokens:
+            raise ConfigError(f"--group-size {capacity} with --self-rate {rate} and --neighbor-window {window} "
+                              f"reaches {reaches} tokens within train_len {train_len}; the input has {tokens}: raise "
+                              f"--group-size (or --self-rate)")
+        return capacity, rate
+    rate = rate or smallest_rate(window, train_len, tokens)
+    capacity = smallest_capacity(rate, window, train_len, tokens)
+    if capacity is None:  # only a rate given can be too slow
+        raise ConfigError(f"self with --self-rate {rate} and --neighbor-window {window} reaches at most "
+                          f"{reach(most_capacity(tokens), rate, window, train_len)} tokens within train_len "
+                          f"{train_len}, whatever --group-size; the input has {tokens}: raise --self-rate")
+    return capacity, rate
 
 
 def check(capacity: int, rate: float, window: int, train_len: int) -> None:
