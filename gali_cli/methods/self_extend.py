@@ -12,7 +12,7 @@ at true distances, farther keys as the method places them.
 import torch
 from torch import nn
 
-from ..engine.attention.windowed import kept_far_keys, windowed_attention
+from ..engine.attention.windowed import kept_far_keys, windowed_attend
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate
 from ..errors import ConfigError
@@ -59,7 +59,6 @@ class SelfExtend(PositionalAttention):
         merged by their log-sum-exps (engine.windowed)."""
         size, window, start, stop = self.group_size, self.neighbor_window, forward.start, forward.stop
         table = forward.table(query.device, query.dtype)
-        plan = forward.attention_plan(query, key, value, dropout)
 
         def grouped_rotation(first_key: int, last_key: int) -> tuple[torch.Tensor, torch.Tensor]:
             def build() -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +77,5 @@ class SelfExtend(PositionalAttention):
         # dtype like the grouped keys: windowed.far_attention then copies neither.
         query_index = torch.arange(start, stop, device=key.device) // size + group_shift(size, window)
         grouped_query = rotate(query, table.cos[query_index], table.sin[query_index])
-        output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, grouped_query, grouped_key,
-                                    window, start, scaling, dropout, plan, at_token_index)
-        return output.transpose(1, 2)
+        return windowed_attend(forward, query, key, value, grouped_query, grouped_key, window, scaling, dropout,
+                               at_token_index)
