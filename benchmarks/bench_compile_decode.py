@@ -47,7 +47,8 @@ from gali_cli.engine.seam import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache, reserve
 from gali_cli.engine.seam.static_decode import ROUTES, StaticDecoder, difference, model_route
 from gali_cli.generate import truncate_cache
-from gali_cli.methods import METHODS, apply_method, prefill_spans
+from gali_cli.methods import METHODS
+from gali_cli.patching import apply_method, prefill_spans
 
 VARIANTS = ("eager", "static", "static-float", "static-compile", "compile-default", "compile-reduce-overhead")
 

@@ -21,8 +21,8 @@ from transformers import DynamicCache, StaticCache
 from gali_cli.config import MethodSettings
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache
-from gali_cli.methods import apply_method, remove_method
 from gali_cli.model.loading import load_model
+from gali_cli.patching import apply_method, remove_method
 
 
 def decode_ms(model, ids: torch.Tensor, length: int, tokens: int, cache, step=None) -> float:

@@ -6,7 +6,7 @@ the time the prefill then took.
     python benchmarks/bench_estimate.py --model DIR --tokens 4096 --train-len 1024
 
 The document is the start of Python's difflib.py and its other modules, repeated as needed (the demo never saw them);
-the prefill is the CLI's: GALI with its defaults, forwards of about 8 chunks (methods.prefill_spans).
+the prefill is the CLI's: GALI with its defaults, forwards of about 8 chunks (patching.prefill_spans).
 """
 
 import argparse
@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings
 from gali_cli.estimate import PrefillClock
 from gali_cli.generate import prefill
-from gali_cli.methods import apply_method, prefill_spans
 from gali_cli.model.loading import DEMO, load_model
+from gali_cli.patching import apply_method, prefill_spans
 
 
 def text_of(tokens: int, tokenizer) -> list[int]:

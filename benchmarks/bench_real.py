@@ -111,7 +111,7 @@ def _measure(spec: dict) -> dict:
 def _ppl(loaded, spec: dict, settings) -> dict:
     import torch
 
-    from gali_cli.methods import apply_method, forward_ends, prefill_spans
+    from gali_cli.patching import apply_method, forward_ends, prefill_spans
     from gali_cli.perplexity import perplexities
     from gali_cli.prompts import text_ids
 

@@ -158,7 +158,7 @@ def apply_variant(model: LlamaForCausalLM, variant: str, train_len: int, tokens:
     from gali_cli import GaliConfig, apply_gali
     from gali_cli.config import MethodSettings
     from gali_cli.engine.seam.hooks import install
-    from gali_cli.methods import apply_method, remove_method
+    from gali_cli.patching import apply_method, remove_method
 
     remove_method(model)
     os.environ["GALI_KERNEL"] = "torch" if variant == "gali-noise-torch" else "auto"
@@ -262,7 +262,7 @@ def worker(args: argparse.Namespace) -> dict:
     from transformers import DynamicCache
 
     from gali_cli.engine.seam import with_cache
-    from gali_cli.methods import forward_ends
+    from gali_cli.patching import forward_ends
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model = build_model(args)

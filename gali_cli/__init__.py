@@ -14,11 +14,11 @@ _PUBLIC = {
     "InputError": ".errors",
     "ModelLoadError": ".errors",
     "UnsupportedModelError": ".errors",
-    "apply_gali": ".methods.gali",
-    "remove_gali": ".methods.gali",
-    "gali_settings": ".methods.gali",
-    "apply_method": ".methods",
-    "remove_method": ".methods",
+    "apply_gali": ".patching",
+    "remove_gali": ".patching",
+    "gali_settings": ".patching",
+    "apply_method": ".patching",
+    "remove_method": ".patching",
     "with_cache": ".engine.seam",
 }
 __all__ = [  # the keys of _PUBLIC, sorted; a literal so that linters and IDEs can read it

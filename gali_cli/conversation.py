@@ -27,8 +27,9 @@ from .generate import (
     stream_generate,
     truncate_cache,
 )
-from .methods import METHODS, apply_method, prefill_spans
+from .methods import METHODS
 from .model.loading import LoadedModel
+from .patching import apply_method, prefill_spans
 from .prompts import Prompt, ask_instruction, check_prompt_length, conversation_ids, text_ids
 
 

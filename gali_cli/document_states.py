@@ -17,8 +17,9 @@ from transformers import DynamicCache
 
 from . import __version__
 from .doc_cache import DocumentCache, entry_key
-from .methods import METHODS, forward_ends
+from .methods import METHODS
 from .model.loading import LoadedModel
+from .patching import forward_ends
 
 
 def state_identity(loaded: LoadedModel, method: str, resolved: dict) -> dict:

@@ -21,8 +21,8 @@ from .engine.checks import reference_model as ref
 from .engine.checks.self_check import Check
 from .engine.seam.kv_cache import new_cache
 from .generate import decode, prefill
-from .methods import apply_method, prefill_spans, remove_method
 from .model.families import FAMILIES
+from .patching import apply_method, prefill_spans, remove_method
 
 TRAIN_LEN, PROMPT, DECODED, SPAN = 16, 40, 4, 12  # a prompt 2.5 windows long, fed 12 tokens a forward at most
 VOCAB = 64

@@ -4,7 +4,7 @@ import torch
 import gali_cli.engine.attention.dense as dense
 from gali_cli.engine.attention.choice import plan_for
 from gali_cli.engine.attention.dense import Partial, causal_attention, lower_right_causal_attention, merge_partials
-from gali_cli.engine.attention.gali_attention import chunk_context, chunk_contexts, gali_attention
+from gali_cli.engine.attention.gali_attention import chunk_context, chunk_contexts, gali_attention, noisy
 from gali_cli.engine.attention.noisy_attention import add_noise
 from gali_cli.engine.checks.reference import reference_gali_attention
 from gali_cli.engine.math.noise import Noise
@@ -27,6 +27,12 @@ def qkv(batch, heads, kv_heads, q_len, kv_len, dtype=torch.float32, seed=0, dim=
     return tuple(torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
 
 
+def planned_gali_attention(query, key, value, chunks, scale, noise=None):
+    """`gali_attention` with the plan a forward over these chunks decides (as `Forward.attention_plan` does)."""
+    return gali_attention(query, key, value, chunks, scale, plan_for(query, key, value, 0.0, noisy(chunks, noise)),
+                          noise=noise)
+
+
 CASES = [  # heads, kv_heads, train_len, local_window, keys, queries
     (4, 4, 16, 3, 40, 5),
     (4, 2, 16, 0, 48, 1),
@@ -41,7 +47,7 @@ def test_mixed_key_equals_two_matmul_interpolation(heads, kv_heads, train_len, l
     query, key, value = qkv(2, heads, kv_heads, q_len, kv_len)
     table = rope_table(train_len + 1)
     chunk = chunk_context(table, kv_len, q_len, train_len, local_window)
-    fast = gali_attention(query, key, value, [chunk], scale=HEAD_DIM**-0.5)
+    fast = planned_gali_attention(query, key, value, [chunk], scale=HEAD_DIM**-0.5)
     interp = interpolate(kv_len, train_len, local_window)
     slow = reference_gali_attention(query, key, value, table, interp, HEAD_DIM**-0.5)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
@@ -54,11 +60,11 @@ def test_noisy_path_matches_reference_with_the_same_noise(heads, kv_heads, train
     interp = interpolate(kv_len, train_len, local_window)
     noise = Noise(seed=3, layer=2, scale=4.0)
     chunk = chunk_context(table, kv_len, q_len, train_len, local_window)
-    fast = gali_attention(query, key, value, [chunk], HEAD_DIM**-0.5, noise=noise)
+    fast = planned_gali_attention(query, key, value, [chunk], HEAD_DIM**-0.5, noise=noise)
     slow = reference_gali_attention(query, key, value, table, interp, HEAD_DIM**-0.5, noise=noise)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     if kv_len > train_len:
-        clean = gali_attention(query, key, value, [chunk], HEAD_DIM**-0.5)
+        clean = planned_gali_attention(query, key, value, [chunk], HEAD_DIM**-0.5)
         assert (fast - clean).abs().max() > 1e-3
 
 
@@ -72,24 +78,24 @@ def test_chunks_reusing_keys_equal_chunks_alone(noise, train_len, chunk_size, lo
     table = rope_table(train_len + 1)
     contexts = chunk_contexts(table, pieces, train_len, local_window)
     assert any(chunk.reuse for chunk in contexts)  # the case under test
-    together = gali_attention(query, key, value, contexts, HEAD_DIM**-0.5, noise=noise)
+    together = planned_gali_attention(query, key, value, contexts, HEAD_DIM**-0.5, noise=noise)
     for (first, last), _chunk in zip(pieces, contexts):
         rows = slice(first - train_len, last - train_len)
         alone = chunk_context(table, last, last - first, train_len, local_window)
-        expected = gali_attention(query[:, :, rows], key, value, [alone], HEAD_DIM**-0.5, noise=noise)
+        expected = planned_gali_attention(query[:, :, rows], key, value, [alone], HEAD_DIM**-0.5, noise=noise)
         torch.testing.assert_close(together[:, :, rows], expected, rtol=1e-6, atol=1e-6)
     reusing = next(chunk for chunk in contexts if chunk.reuse)
     with pytest.raises(ValueError, match="reuse"):
-        gali_attention(query[:, :, : reusing.queries], key, value, [reusing], HEAD_DIM**-0.5)
+        planned_gali_attention(query[:, :, : reusing.queries], key, value, [reusing], HEAD_DIM**-0.5)
 
 
 def test_noisy_path_is_the_same_in_any_tiling(monkeypatch):
     query, key, value = qkv(1, 4, 2, 12, 80)
     chunk = chunk_context(rope_table(17), 80, 12, 16, 2)
     noise = Noise(seed=0, layer=0, scale=1.0)
-    whole = gali_attention(query, key, value, [chunk], 0.25, noise=noise)
+    whole = planned_gali_attention(query, key, value, [chunk], 0.25, noise=noise)
     monkeypatch.setitem(dense._LOGITS_TILE_ELEMENTS, "cpu", 4 * 80 * 5)  # tiles of 5 queries
-    assert torch.equal(gali_attention(query, key, value, [chunk], 0.25, noise=noise), whole)
+    assert torch.equal(planned_gali_attention(query, key, value, [chunk], 0.25, noise=noise), whole)
 
 
 def planned_causal_attention(query, key, value, scale):

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from gali_cli import GaliConfig, apply_gali
 from gali_cli.generate import decode, forward_spans, prefill
-from gali_cli.methods import METHODS
+from gali_cli.patching import forward_ends
 from gali_cli.seam_check import tiny_llama
 
 OUTPUTS = Path(__file__).parent / "data" / "authors_gali.safetensors"
@@ -37,7 +37,7 @@ def test_gali_equals_the_authors_code(name, span):
     model.load_state_dict(weights, strict=False)  # the rotary's inverse frequencies are not weights
     apply_gali(model, GaliConfig(chunk_size=chunk_size, local_window=local_window, noise=False))
     ids = authors["prompt"].unsqueeze(0)
-    spans = forward_spans(0, prompt_len, span, METHODS["gali"].boundaries(model, 0, prompt_len))
+    spans = forward_spans(0, prompt_len, span, forward_ends(model, "gali", 0, prompt_len))
     cache, seen = DynamicCache(config=model.config), []
     with torch.inference_mode():
         whole = model(ids).logits[0]  # every prefill logit, one forward

@@ -194,7 +194,7 @@ def test_prefill_cuts_forwards_only_at_chunk_boundaries(gali, doc, tiny_model_di
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from gali_cli.config import MethodSettings
-    from gali_cli.methods import apply_method
+    from gali_cli.patching import apply_method
 
     long_doc = doc.parent / "long.txt"
     long_doc.write_text(DOCUMENT * 3)

@@ -19,7 +19,7 @@ from gali_cli.engine.checks.reference_model import NaiveGali
 from gali_cli.engine.seam import CACHE_NAMES, SeamError, cache_parameter, forward_arguments, with_cache
 from gali_cli.errors import GaliWarning
 from gali_cli.generate import decode, prefill
-from gali_cli.methods import apply_method
+from gali_cli.patching import apply_method
 from gali_cli.perplexity import perplexities
 from gali_cli.seam_check import seam_checks
 

@@ -12,8 +12,8 @@ from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.document_states import DocumentStates
 from gali_cli.generate import TextPiece
-from gali_cli.methods import apply_method
 from gali_cli.model.loading import load_model
+from gali_cli.patching import apply_method
 from gali_cli.prompts import ask_instruction, prompt_ids, served_parts, served_prompt
 from gali_cli.server.reuse import STORE_MIN_TOKENS
 from gali_cli.server.schemas import Message

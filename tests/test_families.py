@@ -14,9 +14,9 @@ from gali_cli.engine.seam.kv_cache import new_cache, reserve
 from gali_cli.engine.seam.static_decode import StaticDecoder, why_not_static
 from gali_cli.errors import UnsupportedModelError
 from gali_cli.generate import prefill
-from gali_cli.methods import apply_method, prefill_spans, remove_method
 from gali_cli.model.config import read_model_config
 from gali_cli.model.families import FAMILIES, default_train_len, family_of, why_no_methods
+from gali_cli.patching import apply_method, prefill_spans, remove_method
 from gali_cli.seam_check import CASES, PROMPT, VOCAB, seam_check, tiny_model
 
 OTHER_FAMILIES = [family.model_type for family in FAMILIES if family.model_type != "llama"]

@@ -18,7 +18,7 @@ from gali_cli.generate import (
     stop_token_ids,
     stream_generate,
 )
-from gali_cli.methods import METHODS
+from gali_cli.patching import forward_ends
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_prefill_along_spans_equals_one_forward(tiny):
     apply_gali(model, GaliConfig(chunk_size=4, local_window=2, noise=True))
     ids = torch.randint(0, 300, (1, 150), generator=torch.Generator().manual_seed(0))
     whole = model(ids).logits[0, -1]
-    spans = forward_spans(0, 150, 20, METHODS["gali"].boundaries(model, 0, 150))
+    spans = forward_spans(0, 150, 20, forward_ends(model, "gali", 0, 150))
     assert len(spans) > 5
     torch.testing.assert_close(prefill(model, ids, DynamicCache(config=model.config), spans), whole)
 

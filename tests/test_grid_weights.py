@@ -19,7 +19,7 @@ from gali_cli.engine.seam.grid_weights import BLOCK, GridWeight, grid_projection
 from gali_cli.engine.seam.static_decode import StaticDecoder
 from gali_cli.errors import GaliWarning
 from gali_cli.model.loading import load_model, smollm2_gguf
-from gali_cli.seam_check import tiny_llama
+from gali_cli.seam_check import tiny_llama, tiny_model
 
 QUANT = gguf.GGMLQuantizationType
 
@@ -158,7 +158,11 @@ def test_a_nan_never_lies_on_a_grid():
 def gridded_llama(**config) -> torch.nn.Module:
     """A tiny random Llama whose projections and head are as a Q4_1 / Q8_0 GGUF would load (its norms and
     embedding as they are)."""
-    model = tiny_llama(**{"heads": 6, "kv_heads": 2, "hidden": 192, **config})
+    return on_grids(tiny_llama(**{"heads": 6, "kv_heads": 2, "hidden": 192, **config}))
+
+
+def on_grids(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its projections and head as a Q4_1 / Q8_0 GGUF would load them."""
     with torch.no_grad():
         for number, module in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
             kind = QUANT.Q4_1 if number % 2 else QUANT.Q8_0
@@ -243,6 +247,24 @@ def test_the_static_step_on_grids_equals_the_forward(method):
         worst = first_step_then_the_rest(decoder, model, cache, tokens, 70)
         assert decoder.route == "native" and decoder.projections.grid_share() == 1.0
     assert worst < 2e-5, worst
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen3"])
+def test_other_families_step_on_grids_as_their_forward(model_type):
+    """Mistral's and Qwen3's RMSNorms compute Llama's (model/families.py's `rms_norm`): their step fuses them with
+    the grids, Qwen3's q/k norms applied between the projections and the attention."""
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(lambda **kw: on_grids(tiny_model(model_type, heads=6, kv_heads=2, hidden=192,
+                                                                          **kw)), "gali", 70, 12)
+        decoder = StaticDecoder(model, cache)
+        worst = first_step_then_the_rest(decoder, model, cache, tokens, 70)
+        assert decoder.route == "native" and decoder.projections.grid_share() == 1.0
+    assert worst < 2e-5, worst
+
+
+def test_projections_with_biases_stay_with_the_modules():
+    """Qwen2's q/k/v biases are not in the grids' product: its step reads the modules."""
+    assert grid_projections(on_grids(tiny_model("qwen2", heads=6, kv_heads=2, hidden=192))).grid_share() == 0.0
 
 
 def test_grids_can_be_left_out():

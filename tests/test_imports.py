@@ -101,3 +101,25 @@ def test_imports_inside_functions_and_type_checking_count(tmp_path: Path) -> Non
     )
     modules = {name: tmp_path / f"{name}.py" for name in ("p.a", "p.b", "p.c", "p.d", "p.e")}
     assert imported_modules("p.a", source, modules) == {"p.b", "p.c", "p.d"}
+
+
+def test_methods_take_their_contract_from_one_module_and_never_reach_the_seam() -> None:
+    """A method is written against engine/contract.py; installing it (hooks) and recording the decoding step are the
+    seam's business, reached through gali_cli.patching."""
+    graph = import_graph()
+    methods = {name: targets for name, targets in graph.items() if name.startswith(f"{PACKAGE}.methods")}
+    assert f"{PACKAGE}.methods.gali" in methods  # the walk found them
+    for name, targets in methods.items():
+        reached = sorted(target for target in targets if target.startswith(f"{PACKAGE}.engine.seam"))
+        assert not reached, f"{name} imports {reached}"
+        assert f"{PACKAGE}.engine.attention.choice" not in targets, f"{name} decides the attention plan itself"
+
+
+def test_the_plan_is_decided_in_at_most_two_engine_modules() -> None:
+    """Routes take the plan as an argument; only the forward's entry point (the contract's Forward) and the
+    self-check decide it."""
+    modules = module_names()
+    callers = sorted(name for name, path in modules.items()
+                     if name.startswith(f"{PACKAGE}.engine") and name != f"{PACKAGE}.engine.attention.choice"
+                     and "plan_for(" in path.read_text())
+    assert callers == [f"{PACKAGE}.engine.checks.self_check", f"{PACKAGE}.engine.contract"]

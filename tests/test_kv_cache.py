@@ -9,7 +9,8 @@ from gali_cli.config import MethodSettings
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.seam.kv_cache import GrowingLayer, new_cache, reserve
 from gali_cli.generate import decode, prefill, truncate_cache
-from gali_cli.methods import METHODS, apply_method, prefill_spans
+from gali_cli.methods import METHODS
+from gali_cli.patching import apply_method, prefill_spans
 
 
 def states(batch: int = 1, tokens: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

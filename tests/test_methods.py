@@ -22,11 +22,12 @@ from gali_cli.engine.math.positions import chunk_plan
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.seam.hooks import installed_method
 from gali_cli.generate import truncate_cache
-from gali_cli.methods import METHODS, apply_method, forward_ends, prefill_spans, preview_method, remove_method
+from gali_cli.methods import METHODS, preview_method
 from gali_cli.methods.dpe import published_settings
 from gali_cli.methods.rope_scaling import ntk_theta
 from gali_cli.methods.self_logistic import LogisticSelfExtend, grouped_positions, smallest_capacity, smallest_rate
 from gali_cli.methods.self_logistic import reach as self_reach
+from gali_cli.patching import apply_method, forward_ends, prefill_spans, remove_method
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
@@ -372,11 +373,11 @@ def test_one_model_runs_every_method_in_turn(make_llama):
 
 
 def test_dynamic_ntk_prefills_in_one_forward(make_llama):
-    assert METHODS["dynamic-ntk"].boundaries(None, 0, 100) == [100]
+    assert METHODS["dynamic-ntk"].boundaries(None, 0, 100, []) == [100]
     assert METHODS["self-extend"].boundaries is None and METHODS["yarn"].boundaries is None
     model = make_llama(train_len=16)
     apply_method(model, "gali", MethodSettings(chunk_size=5), 40)
-    assert METHODS["gali"].boundaries(model, 0, 40) == [16, 21, 26, 31, 36, 40]
+    assert forward_ends(model, "gali", 0, 40) == [16, 21, 26, 31, 36, 40]
     assert math.isfinite(float(model(prompt(40)).logits.sum()))
     assert GaliConfig  # the public config still imports
 
@@ -409,7 +410,7 @@ def test_gali_plans_a_prefill_once_and_its_forwards_take_their_chunks_from_the_p
 def test_the_command_line_knows_every_method_by_name():
     """config.METHOD_NAMES lets the command line refuse a name before torch loads; it must list what METHODS has."""
     assert tuple(METHODS) == METHOD_NAMES
-    assert tuple(name for name, method in METHODS.items() if method.preview) == PREVIEWED_METHODS
+    assert tuple(name for name, method in METHODS.items() if method.previewable) == PREVIEWED_METHODS
     assert parse_methods("all") == METHOD_NAMES and parse_methods(" yarn, gali,yarn ") == ("yarn", "gali")
     for bad in ("magic", "gali,magic", ",", ""):
         with pytest.raises(ConfigError, match="--method must be one of"):

@@ -8,7 +8,7 @@ import gali_cli.perplexity as perplexity_module
 from gali_cli import ConfigError
 from gali_cli.config import MethodSettings
 from gali_cli.generate import forward_spans
-from gali_cli.methods import METHODS, apply_method
+from gali_cli.patching import apply_method, forward_ends
 from gali_cli.perplexity import perplexities
 
 
@@ -23,7 +23,7 @@ def test_one_pass_matches_full_logits(make_llama, monkeypatch, method):
     ids = torch.randint(0, 64, (1, 90), generator=torch.Generator().manual_seed(1))
     apply_method(model, method, MethodSettings(chunk_size=5, local_window=2), 90)
     logits = model(ids).logits  # GALI: one forward over all 90 tokens equals any plan-aligned split
-    boundaries = METHODS[method].boundaries(model, 0, 90) if METHODS[method].boundaries else None
+    boundaries = forward_ends(model, method, 0, 90)
     spans = forward_spans(0, 90, 24, boundaries)
     monkeypatch.setattr(perplexity_module, "_LOGIT_SLICE", 7)  # several head slices per forward
     seen = []

@@ -11,8 +11,8 @@ from transformers import DynamicCache
 import gali_cli.server.worker as worker_module
 from gali_cli.config import MethodSettings
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
-from gali_cli.methods import apply_method, prefill_spans
 from gali_cli.model.loading import load_model
+from gali_cli.patching import apply_method, prefill_spans
 from gali_cli.prompts import ServedPrompt, question_starts, served_parts, served_prompt
 from gali_cli.server.reuse import Prefilled, States, reusable_tokens
 from gali_cli.server.worker import Done, Failed, Job, ModelWorker, QueueFull, Sampling, Stopping, StopStrings

@@ -13,7 +13,8 @@ from gali_cli.engine.seam.kv_cache import new_cache
 from gali_cli.engine.seam.static_decode import StaticDecoder, why_not_static
 from gali_cli.errors import ConfigError, GaliWarning
 from gali_cli.generate import DecodePath, decode, prefill
-from gali_cli.methods import METHODS, apply_method, prefill_spans
+from gali_cli.methods import METHODS
+from gali_cli.patching import apply_method, prefill_spans
 
 STATIC = [name for name in sorted(METHODS) if name != "dynamic-ntk"]
 SETTINGS = {"gali-noise": MethodSettings(train_len=32, noise=True), "gali-window-0": MethodSettings(

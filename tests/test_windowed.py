@@ -34,6 +34,12 @@ def expected(query, key, value, far_query, far_key, window, start, scale):
     return torch.softmax(logits, dim=-1) @ value.double()
 
 
+def planned_windowed_attention(query, key, value, table, far_query, far_key, window, start, scale):
+    """`windowed_attention` with the plan its forward would decide (`Forward.attention_plan`)."""
+    return windowed_attention(query, key, value, table, far_query, far_key, window, start, scale,
+                              plan_for(query, key, value))
+
+
 CASES = [  # kv_heads, window, start, queries: tiles whole and partial, first tiles near token 0, one query
     (2, 4, 0, 30), (1, 4, 2, 13), (4, 5, 9, 5), (2, 3, 20, 1), (2, 8, 0, 8), (1, 1, 3, 7), (2, 6, 5, 2),
     (4, 2, 1, 17), (2, 7, 40, 23),
@@ -46,7 +52,7 @@ def test_windowed_attention_is_the_split_softmax(kv_heads, window, start, querie
     query, key, value = qkv(2, 4, kv_heads, queries, stop + 2, seed=window + start)
     far_query, far_key, _ = qkv(2, 4, kv_heads, queries, stop + 2, seed=queries)
     table = rope_table(2 * window)
-    got = windowed_attention(query, key, value, table, far_query, far_key, window, start, 0.4)
+    got = planned_windowed_attention(query, key, value, table, far_query, far_key, window, start, 0.4)
     torch.testing.assert_close(got.double(), expected(query, key, value, far_query, far_key, window, start, 0.4),
                                rtol=1e-5, atol=1e-5)
 
@@ -55,10 +61,10 @@ def test_windowed_attention_under_autograd_takes_the_explicit_route_with_the_sam
     query, key, value = qkv(1, 4, 2, 11, 30, seed=3)
     far_query, far_key, _ = qkv(1, 4, 2, 11, 30, seed=4)
     table = rope_table(8)
-    fast = windowed_attention(query, key, value, table, far_query, far_key, 4, 19, 0.4)
+    fast = planned_windowed_attention(query, key, value, table, far_query, far_key, 4, 19, 0.4)
     leaves = [x.clone().requires_grad_() for x in (query, key, value, far_query, far_key)]
     with torch.enable_grad():
-        slow = windowed_attention(leaves[0], leaves[1], leaves[2], table, leaves[3], leaves[4], 4, 19, 0.4)
+        slow = planned_windowed_attention(leaves[0], leaves[1], leaves[2], table, leaves[3], leaves[4], 4, 19, 0.4)
         slow.square().sum().backward()
         reference = [x.detach().double().requires_grad_() for x in (query, key, value, far_query, far_key)]
         expected(reference[0], reference[1], reference[2], reference[3], reference[4], 4, 19, 0.4).square().sum(

@@ -16,32 +16,28 @@
 | lampe | LaMPE: exact head window, middle compressed into U by N, first tokens at true spacing | --neighbor-window L/16, --lampe-tail 200L/8192, --lampe-length min(3L/16, N); published for Llama-3-8B |
 | self | SELF: SelfExtend whose groups grow along a logistic curve, up to c - 1 tokens | --neighbor-window L/8, --self-rate 0.02 (more if N needs it), --group-size (c): the smallest that reaches N |
 
-A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
-model can run them all in turn. Each also says where a forward may be cut without changing the results, and
-`prefill_spans` turns that into the forwards every prefill runs (conversation, server, ppl, batch, benchmarks).
+Each method is one file here, written against the contract of engine/contract.py; this registry declares, per
+name, how its settings resolve for an input and what it installs. Installing is not done here: `gali_cli.patching`
+(`apply_method`, `prefill_spans`) puts a method into a loaded model through the seam (engine/seam/hooks.py), so no
+file in methods/ imports the modules that hook transformers or record the decoding step.
 """  # noqa: E501 - the rows of a Markdown table cannot wrap
 
 import math
-from bisect import bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 
-from ..compat import warn_if_untested
-from ..config import MethodSettings
+from ..config import GaliConfig, MethodSettings
 from ..engine.contract import PositionalAttention
-from ..engine.seam.hooks import install, installed_method, uninstall
 from ..errors import ConfigError
-from ..generate import forward_spans
 from ..model.families import default_train_len
 from .chunk_llama import DualChunkAttention
 from .dpe import DPE, check_scales, default_groups, published_settings
-from .gali import Gali, apply_gali, gali_settings
+from .gali import Gali
 from .lampe import LaMPE, Layout, check_tail
 from .lampe import published_settings as lampe_published
 from .rerope import ReRoPE, leaky_reach
-from .rope_scaling import rescale, restore
 from .self_extend import SelfExtend, reach
 from .self_logistic import OFFICIAL_RATE, LogisticSelfExtend
 from .self_logistic import check as check_self
@@ -54,39 +50,25 @@ from .string_rope import reach as string_reach
 
 @dataclass(frozen=True)
 class Method:
-    """A method by name: how to apply it to a loaded model, and where its forwards may be cut."""
+    """A method by name: how its settings resolve for an input, what it installs, and where its forwards may be cut."""
 
     name: str
-    # (model, settings, train_len, input tokens) -> the settings it resolved, for reports
-    apply: Callable[[PreTrainedModel, MethodSettings, int, int], dict]
-    # (model, start, stop, cuts) -> token indices in (start, stop] where a forward over [start, stop) may end, each
-    # of `cuts` ending one too; None: anywhere.
-    boundaries: Callable[..., list[int]] | None = None
+    # (model config, settings, train_len, input tokens) -> the settings it runs with, for reports; with tokens None
+    # (before any input: gali info) only where `previewable`, refusing settings that make no sense for the model.
+    resolve: Callable[[PretrainedConfig, MethodSettings, int, int | None], dict]
+    # (model config, settings, resolved settings) -> the attention it installs; None: the model's own attention.
+    attention: Callable[[PretrainedConfig, MethodSettings, dict], PositionalAttention] | None = None
+    rope: str | None = None  # the rotary it rebuilds with transformers' rope types (rope_scaling.py), by kind
+    # (installed attention, start, stop, cuts) -> token indices in (start, stop] where a forward over [start, stop)
+    # may end, each of `cuts` ending one too; None: anywhere.
+    boundaries: Callable[[PositionalAttention | None, int, int, list[int]], list[int]] | None = None
     # False when results depend on one forward over the whole input: no prefilled prefix can then be reused.
     prefix_reusable: bool = True
-    # (model config, settings, train_len, None) -> what it would resolve, known before any input (gali info); it
-    # refuses settings that make no sense for that model.
-    preview: Callable[[PretrainedConfig, MethodSettings, int, None], dict] | None = None
+    previewable: bool = False
 
 
-def default_factor(settings: MethodSettings, train_len: int, tokens: int) -> float:
-    return settings.factor if settings.factor is not None else max(1, math.ceil(tokens / train_len))
-
-
-def _apply_gali(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
-    apply_gali(model, replace(settings.gali(), train_len=train_len))
-    return gali_settings(model).facts()
-
-
-def _gali_boundaries(model: PreTrainedModel, start: int, stop: int, cuts: Iterable[int] = ()) -> list[int]:
-    return installed_method(model).chunk_ends(start, stop, list(cuts))
-
-
-def _rope(kind: str) -> Callable[[PreTrainedModel, MethodSettings, int, int], dict]:
-    def apply(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
-        return {"train_len": train_len, **rescale(model, kind, default_factor(settings, train_len, tokens), train_len)}
-
-    return apply
+def default_factor(settings: MethodSettings, train_len: int, tokens: int | None) -> float:
+    return settings.factor if settings.factor is not None else max(1, math.ceil((tokens or 0) / train_len))
 
 
 def smallest_group(window: int, train_len: int, tokens: int) -> int:
@@ -99,25 +81,6 @@ def _window(settings: MethodSettings, train_len: int, default: int) -> int:
     if not 0 < window < train_len:
         raise ConfigError(f"--neighbor-window must be between 1 and {train_len - 1}, got {window}")
     return window
-
-
-def _apply_self_extend(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
-    window = _window(settings, train_len, train_len // 4)
-    size = settings.group_size or smallest_group(window, train_len, tokens)
-    if reach(size, window, train_len) < tokens:
-        raise ConfigError(
-            f"--group-size {size} with --neighbor-window {window} reaches {reach(size, window, train_len)} tokens "
-            f"within train_len {train_len}; the input has {tokens}: raise --group-size"
-        )
-    install(model, SelfExtend(size, window, train_len))
-    return {"train_len": train_len, "group_size": size, "neighbor_window": window}
-
-
-def _apply_chunk_llama(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
-    size = settings.dca_chunk_size if settings.dca_chunk_size is not None else 3 * train_len // 4
-    window = settings.local_window if settings.local_window is not None else train_len - size
-    install(model, DualChunkAttention(size, window, train_len - 1))
-    return {"train_len": train_len, "dca_chunk_size": size, "local_window": window}
 
 
 def _rerope(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
@@ -197,46 +160,60 @@ def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _installing(resolve: Callable[[PretrainedConfig, MethodSettings, int, int | None], dict],
-                build: Callable[[PretrainedConfig, dict], PositionalAttention]) -> Callable[..., dict]:
-    """A method's `apply`: resolve its settings for the input, then install the attention built from them."""
+def _self_extend(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    window = _window(settings, train_len, train_len // 4)
+    size = settings.group_size or smallest_group(window, train_len, tokens)
+    if reach(size, window, train_len) < tokens:
+        raise ConfigError(
+            f"--group-size {size} with --neighbor-window {window} reaches {reach(size, window, train_len)} tokens "
+            f"within train_len {train_len}; the input has {tokens}: raise --group-size"
+        )
+    return {"train_len": train_len, "group_size": size, "neighbor_window": window}
 
-    def apply(model: PreTrainedModel, settings: MethodSettings, train_len: int, tokens: int) -> dict:
-        resolved = resolve(model.config, settings, train_len, tokens)
-        install(model, build(model.config, resolved))
-        return resolved
 
-    return apply
+def _chunk_llama(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    size = settings.dca_chunk_size if settings.dca_chunk_size is not None else 3 * train_len // 4
+    window = settings.local_window if settings.local_window is not None else train_len - size
+    return {"train_len": train_len, "dca_chunk_size": size, "local_window": window}
+
+
+def gali_config(config: PretrainedConfig, settings: MethodSettings, train_len: int) -> GaliConfig:
+    """GALI's settings for a model with this config, every None filled in."""
+    return replace(settings.gali(), train_len=train_len).resolved(default_train_len(config))
+
+
+def _rope_factor(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    return {"train_len": train_len, "factor": default_factor(settings, train_len, tokens)}
 
 
 METHODS = {
-    "original": Method("original", lambda model, settings, train_len, tokens: {}),
-    "ntk": Method("ntk", _rope("ntk")),
+    "original": Method("original", lambda config, settings, train_len, tokens: {}),
+    "ntk": Method("ntk", _rope_factor, rope="ntk"),
     # Dynamic NTK picks its frequencies from the longest position of each forward: one forward for the whole input.
-    "dynamic-ntk": Method("dynamic-ntk", _rope("dynamic-ntk"), lambda model, start, stop, cuts=(): [stop],
-                          prefix_reusable=False),
-    "yarn": Method("yarn", _rope("yarn")),
-    "self-extend": Method("self-extend", _apply_self_extend),
-    "chunk-llama": Method("chunk-llama", _apply_chunk_llama),
-    "rerope": Method("rerope", _installing(
-        _rerope, lambda config, s: ReRoPE(s["neighbor_window"], s["train_len"], None, s["logn"])), preview=_rerope),
-    "leaky-rerope": Method("leaky-rerope", _installing(
-        _leaky_rerope, lambda config, s: ReRoPE(s["neighbor_window"], s["train_len"], s["leaky_factor"], s["logn"])),
-        preview=_leaky_rerope),
-    "dpe": Method("dpe", _installing(
-        _dpe, lambda config, s: DPE(tuple(s["dpe_scales"]), s["neighbor_window"], s["train_len"], _head_dim(config))),
-        preview=_dpe),
-    "gali": Method("gali", _apply_gali, _gali_boundaries),
-    "string": Method("string", _installing(
-        _string, lambda config, s: StringRoPE(s["shifted_offset"], s["local_window"], s["train_len"],
-                                                      s["string_scale"])),
-        preview=_string),
+    "dynamic-ntk": Method("dynamic-ntk", _rope_factor, rope="dynamic-ntk",
+                          boundaries=lambda method, start, stop, cuts: [stop], prefix_reusable=False),
+    "yarn": Method("yarn", _rope_factor, rope="yarn"),
+    "self-extend": Method("self-extend", _self_extend, lambda config, settings, s: SelfExtend(
+        s["group_size"], s["neighbor_window"], s["train_len"])),
+    "chunk-llama": Method("chunk-llama", _chunk_llama, lambda config, settings, s: DualChunkAttention(
+        s["dca_chunk_size"], s["local_window"], s["train_len"] - 1)),
+    "rerope": Method("rerope", _rerope, lambda config, settings, s: ReRoPE(
+        s["neighbor_window"], s["train_len"], None, s["logn"]), previewable=True),
+    "leaky-rerope": Method("leaky-rerope", _leaky_rerope, lambda config, settings, s: ReRoPE(
+        s["neighbor_window"], s["train_len"], s["leaky_factor"], s["logn"]), previewable=True),
+    "dpe": Method("dpe", _dpe, lambda config, settings, s: DPE(
+        tuple(s["dpe_scales"]), s["neighbor_window"], s["train_len"], _head_dim(config)), previewable=True),
+    "gali": Method("gali", lambda config, settings, train_len, tokens: gali_config(config, settings, train_len).facts(),
+                   lambda config, settings, s: Gali(gali_config(config, settings, s["train_len"])),
+                   boundaries=lambda method, start, stop, cuts: method.chunk_ends(start, stop, cuts)),
+    "string": Method("string", _string, lambda config, settings, s: StringRoPE(
+        s["shifted_offset"], s["local_window"], s["train_len"], s["string_scale"]), previewable=True),
     # Its map follows the input's length: a prefix read for one input is not that of another.
-    "lampe": Method("lampe", _installing(_lampe, lambda config, s: LaMPE(
-        s["neighbor_window"], s["lampe_tail"], s["lampe_length"], s["tokens"], s["train_len"])),
-        prefix_reusable=False, preview=_lampe),
-    "self": Method("self", _installing(_self, lambda config, s: LogisticSelfExtend(
-        s["group_size"], s["self_rate"], s["neighbor_window"], s["train_len"])), preview=_self),
+    "lampe": Method("lampe", _lampe, lambda config, settings, s: LaMPE(
+        s["neighbor_window"], s["lampe_tail"], s["lampe_length"], s["tokens"], s["train_len"]),
+        prefix_reusable=False, previewable=True),
+    "self": Method("self", _self, lambda config, settings, s: LogisticSelfExtend(
+        s["group_size"], s["self_rate"], s["neighbor_window"], s["train_len"]), previewable=True),
 }
 
 
@@ -247,50 +224,12 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-def apply_method(model: PreTrainedModel, name: str, settings: MethodSettings, input_tokens: int) -> dict:
-    """Run `model` with method `name` from now on (replacing any other); returns the settings it resolved."""
-    method = get_method(name)
-    train_len = _train_len(model.config, settings)
-    warn_if_untested()
-    remove_method(model)
-    return method.apply(model, settings, train_len, input_tokens)
-
-
-def prefill_spans(model: PreTrainedModel, name: str, start: int, stop: int, cuts: Iterable[int] = (),
-                  step: int | None = None) -> list[tuple[int, int]]:
-    """The forwards a prefill of tokens [start, stop) runs with method `name` as applied to `model`: about `step`
-    tokens each (default: 8 GALI chunks, at least 256 tokens; 8 * train_len / 8 for other methods), ending only
-    where the method allows, and at each of `cuts` (unless the method needs the whole input in one forward). GALI
-    keeps the plan for its forwards.
-    """
-    method, installed = get_method(name), installed_method(model)
-    cuts = sorted({cut for cut in cuts if start < cut < stop}) if method.prefix_reusable else []
-    gali = installed if isinstance(installed, Gali) else None
-    if gali is not None:  # planned once, here: the forwards take their chunks from this plan
-        ends = gali.keep_plan(start, stop, cuts)
-    else:
-        ends = method.boundaries(model, start, stop, cuts) if method.boundaries else None
-    step = step or max(256, 8 * (gali.config.chunk_size if gali else model.config.max_position_embeddings // 8))
-    spans, ends = [], None if ends is None else sorted(ends)
-    for first, last in zip([start, *cuts], [*cuts, stop]):  # the ends within each stretch by bisection: many cuts
-        spans += forward_spans(first, last, step,  # (a prompt of many messages) stay linear
-                               None if ends is None else ends[bisect_right(ends, first):bisect_right(ends, last)])
-    return spans
-
-
-def forward_ends(model: PreTrainedModel, name: str, start: int, stop: int) -> list[int] | None:
-    """Token indices in (start, stop] where a forward of method `name` (as applied to `model`) may end without
-    changing the results; None: anywhere."""
-    boundaries = get_method(name).boundaries
-    return boundaries(model, start, stop) if boundaries else None
-
-
 def preview_method(config: PretrainedConfig, name: str, settings: MethodSettings) -> dict | None:
     """The settings method `name` would run a model with this config with, as far as they are known before the
     input (None when the method does not say); a ConfigError for settings that make no sense for the model."""
     method = get_method(name)
-    train_len = _train_len(config, settings)
-    return method.preview(config, settings, train_len, None) if method.preview else None
+    train_len = train_len_of(config, settings)
+    return method.resolve(config, settings, train_len, None) if method.previewable else None
 
 
 def kept_window(name: str, train_len: int | None, model_window: int) -> int:
@@ -299,16 +238,10 @@ def kept_window(name: str, train_len: int | None, model_window: int) -> int:
     return train_len if train_len is not None and name != "original" else model_window
 
 
-def _train_len(config: PretrainedConfig, settings: MethodSettings) -> int:
+def train_len_of(config: PretrainedConfig, settings: MethodSettings) -> int:
+    """--train-len, or the model's own window (model/families.py); never past that window."""
     window = default_train_len(config)
     train_len = settings.train_len if settings.train_len is not None else window
     if train_len > window:
         raise ConfigError(f"--train-len ({train_len}) exceeds the model's training window ({window})")
     return train_len
-
-
-def remove_method(model: PreTrainedModel) -> None:
-    """Back to the unpatched model, whichever method was applied."""
-    if installed_method(model) is not None:
-        uninstall(model)
-    restore(model)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..engine.attention.windowed import kept_far_keys, windowed_attention
+from ..engine.attention.windowed import kept_far_keys, windowed_attend
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
@@ -102,7 +102,6 @@ class DPE(PositionalAttention):
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         window, start, stop = self.window, forward.start, forward.stop
-        table = forward.table(query.device, query.dtype)
         cos, sin = forward.memo(("dpe-query", query.device), lambda: self._rotation(
             forward, torch.arange(start, stop, device=query.device), True, torch.float32))
         far_query = rotate(query.float(), cos, sin)
@@ -113,10 +112,8 @@ class DPE(PositionalAttention):
 
         far_key, at_token_index = kept_far_keys(self._kept, forward, module.layer_idx, query, key, window,
                                                 key_rotation)
-        plan = forward.attention_plan(query, key, value, dropout)
-        output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, window,
-                                    start, scaling, dropout, plan, at_token_index)
-        return output.transpose(1, 2)
+        return windowed_attend(forward, query, key, value, far_query, far_key, window, scaling, dropout,
+                               at_token_index)
 
     def _rotation(self, forward: Forward, tokens: torch.Tensor, queries: bool,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

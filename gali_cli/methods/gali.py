@@ -1,19 +1,16 @@
-"""GALI (paper §3, Algorithms 1-3) as a position-remapping attention, and its public apply / remove functions."""
+"""GALI (paper §3, Algorithms 1-3) as a position-remapping attention (its public apply / remove functions are in
+gali_cli/patching.py, which installs it)."""
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from ..config import GaliConfig
 from ..engine.attention.decode import DecodeStep, decode_attention, decode_step
 from ..engine.attention.gali_attention import chunk_contexts, gali_attention, noisy
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.noise import Noise
-from ..engine.math.positions import chunk_plan
+from ..engine.math.positions import chunk_plan, key_positions
 from ..engine.math.rope import absolute_table
-from ..engine.seam.hooks import install, installed_method, llama_model, uninstall
-from ..errors import GaliError
-from ..model.families import default_train_len
 
 
 class Gali(PositionalAttention):
@@ -64,26 +61,20 @@ class Gali(PositionalAttention):
         return min(stop, self.config.train_len + (self.config.local_window == 0))
 
     def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
-        """Alg. 2 for query + 1 keys, on tensors (positions.interpolate's closed form): grouped keys at j / g between
+        """Alg. 2 for query + 1 keys, on tensors (positions.key_positions): grouped keys at j / g between
         ceil and floor, the exact tail at j - (T - L), the query where its own key sits; noise on the fractional
         keys, sigma = (i - j) / T."""
-        train_len, window = self.config.train_len, self.config.local_window
+        train_len = self.config.train_len
         total = query + 1
-        group = torch.where(total <= train_len, 1, -((window - total) // (train_len - window)))  # ceil division
-        blocks = -((train_len - total) // (group - 1).clamp(min=1))
-        grouped = torch.where(group > 1, total - train_len + blocks, 0)
-        remainder = keys % group
-        fractional = (keys < grouped) & (remainder > 0)
-        floor = torch.where(keys < grouped, keys // group, keys - (total - train_len).clamp(min=0))
-        ceil = floor + fractional
+        positions = key_positions(keys, total, train_len, self.config.local_window)
+        fractional = positions.weight > 0
         sigma = None
         if self.config.noise:
             sigma = torch.where(fractional, (query - keys).float() * self.config.noise_scale / total.float(), 0.0)
-        at = ceil.gather(0, query.view(1))  # the query's own position (gather: no index read on the host)
-        weight = torch.where(fractional, (group - remainder) / group, 0.0).double()
+        at = positions.ceil.gather(0, query.view(1))  # the query's own position (gather: no index read on the host)
         # Positions lie in [0, train_len - 1] (train_len: a query's own, with no local window), the query's the
         # largest: offsets in [-train_len, 0] (tests/test_static_decode.py).
-        return Placement(ceil - at, weight, sigma, reach=train_len)
+        return Placement(positions.ceil - at, positions.weight, sigma, reach=train_len)
 
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
@@ -106,7 +97,7 @@ class Gali(PositionalAttention):
             outputs.append(forward.exact_attention(module, query, key, value, window.keys, scaling, dropout, **kwargs))
         plan = forward.attention_plan(query, key, value, dropout, noisy(chunks, noise))
         beyond = query[:, :, query.shape[2] - sum(chunk.queries for chunk in chunks) :]
-        outputs.append(gali_attention(beyond, key, value, chunks, scaling, dropout, noise, plan).transpose(1, 2))
+        outputs.append(gali_attention(beyond, key, value, chunks, scaling, plan, dropout, noise).transpose(1, 2))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _decode(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -123,34 +114,7 @@ class Gali(PositionalAttention):
         step = forward.memo(("decode", query.device, query.dtype, origin), build_step)  # shared by the layers
         rotated = self._kept.buffer(forward.cache, layer, key, stop, 0 if step.rebuild else forward.start)
         plan = forward.attention_plan(query, key, value, 0.0, noise is not None)  # decoding draws no dropout
-        output = decode_attention(query, key[:, :, :stop], value[:, :, :stop], rotated, step, scaling, noise, plan)
+        output = decode_attention(query, key[:, :, :stop], value[:, :, :stop], rotated, step, scaling, plan, noise)
         self._kept.keep(forward.cache, layer, stop, (step.group, step.grouped), rotated)
         return output.transpose(1, 2)
 
-
-def apply_gali(model: PreTrainedModel, config: GaliConfig | None = None) -> PreTrainedModel:
-    """Patch a transformers Llama in place so that it reads inputs longer than its training window with GALI.
-
-    Inputs up to `train_len` tokens run exactly as before. Applying again replaces the settings.
-
-    Returns:
-        The same model, for chaining.
-    """
-    llama_model(model)
-    resolved = (config or GaliConfig()).resolved(default_train_len(model.config))  # before touching the model
-    install(model, Gali(resolved))
-    return model
-
-
-def remove_gali(model: PreTrainedModel) -> PreTrainedModel:
-    """Undo `apply_gali`: the original rotary module, attention implementation and no hook."""
-    if not isinstance(installed_method(model), Gali):
-        raise GaliError("remove_gali: GALI is not applied to this model")
-    uninstall(model)
-    return model
-
-
-def gali_settings(model: PreTrainedModel) -> GaliConfig | None:
-    """The resolved settings GALI runs with on `model`, or None when it is not applied."""
-    method = installed_method(model)
-    return method.config if isinstance(method, Gali) else None

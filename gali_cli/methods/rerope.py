@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from ..engine.attention.windowed import kept_far_keys, windowed_attention
+from ..engine.attention.windowed import kept_far_keys, windowed_attend
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
@@ -80,10 +80,8 @@ class ReRoPE(PositionalAttention):
 
             far_key, at_token_index = kept_far_keys(self._kept, forward, module.layer_idx, query, key, window,
                                                     key_rotation)
-        plan = forward.attention_plan(query, key, value, dropout)
-        output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, window,
-                                    start, scaling, dropout, plan, at_token_index)
-        return output.transpose(1, 2)
+        return windowed_attend(forward, query, key, value, far_query, far_key, window, scaling, dropout,
+                               at_token_index)
 
     def _logn(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
         """max(1, log(i + 1) / log(train_len)) per query token i: (q, 1)."""

@@ -7,10 +7,8 @@ module is kept inside the replacement, to be put back.
 import copy
 
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ..engine.seam.hooks import llama_model
 from ..errors import ConfigError
 
 
@@ -31,13 +29,13 @@ def ntk_theta(rope_theta: float, factor: float, head_dim: int) -> float:
     return rope_theta * factor ** (head_dim / (head_dim - 2))
 
 
-def rescale(model: PreTrainedModel, kind: str, factor: float, train_len: int) -> dict:
-    """Install `kind` ("ntk", "dynamic-ntk" or "yarn") with `factor`, relative to a window of `train_len`.
+def rescale(base: nn.Module, kind: str, factor: float, train_len: int) -> dict:
+    """Install `kind` ("ntk", "dynamic-ntk" or "yarn") with `factor`, relative to a window of `train_len`, in the
+    decoder model `base` (the module holding `rotary_emb`, seam/hooks.py's `llama_model`).
 
     Returns the rope parameters now in use.
     """
-    base = llama_model(model)
-    config = copy.deepcopy(model.config)
+    config = copy.deepcopy(base.config)
     parameters = dict(config.rope_parameters or {})
     if parameters.get("rope_type", "default") != "default":
         raise ConfigError(
@@ -64,9 +62,8 @@ def rescale(model: PreTrainedModel, kind: str, factor: float, train_len: int) ->
     return parameters
 
 
-def restore(model: PreTrainedModel) -> bool:
-    """Put the model's own rotary embedding back; False when nothing was rescaled."""
-    base = llama_model(model)
+def restore(base: nn.Module) -> bool:
+    """Put the decoder model's own rotary embedding back; False when nothing was rescaled."""
     if not isinstance(base.rotary_emb, RescaledRope):
         return False
     base.rotary_emb = base.rotary_emb.original

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..engine.attention.windowed import decoding_at_token_index, windowed_attention
+from ..engine.attention.windowed import decoding_at_token_index, windowed_attend
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
@@ -85,7 +85,6 @@ class StringRoPE(PositionalAttention):
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         shift, start, stop = self.shift, forward.start, forward.stop
-        table = forward.table(query.device, query.dtype)
         cos, sin = forward.memo(("string-query", query.device), lambda: self._rotation(
             forward, torch.arange(start, stop, device=query.device) - shift + self.window, torch.float32))
         far_query = rotate(query.float(), cos, sin)
@@ -97,10 +96,8 @@ class StringRoPE(PositionalAttention):
         far_key = self._kept.rotated(forward.cache, module.layer_idx, key, start, stop, key_rotation)
         # The far keys sit at their token indices: decoding takes the window's keys from them as they are.
         at_token_index = decoding_at_token_index(forward, query, far_key) if stop - start == 1 else None
-        plan = forward.attention_plan(query, key, value, dropout)
-        output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, far_query, far_key, shift,
-                                    start, scaling * self.logit_scale, dropout, plan, at_token_index)
-        return output.transpose(1, 2)
+        return windowed_attend(forward, query, key, value, far_query, far_key, shift, scaling * self.logit_scale,
+                               dropout, at_token_index)
 
     @staticmethod
     def _rotation(forward: Forward, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,14 +34,18 @@ class Family:
     # The documented pretraining length where the config's max_position_embeddings states another (a window padded
     # for the answer), by max_position_embeddings: --train-len's default.
     pretraining_len: tuple[tuple[int, int], ...] = ()
+    # transformers' class of its RMSNorms where they compute Llama's x / rms(x) * weight, which the CPU decoding
+    # step's byte-grid products fuse (seam/grid_weights.py); None: its norms are run as modules.
+    rms_norm: str | None = None
 
 
 FAMILIES = (
-    Family("Llama", "llama", "LlamaForCausalLM", "LlamaDecoderLayer"),
-    Family("Mistral", "mistral", "MistralForCausalLM", "MistralDecoderLayer"),
-    Family("Qwen2", "qwen2", "Qwen2ForCausalLM", "Qwen2DecoderLayer"),
+    Family("Llama", "llama", "LlamaForCausalLM", "LlamaDecoderLayer", rms_norm="LlamaRMSNorm"),
+    Family("Mistral", "mistral", "MistralForCausalLM", "MistralDecoderLayer", rms_norm="MistralRMSNorm"),
+    Family("Qwen2", "qwen2", "Qwen2ForCausalLM", "Qwen2DecoderLayer", rms_norm="Qwen2RMSNorm"),
     # Qwen3's configs state 40,960 positions: its 32,768-token pretraining context plus 8,192 for the answer.
-    Family("Qwen3", "qwen3", "Qwen3ForCausalLM", "Qwen3DecoderLayer", qk_norm=True, pretraining_len=((40960, 32768),)),
+    Family("Qwen3", "qwen3", "Qwen3ForCausalLM", "Qwen3DecoderLayer", qk_norm=True, pretraining_len=((40960, 32768),),
+           rms_norm="Qwen3RMSNorm"),
 )
 
 

@@ -10,8 +10,9 @@ from ..display import print_json, say
 from ..documents import Document
 from ..errors import InputError
 from ..generate import peak_memory_bytes, reset_peak_memory
-from ..methods import apply_method, forward_ends, kept_window, prefill_spans
+from ..methods import kept_window
 from ..model.loading import LoadedModel
+from ..patching import apply_method, forward_ends, prefill_spans
 from ..perplexity import Perplexity, perplexities
 from ..prompts import check_prompt_length, text_ids
 from . import ModelChoice, Reading

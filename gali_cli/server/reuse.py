@@ -23,8 +23,9 @@ from ..doc_cache import DocumentCache
 from ..document_states import DocumentStates
 from ..engine.seam.kv_cache import new_cache
 from ..generate import truncate_cache
-from ..methods import METHODS, forward_ends
+from ..methods import METHODS
 from ..model.loading import LoadedModel
+from ..patching import forward_ends
 from ..prompts import ServedPrompt
 
 STORE_MIN_TOKENS = 1024

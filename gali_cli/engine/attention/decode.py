@@ -12,7 +12,6 @@ import torch
 from ..math.noise import Noise
 from ..math.positions import interpolate
 from ..math.rope import AbsoluteTable, RopeTable, key_rotation, rotate, rotate_fused
-from .choice import plan_for
 from .dense import merge_partials, partial_attention
 from .noisy_attention import NOISY_PARTIAL
 from .plan import AttentionPlan
@@ -84,8 +83,8 @@ def decode_attention(
     rotated: torch.Tensor,
     step: DecodeStep,
     scale: float,
+    plan: AttentionPlan,
     noise: Noise | None = None,
-    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """GALI attention of one new token (the last of the T keys) without re-rotating the cache.
 
@@ -95,8 +94,8 @@ def decode_attention(
         rotated: (B, Hkv, >= T, D) the layer's kept keys (kept_keys.KeptKeys.buffer), rows [0, T - 1) in the frame
             `step` continues from (none when `step.rebuild`); the step's rows are rotated into it, in place.
         step: from `decode_step`, for the kept keys' frame.
-        plan: the forward's (`plan.plan_for`, with noise when `noise` is given), decided once per token for all
-            layers; decided here when not given.
+        plan: the forward's (`Forward.attention_plan`, with noise when `noise` is given), decided once per token
+            for all layers.
 
     Returns:
         (B, H, 1, D) attention output.
@@ -110,7 +109,6 @@ def decode_attention(
 
     # Two parts merged by their log-sum-exps: the grouped keys in GALI's frame (with noise), the exact tail in the
     # absolute frame; one softmax over both, as if their logits had been concatenated.
-    plan = plan or plan_for(query, key, value, noise=noise is not None)
     partial = partial_attention(plan, value.dtype)
     in_gali_frame = rotate(query, step.query_cos, step.query_sin)
     grouped_key, grouped_value = rotated[:, :, : step.grouped], value[:, :, : step.grouped]

@@ -17,7 +17,6 @@ import torch
 from ..math.noise import Noise
 from ..math.positions import group_size, grouping, interpolate
 from ..math.rope import RopeTable, key_rotation, rotate_fused
-from .choice import plan_for
 from .dense import Partial, causal_attention, flash_partial, merge_partials
 from .noisy_attention import NOISY, NOISY_PARTIAL, NoisyPartial
 from .plan import AttentionPlan
@@ -96,9 +95,9 @@ def gali_attention(
     value: torch.Tensor,
     chunks: list[ChunkContext],
     scale: float,
+    plan: AttentionPlan,
     dropout: float = 0.0,
     noise: Noise | None = None,
-    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal GALI attention of the successive chunks of one forward.
 
@@ -107,15 +106,14 @@ def gali_attention(
         key, value: (B, Hkv, >= T, D) un-rotated keys and values of every token so far.
         chunks: the chunks' contexts, from `chunk_contexts`; the first one must not reuse rows.
         noise: the layer's noise settings, or None for noise-free GALI.
-        plan: the forward's (`plan.plan_for`, with noise when some chunk is noisy), decided once per forward;
-            decided here for these chunks when not given.
+        plan: the forward's (`Forward.attention_plan`, with noise when some chunk is noisy), decided once per
+            forward by its first layer.
 
     Returns:
         (B, H, q, D) attention output.
     """
     if chunks[0].reuse:
         raise ValueError("the first chunk of a forward has no previous chunk to reuse keys from")
-    plan = plan or plan_for(query, key, value, dropout, noisy(chunks, noise))
     if plan.split and all(chunk.grouped <= chunk.keys - chunk.queries for chunk in chunks):
         return split_gali_attention(query, key, value, chunks, scale, noise,
                                     NOISY_PARTIAL[plan.noisy_partial] if plan.noise else None)

@@ -28,7 +28,6 @@ from torch import nn
 
 from ..contract import Forward, Placement
 from ..math.rope import RopeTable, rotate, rotate_fused
-from .choice import plan_for
 from .dense import Partial, PartialAttention, merge_partials, partial_attention
 from .kept_keys import KeptKeys, Rotation
 from .plan import AttentionPlan
@@ -169,7 +168,7 @@ def far_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w
 
 def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RopeTable,
                        far_query: torch.Tensor, far_key: torch.Tensor, window: int, start: int, scale: float,
-                       dropout: float = 0.0, plan: AttentionPlan | None = None,
+                       plan: AttentionPlan, dropout: float = 0.0,
                        at_token_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Near keys at true distances, far keys as the method rotated them, merged: (B, H, q, D) in the value's dtype.
 
@@ -179,17 +178,29 @@ def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         table: the model's cos/sin, at least 2 * window rows.
         far_query: (B, H, q, D) the queries rotated for their far keys.
         far_key: (B, Hkv, >= start + q - window, D) the keys rotated as far keys.
-        plan: the forward's (`plan.plan_for`), decided once per forward; decided here when not given.
+        plan: the forward's (`Forward.attention_plan`), decided once per forward by its first layer.
         at_token_index: (query (B, H, 1, D), keys (B, Hkv, >= start + 1, D)) rotated at their token indices, as the
             unpatched model rotates them, when the method keeps its keys so (STRING's far keys are): a decoding
             step then reads the window's keys from them instead of rotating the window again (the distances are the
             same; RoPE sees only distances).
     """
-    plan = plan or plan_for(query, key, value, dropout)
     partial = partial_attention(plan, value.dtype)
     near = near_attention(query, key, value, table, window, start, scale, partial, dropout, at_token_index)
     far = far_attention(far_query, far_key, value, window, start, scale, partial, dropout)
     return (near if far is None else merge_partials([near, far])).output.to(value.dtype)
+
+
+def windowed_attend(forward: Forward, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    far_query: torch.Tensor, far_key: torch.Tensor, window: int, scale: float, dropout: float,
+                    at_token_index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A windowed method's `attend` once it has placed its far queries and keys: `windowed_attention` over the keys
+    of tokens [0, forward.stop) with the forward's table and plan, in the layout transformers' attention functions
+    return, (B, q, H, D)."""
+    stop = forward.stop
+    plan = forward.attention_plan(query, key, value, dropout)
+    output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], forward.table(query.device, query.dtype),
+                                far_query, far_key, window, forward.start, scale, plan, dropout, at_token_index)
+    return output.transpose(1, 2)
 
 
 def kept_far_keys(kept: KeptKeys, forward: "Forward", layer: int, query: torch.Tensor, key: torch.Tensor, window: int,
@@ -234,7 +245,6 @@ def grouped_attention(forward: Forward, kept: KeptKeys, module: nn.Module, query
     """
     start, stop = forward.start, forward.stop
     table = forward.table(query.device, query.dtype)
-    plan = forward.attention_plan(query, key, value, dropout)
 
     def grouped_rotation(first_key: int, last_key: int) -> tuple[torch.Tensor, torch.Tensor]:
         def build() -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,9 +263,8 @@ def grouped_attention(forward: Forward, kept: KeptKeys, module: nn.Module, query
     # far_attention then copies neither.
     rows = query_rows(torch.arange(start, stop, device=key.device))
     grouped_query = rotate(query, table.cos[rows], table.sin[rows])
-    output = windowed_attention(query, key[:, :, :stop], value[:, :, :stop], table, grouped_query, grouped_key,
-                                window, start, scale, dropout, plan, at_token_index)
-    return output.transpose(1, 2)
+    return windowed_attend(forward, query, key, value, grouped_query, grouped_key, window, scale, dropout,
+                           at_token_index)
 
 
 def grouped_placement(query: torch.Tensor, keys: torch.Tensor, window: int, grouped_offset: torch.Tensor,

@@ -16,11 +16,17 @@
 
 #define LANES 16
 
+/* The noise's constants are engine/math/noise.py's, passed by the build (native_noise.py) as -D flags: the noise is
+ * defined in one place, and this file is held to it by the kernel checks. */
+#if !defined(GALI_MULTIPLIER_A) || !defined(GALI_MULTIPLIER_B) || !defined(GALI_GOLDEN)
+#error "build with gali_cli/engine/kernels/native_noise.py, which passes the noise's constants"
+#endif
+
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
-    x *= 0x7FEB352Du;
+    x *= GALI_MULTIPLIER_A;
     x ^= x >> 15;
-    x *= 0x5BD1E995u;
+    x *= GALI_MULTIPLIER_B;
     return x ^ (x >> 16);
 }
 
@@ -58,7 +64,7 @@ static inline void box_muller(uint32_t bits, float *cosine, float *sine) {
     float log_u = exponent * 0.69314718f + 2.0f * t * (1.0f + t2 * (1.0f / 3 + t2 * (1.0f / 5 + t2 * (1.0f / 7 + t2 * (1.0f / 9)))));
     float radius = __builtin_sqrtf(-2.0f * log_u);
 
-    uint32_t turn = mix32(bits ^ 0x9E3779B9u) >> 8;                  /* the angle, in 2**-24 turns */
+    uint32_t turn = mix32(bits ^ GALI_GOLDEN) >> 8;                  /* the angle, in 2**-24 turns */
     uint32_t quadrant = turn >> 22;
     float phi = ((float)(turn & 0x3FFFFFu) * 2.384185791015625e-07f - 0.5f) * 1.5707963267948966f; /* |phi| <= pi/4 */
     float phi2 = phi * phi;
@@ -312,7 +318,7 @@ static inline __attribute__((always_inline)) void decode_run(
                 for (int64_t pair = 0; pair < TILE / 2; pair++) {
                     float cosine, sine;
                     uint32_t m = (uint32_t)((first >> 1) + pair); /* first is even: runs start on whole pairs */
-                    box_muller(mix32(row_hash[r] ^ mix32(m ^ 0x9E3779B9u)), &cosine, &sine);
+                    box_muller(mix32(row_hash[r] ^ mix32(m ^ GALI_GOLDEN)), &cosine, &sine);
                     logits[r][2 * pair] += cosine * strength[2 * pair];
                     logits[r][2 * pair + 1] += sine * strength[2 * pair + 1];
                 }

@@ -34,13 +34,15 @@ import platformdirs
 import torch
 
 from ...errors import GaliError
-from ..math.noise import GOLDEN, Noise, head_streams, mix32
+from ..math.noise import GOLDEN, MULTIPLIER_A, MULTIPLIER_B, Noise, head_streams, mix32
 from ..math.partials import Partial
 from .kernel_choice import compiler
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 # -fno-math-errno, -fno-trapping-math: sqrt and comparisons become plain vector instructions (no errno, no traps).
-_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+# The noise hash's constants come from math/noise.py, its one definition.
+_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", f"-DGALI_MULTIPLIER_A={MULTIPLIER_A:#x}u",
+          f"-DGALI_MULTIPLIER_B={MULTIPLIER_B:#x}u", f"-DGALI_GOLDEN={GOLDEN:#x}u"]
 # Tried in this order, first with OpenMP: a library that uses it links the OpenMP runtime torch has loaded (libgomp,
 # by its name), so the kernel's rows go to torch's own idle threads; a second pool of threads would compete with
 # them (torch's threads keep spinning for a while after each op). Apple's compiler has no -fopenmp.

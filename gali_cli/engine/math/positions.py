@@ -33,21 +33,26 @@ def chunk_plan(start: int, stop: int, train_len: int, chunk_size: int) -> list[t
     return pieces
 
 
+def _where(condition, if_true, otherwise):
+    """torch.where for 0-d tensors, a conditional for Python integers: the position arithmetic below runs on both."""
+    if isinstance(condition, torch.Tensor):
+        return torch.where(condition, if_true, otherwise)
+    return if_true if condition else otherwise
+
+
 def group_size(total_len: int, train_len: int, local_window: int) -> int:
-    """g of Eq. (3): how many tokens share each unit interval when `total_len` keys are attended (1: none do)."""
-    if total_len <= train_len:
-        return 1
-    return -(-(total_len - local_window) // (train_len - local_window))
+    """g of Eq. (3): how many tokens share each unit interval when `total_len` keys are attended (1: none do).
+    `total_len` may be a 0-d int64 tensor (the static decoding step's, never read on the host)."""
+    return _where(total_len <= train_len, 1, -((local_window - total_len) // (train_len - local_window)))
 
 
 def grouping(total_len: int, train_len: int, local_window: int) -> tuple[int, int]:
     """(g, G): the group size, and how many of the first keys are grouped (at positions k / g); the other
-    total_len - G keep exact integer positions ending at train_len - 1. (1, 0) within the window."""
+    total_len - G keep exact integer positions ending at train_len - 1. (1, 0) within the window. Integers, or 0-d
+    tensors for a 0-d `total_len`."""
     g = group_size(total_len, train_len, local_window)
-    if g == 1:
-        return 1, 0
-    blocks = -(-(total_len - train_len) // (g - 1))  # i when Alg. 2's loop stops
-    return g, total_len - train_len + blocks
+    blocks = -((train_len - total_len) // _where(g > 1, g - 1, 1))  # i when Alg. 2's loop stops
+    return g, _where(g > 1, total_len - train_len + blocks, 0)
 
 
 class Interpolation(NamedTuple):
@@ -65,25 +70,29 @@ class Interpolation(NamedTuple):
     grouped: int
 
 
-def interpolate(
-    total_len: int, train_len: int, local_window: int, device: torch.device | str | None = None, first: int = 0
-) -> Interpolation:
-    """Alg. 2 with target_len = total_len, in closed form and exact integer arithmetic, for keys [first, total_len).
+def key_positions(keys: torch.Tensor, total_len: int | torch.Tensor, train_len: int,
+                  local_window: int) -> Interpolation:
+    """Alg. 2 with target_len = total_len, in closed form and exact integer arithmetic, for the token indices `keys`.
 
     Alg. 2 emits blocks [i, i + 1/g, ..., i + (g-1)/g] for i = 0, 1, ... until train_len - i + g*i >= total_len,
     then keeps the first total_len - (train_len - i) of them followed by the exact positions i, ..., train_len - 1.
     Entry k of the grouped part is k / g, so no loop is needed. The newest key always sits at train_len - 1
     (except with local_window = 0 and total_len a multiple of train_len, where Alg. 2 leaves no exact tail).
+    `total_len` may be a 0-d int64 tensor: the static decoding step places its keys without reading it on the host.
     """
-    keys = torch.arange(first, total_len, device=device)
     g, grouped = grouping(total_len, train_len, local_window)
-    if g == 1:
-        return Interpolation(keys, keys, torch.zeros(len(keys), dtype=torch.float64, device=device), 1, 0)
     remainder = torch.remainder(keys, g)
     fractional = (keys < grouped) & (remainder > 0)
-    floor = torch.where(keys < grouped, keys // g, keys - (total_len - train_len))
+    floor = torch.where(keys < grouped, keys // g, keys - _where(total_len > train_len, total_len - train_len, 0))
     weight = torch.where(fractional, (g - remainder).double() / g, 0.0)
     return Interpolation(floor + fractional, floor, weight, g, grouped)
+
+
+def interpolate(
+    total_len: int, train_len: int, local_window: int, device: torch.device | str | None = None, first: int = 0
+) -> Interpolation:
+    """`key_positions` of keys [first, total_len) of a chunk of `total_len` keys."""
+    return key_positions(torch.arange(first, total_len, device=device), total_len, train_len, local_window)
 
 
 def gali_positions(total_len: int, train_len: int, local_window: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ...errors import GaliWarning
+from ...model.families import family_of
 from ..kernels.native_noise import load_kernel, share_among_threads
 from .hooks import llama_model
 
@@ -250,17 +251,19 @@ _packed: "weakref.WeakKeyDictionary[nn.Module, _Packed]" = weakref.WeakKeyDictio
 
 def grid_projections(model: PreTrainedModel) -> Projections:
     """`model`'s projections, each group held on a grid where its weights lie exactly on one (kept for the model's
-    next answers), else as its modules: all of them where the model is not a float32 Llama on the CPU whose layers
-    this step knows (no biases, a SiLU MLP, RMSNorms), hooks are registered on those modules (the grids would skip
-    them), the kernels were built for no vector registers that make them pay (`Kernel.grid_vectorised`), or the
-    grids would take more than half the memory available (one warning)."""
+    next answers), else as its modules: all of them where the model is not a float32 model on the CPU whose layers
+    this step knows (no biases, a SiLU MLP, RMSNorms computed as Llama's: the family's `rms_norm`), hooks are
+    registered on those modules (the grids would skip them), the kernels were built for no vector registers that
+    make them pay (`Kernel.grid_vectorised`), or the grids would take more than half the memory available (one
+    warning)."""
     base, head = llama_model(model), model.get_output_embeddings()
+    rms_norm = family_of(model.config).rms_norm
     linears = [head] + [m for layer in base.layers for m in _linears(layer)]
     norms = [base.norm] + [norm for layer in base.layers for norm in (layer.input_layernorm,
                                                                       layer.post_attention_layernorm)]
     if not load_kernel().grid_vectorised or not all(isinstance(m, nn.Linear) and m.bias is None for m in linears) or (
             getattr(model.config, "hidden_act", None) != "silu") or not all(
-            type(norm).__name__ == "LlamaRMSNorm" and norm.weight.dtype == torch.float32 for norm in norms) or any(
+            type(norm).__name__ == rms_norm and norm.weight.dtype == torch.float32 for norm in norms) or any(
             m._forward_hooks or m._forward_pre_hooks for m in (*linears, *norms)):  # hooks the grids would skip
         return module_projections(model)
     # The weights as packed: the same tensors, not changed in place since (tensors made in inference mode count no
