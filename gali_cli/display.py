@@ -199,18 +199,35 @@ def progress_bar(label: str) -> Iterator[Bar]:
         yield Bar(progress, label)
 
 
+def method_label(method: str, window: int | None = None) -> str:
+    """A method as tables and plots name it: with its own `window` where it reads past --train-len, e.g. "original
+    (8k window)" (the original model is never narrowed by --train-len)."""
+    if not window:
+        return method
+    size = _count(window)
+    return f"{method} ({size}{'' if size.endswith('k') else '-token'} window)"
+
+
+def _labels(rows: list[dict]) -> dict[str, str]:
+    """Each method of `rows`, in their order, with its label (method_label, from a row's "window")."""
+    labels: dict[str, str] = {}
+    for row in rows:
+        labels.setdefault(row["method"], method_label(row["method"], row.get("window")))
+    return labels
+
+
 def ppl_table(rows: list[dict]) -> Table:
     """Methods down, lengths across, the best (lowest) perplexity of each length in bold, as the paper's Table 3
     ("-" where a method has no figure, e.g. no document of a batch reached that length)."""
     lengths = sorted({row["length"] for row in rows})
-    methods = list(dict.fromkeys(row["method"] for row in rows))
+    labels = _labels(rows)
     value = {(row["method"], row["length"]): row["ppl"] for row in rows}
     best = {length: min(ppl for (_, n), ppl in value.items() if n == length) for length in lengths}
     table = Table("method", *(str(length) for length in lengths))
-    for method in methods:
+    for method, label in labels.items():
         cells = ["-" if (method, n) not in value else f"[bold]{value[(method, n)]:.3f}[/]"
                  if value[(method, n)] == best[n] else f"{value[(method, n)]:.3f}" for n in lengths]
-        table.add_row(method, *cells)
+        table.add_row(escape(label), *cells)
     return table
 
 
@@ -233,7 +250,7 @@ def eval_table(rows: list[dict]) -> Table:
                     score["mean", length, method] = round(sum(found) / len(found), 2)
             lines.append(("mean", length))
     paper = {(row["task"], row["length"], row["method"]): row["paper"] for row in rows if "paper" in row}
-    table = Table("task", "length", *methods,
+    table = Table("task", "length", *map(escape, _labels(rows).values()),
                   caption="(in brackets: the GALI paper's score for this model)" if paper else None)
     for task, length in lines:
         values = [score.get((task, length, method)) for method in methods]
@@ -383,11 +400,11 @@ def plot_ppl(rows: list[dict], path: str, title: str, window: int) -> None:
     markers = "osD^vP*Xhp<>"
     figure, axes = plt.subplots(figsize=(8, 4.5))
     clipped = False
-    for index, method in enumerate(dict.fromkeys(row["method"] for row in rows)):
+    for index, (method, label) in enumerate(_labels(rows).items()):
         points = sorted((row["length"], row["ppl"]) for row in rows if row["method"] == method)
         xs, ys = zip(*points)
         line, = axes.plot(xs, [min(y, high) for y in ys], marker=markers[index % len(markers)], markersize=5,
-                          linewidth=1.5, label=method, linestyle="-" if index < 10 else "--")
+                          linewidth=1.5, label=label, linestyle="-" if index < 10 else "--")
         for x, y in points:
             if y > high:
                 axes.plot([x], [high], marker="^", markersize=9, markerfacecolor="white", color=line.get_color())
@@ -432,11 +449,11 @@ def plot_eval(rows: list[dict], path: str, title: str, window: int) -> None:
     tasks = list(dict.fromkeys(row["task"] for row in rows))
     figure, panels = plt.subplots(1, len(tasks), figsize=(4 * len(tasks) + 2, 3.5), squeeze=False)
     for axes, task in zip(panels[0], tasks):
-        for method in dict.fromkeys(row["method"] for row in rows):
+        for method, label in _labels(rows).items():
             points = sorted((row["length"], row["score"]) for row in rows
                             if row["task"] == task and row["method"] == method and row["length"])
             if points:
-                axes.plot(*zip(*points), marker="o", markersize=4, label=method)
+                axes.plot(*zip(*points), marker="o", markersize=4, label=label)
         axes.axvline(window, color="0.4", linestyle=":", linewidth=1.2)
         axes.set_xscale("log", base=2)
         axes.set(title=task, xlabel="tokens (log scale)", ylabel="score", ylim=(-3, 103))

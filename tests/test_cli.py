@@ -69,7 +69,22 @@ def test_the_input_line_names_the_window_the_method_stays_within(gali, doc):
     tokens = int(narrowed.stderr.split(" tokens, ")[0].split()[-1])
     assert f"{tokens / 16:.1f}x the 16-token window of --train-len (the model's: 32) (gali)" in narrowed.stderr
     original = gali("summarize", str(doc), "--max-new-tokens", "2", "--train-len", "16", "--method", "original")
-    assert f"{tokens / 32:.1f}x the model's 32-token window (original)" in original.stderr
+    assert (f"{tokens / 32:.1f}x the model's 32-token window (original, unrestricted: --train-len 16 does not "
+            "apply to it)") in original.stderr
+
+
+def test_original_under_a_lowered_train_len_is_labelled_with_its_own_window(gali, doc, tmp_path):
+    """--train-len narrows every method but the original model, which reads with its own window (the tiny model's:
+    32): the input line, the table, --json and the plot say so."""
+    args = ("ppl", str(doc), "--method", "gali,original", "--lengths", "16,64", "--train-len", "16")
+    table = gali(*args)
+    assert table.exit_code == 0, table.stderr
+    assert "original (32-token window)" in table.stdout and "gali (" not in table.stdout
+    assert "(original, unrestricted: --train-len 16 does not apply to it)" in table.stderr
+    rows = json.loads(gali(*args, "--json").stdout)["results"]
+    assert {(row["method"], row.get("window")) for row in rows} == {("gali", None), ("original", 32)}
+    plain = gali("ppl", str(doc), "--method", "gali,original", "--lengths", "16,64")  # no --train-len: no label
+    assert "original" in plain.stdout and "window" not in plain.stdout
 
 
 def test_ask_streams_the_same_answer_as_no_stream(gali, doc):

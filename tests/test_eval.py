@@ -247,3 +247,16 @@ def test_the_papers_scores_are_shown_beside_ours_for_its_model():
     table = eval_table(found)
     assert table.caption and "GALI paper" in table.caption
     assert [str(cell) for cell in table.columns[2]._cells] == ["[bold]70.0[/] (77.0)", "[bold]90.0[/]", "[bold]80.0[/]"]
+
+
+def test_original_under_a_lowered_train_len_is_named_with_its_own_window():
+    from gali_cli.display import eval_table
+    from gali_cli.runs.common import with_windows
+
+    rows = [{"task": "vt", "length": 16384, "method": method, "score": 50.0, "samples": 1, "seconds_per_sample": 1.0}
+            for method in ("gali", "original")]
+    labelled = with_windows(rows, 4096, 8192)
+    assert [row.get("window") for row in labelled] == [None, 8192]
+    assert [column.header for column in eval_table(labelled).columns] == ["task", "length", "gali",
+                                                                         "original (8k window)"]
+    assert with_windows(rows, None, 8192) == rows == with_windows(rows, 8192, 8192)

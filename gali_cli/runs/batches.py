@@ -26,7 +26,7 @@ from .batch_files import (
     expand_documents,
     run_batch,
 )
-from .common import conversation, entry_point, finished_facts, load, prompt_limit, store
+from .common import conversation, entry_point, finished_facts, load, prompt_limit, store, with_windows
 from .ppl import method_perplexities, ppl_ids, print_rows
 
 
@@ -86,7 +86,8 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
         failed = _run(batch, job, work, _ppl_line)
         if batch.rank.rank == 0:
             records = batch.results.records()
-            rows = corpus_perplexities(records, job, batch.documents, by_length=bool(lengths))
+            rows = with_windows(corpus_perplexities(records, job, batch.documents, by_length=bool(lengths)),
+                                choice.settings.train_len, loaded.train_len)
             if json_output:
                 print_json({"corpus": rows, "out": str(batch.results.path),
                             **batch_summary(records, job, batch.documents)})

@@ -23,7 +23,7 @@ from ..prompts import check_prompt_length, conversation_ids, text_ids
 from . import ModelChoice, Reading
 from .batch_files import Rank, ResultsFile, job_hash, latest_records
 from .batches import batch_job, held
-from .common import entry_point, finished_facts, load, prompt_limit, read, store
+from .common import entry_point, finished_facts, load, prompt_limit, read, store, with_windows
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
             records = results.records()
     if rank.rank != 0:
         return
-    rows = score_rows(records, jobs, samples)
+    rows = with_windows(score_rows(records, jobs, samples), choice.settings.train_len, loaded.train_len)
     if paper_model:
         rows = with_paper_scores(rows, choice.settings.train_len or loaded.train_len)
     if evaluation.json_output:

@@ -15,7 +15,18 @@ from ..model.loading import LoadedModel
 from ..perplexity import Perplexity, perplexities
 from ..prompts import check_prompt_length, text_ids
 from . import ModelChoice, Reading
-from .common import announcing, entry_point, facts, load, prompt_limit, read, say_input, say_threads
+from .common import (
+    announcing,
+    entry_point,
+    facts,
+    load,
+    own_window,
+    prompt_limit,
+    read,
+    say_input,
+    say_threads,
+    with_windows,
+)
 
 
 @entry_point
@@ -36,10 +47,12 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
         say_input(loaded, method, document, len(ids), choice.settings.train_len)
         settings[method], results = method_perplexities(loaded, ids, method, choice, lengths or [len(ids)], verbose)
         rows += [{"method": method, "length": result.length, "ppl": result.ppl} for result in results]
+    rows = with_windows(rows, choice.settings.train_len, loaded.train_len)
     single = len(rows) == 1 and not lengths
     if json_output:
         about = facts(choice.model, ",".join(choice.methods), settings, document)
-        print_json({"ppl": rows[0]["ppl"], "tokens": len(ids), **about} if single else
+        own = {"window": rows[0]["window"]} if "window" in rows[0] else {}
+        print_json({"ppl": rows[0]["ppl"], "tokens": len(ids), **about, **own} if single else
                    {"results": rows, "tokens": len(ids), **about})
     else:
         print_rows(rows, csv, single)
@@ -70,7 +83,8 @@ def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice
     boundaries = forward_ends(loaded.model, method, 0, len(ids))
     reset_peak_memory(device)
     started = time.perf_counter()
-    with display.progress_bar(method) as bar:
+    label = display.method_label(method, own_window(method, choice.settings.train_len, loaded.train_len))
+    with display.progress_bar(label) as bar:
         results = perplexities(loaded.model, torch.tensor([ids], device=device), lengths, spans,
                                announcing(bar.with_figure("ppl"), loaded) if show_progress else None, boundaries)
     if verbose:
