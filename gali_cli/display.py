@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .errors import ConfigError, GaliError
+from .estimate import duration
 from .printable import json_text, printable
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
@@ -168,14 +169,18 @@ class Bar:
     def __call__(self, done: int, total: int) -> None:
         self.progress.update(self.task, completed=done, total=total, visible=True)
 
-    def with_figure(self, name: str) -> Callable[[int, int, float], None]:
-        """A (done, total, figure) callback that also shows a running figure, e.g. the perplexity so far."""
+    def with_figure(self, name: str, left: Callable[[int, int], float | None] | None = None
+                    ) -> Callable[[int, int, float], None]:
+        """A (done, total, figure) callback that also shows a running figure, e.g. the perplexity so far, and, with
+        `left`, the seconds the whole job still needs (from this bar's done and total; None: not known yet)."""
 
         def update(done: int, total: int, figure: float) -> None:
             self(done, total)
-            self.progress.update(self.task, description=f"{self.label} ({name} {figure:.3f})")
+            seconds = left(done, total) if left else None
+            remaining = f"; {time_left(seconds)}" if seconds is not None else ""
+            self.progress.update(self.task, description=f"{self.label} ({name} {figure:.3f}{remaining})")
             if not err.is_terminal and (done >= self.next_line * total or done == total):
-                say(f"{self.label}: {done}/{total} tokens, {name} {figure:.3f}")
+                say(f"{self.label}: {done}/{total} tokens, {name} {figure:.3f}{remaining}")
                 self.next_line = done / total + 1 / 8
 
         return update
@@ -186,6 +191,16 @@ class Bar:
     def stop(self) -> None:
         """Take the bar off the screen now (the work it follows is done); later calls count unseen."""
         self.progress.stop()
+
+
+def elapsed(seconds: float) -> str:
+    """Time a part of a job took: 4.2 s, or in minutes and more past a minute and a half."""
+    return f"{seconds:.1f} s" if seconds < 90 else duration(seconds)
+
+
+def time_left(seconds: float) -> str:
+    """An estimate of the time a job still needs, in words: "about 3.5 minutes left"."""
+    return f"about {duration(seconds)} left" if seconds >= 1 else "almost done"
 
 
 @contextmanager

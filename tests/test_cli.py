@@ -87,6 +87,18 @@ def test_original_under_a_lowered_train_len_is_labelled_with_its_own_window(gali
     assert "original" in plain.stdout and "window" not in plain.stdout
 
 
+def test_several_methods_show_how_many_are_done_and_the_time_left(gali, doc):
+    """gali ppl --method a,b,c: each method's bar and its closing line say k/N, and the rest's time left."""
+    result = gali("ppl", str(doc), "--method", "gali,original,ntk", "--lengths", "16,64")
+    assert result.exit_code == 0, result.stderr
+    done = [line for line in result.stderr.splitlines() if "done in" in line]
+    assert [line.split(":")[0] for line in done] == ["[1/3] gali", "[2/3] original", "[3/3] ntk"]
+    assert "2 more, " in done[0] and ("left" in done[0] or "almost done" in done[0]) and "more" not in done[2]
+    assert "[2/3] original: 64/64 tokens, ppl" in result.stderr  # the bar's lines where stderr is no terminal
+    single = gali("ppl", str(doc), "--lengths", "16,64")
+    assert "done in" not in single.stderr and "[1/1]" not in single.stderr
+
+
 def test_ask_streams_the_same_answer_as_no_stream(gali, doc):
     streamed = gali("ask", str(doc), "When does the lease end?", "--max-new-tokens", "10")
     whole = gali("ask", str(doc), "When does the lease end?", "--max-new-tokens", "10", "--no-stream")

@@ -63,6 +63,9 @@ def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, mon
     assert gali_settings["train_len"] == 32 and "chunk_size" in gali_settings  # the settings as applied
     assert all(json.loads(line)["seconds"] > 0 for line in (tmp_path / "whole.jsonl").read_text().splitlines())
     assert "niah_single_1" in whole.stdout and "gali" in whole.stdout and "original" in whole.stdout
+    lines = [line for line in whole.stderr.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] + "]" for line in lines] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
+    assert all(" left" in line or "almost done" in line for line in lines[:3]) and "left" not in lines[3]
 
     answered, real = [], evaluate.answer_sample
 

@@ -13,6 +13,7 @@ from .. import display
 from ..conversation import Conversation
 from ..display import print_json, say
 from ..errors import ConfigError, InputError
+from ..estimate import JobClock
 from ..evaluation.longbench_paper import is_paper_model, paper_scores
 from ..evaluation.sample import Request, Sample
 from ..evaluation.tasks import LONGBENCH, build_samples
@@ -154,6 +155,9 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
     if len(todo) < len(pairs):
         say(f"{label}{len(pairs) - len(todo)} answers already in {evaluation.out}, skipped", style="dim")
     written = []
+    # Each answer's time projected from answers of its length and method, else from the seconds per prompt token
+    # (a sample built without a target length: its characters / 4).
+    clock = JobClock([((sample.length, method), sample.length or len(sample.context) / 4) for sample, method in todo])
     with display.progress_bar("answers") as bar:
         for done, (sample, method) in enumerate(todo):
             bar(done, len(todo))
@@ -167,8 +171,12 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
             if results:
                 results.append([record])
             written.append(record)
+            clock.finish()
+            left = clock.seconds_left()
+            remaining = f"; {display.time_left(left)}" if left is not None and done + 1 < len(todo) else ""
+            bar.describe(f"answers ({display.time_left(left)})" if remaining else "answers")
             say(f"{label}[{done + 1}/{len(todo)}] {sample.task} {sample.id} {method}: score {answer['score']:.2f} "
-                f"in {record['seconds']:.1f} s, {answer['prediction'][:60]!r}", style="dim")
+                f"in {record['seconds']:.1f} s, {answer['prediction'][:60]!r}{remaining}", style="dim")
         bar(len(todo), len(todo))
     if written:
         seconds = sum(record["seconds"] for record in written)
