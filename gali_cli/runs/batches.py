@@ -95,7 +95,9 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
                 print_rows(rows, csv, single=len(rows) == 1)
             if plot and lengths and rows:
                 window = kept_window("gali", choice.settings.train_len, loaded.train_len)
-                display.plot_ppl(rows, plot, f"{len(batch.documents)} documents, {choice.model}", window)
+                title = display.plot_title(f"Perplexity of {len(batch.documents)} documents", choice.model,
+                                           choice.settings.train_len, loaded.train_len)
+                display.plot_ppl(rows, plot, title, window)
                 say(f"Saved {plot}.")
         return failed
 

@@ -135,7 +135,9 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
         display.print_eval_table(rows)
     if evaluation.plot and rows:
         window = kept_window("gali", choice.settings.train_len, loaded.train_len)
-        display.plot_eval(rows, evaluation.plot, choice.model, window)
+        tasks = ", ".join(evaluation.tasks) if len(evaluation.tasks) <= 3 else f"{len(evaluation.tasks)} tasks"
+        title = display.plot_title(f"gali eval: {tasks}", choice.model, choice.settings.train_len, loaded.train_len)
+        display.plot_eval(rows, evaluation.plot, title, window)
         say(f"Saved {evaluation.plot}.")
 
 

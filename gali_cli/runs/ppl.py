@@ -61,7 +61,9 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
         print_rows(rows, csv, single)
     if plot:
         window = kept_window("gali", choice.settings.train_len, loaded.train_len)
-        display.plot_ppl(rows, plot, f"{os.path.basename(document.name)}, {choice.model}", window)
+        title = display.plot_title(f"Perplexity of {os.path.basename(document.name)}", choice.model,
+                                   choice.settings.train_len, loaded.train_len)
+        display.plot_ppl(rows, plot, title, window)
         say(f"Saved {plot}.")
 
 
