@@ -7,6 +7,7 @@ second, by moving the cursor to their start and erasing them (`\r ESC[2K`), and 
 that erases the line the answer is being written on.
 """
 
+import io
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -328,8 +329,10 @@ def print_model_entries(entries: list, directory) -> None:
 
 def _print_whole(columns: tuple[str, ...], rows: list[tuple[str, ...]], right: set[str],
                  paragraph: Callable[..., str]) -> None:
-    """Rows on stdout with their first column (a name) never cut: a table where it fits (into a pipe or a file, as
-    wide as it needs), else one row a paragraph, the name on a line of its own that the terminal wraps."""
+    """Rows on stdout with their first column (a name) never cut: a table where it fits the width (the terminal's;
+    into a pipe or a file, COLUMNS, else 80), else one row a paragraph, the name on a line of its own (which the
+    terminal wraps; into a pipe, whole) and the rest below it, indented (into a pipe, wrapped at the width). Into a
+    pipe no line ends in spaces."""
     if not rows:
         return
     console, table = _stdout_console(), Table(box=box.SIMPLE_HEAD)
@@ -338,14 +341,37 @@ def _print_whole(columns: tuple[str, ...], rows: list[tuple[str, ...]], right: s
     for row in rows:
         table.add_row(*map(escape, row))
     width = console.measure(table, options=console.options.update_width(2**16)).maximum
-    if not console.is_terminal:
-        Console(highlight=False, width=max(console.width, width)).print(table)
-    elif width <= console.width:
-        console.print(table)
-    else:
+    if console.is_terminal:
+        if width <= console.width:
+            console.print(table)
+            return
         for name, *rest in rows:
             console.print(name, markup=False, soft_wrap=True)
             console.print(f"  {paragraph(*rest)}", markup=False, soft_wrap=True, style="dim")
+        return
+    if width <= console.width:
+        plain = Console(file=io.StringIO(), width=console.width, highlight=False, color_system=None)
+        plain.print(table)
+        lines = [line.rstrip() for line in plain.file.getvalue().splitlines()]
+        while lines and not lines[0]:  # the box's empty top edge
+            lines.pop(0)
+    else:
+        lines = [line for name, *rest in rows for line in (name, *_wrap_parts(paragraph(*rest), console.width))]
+    _print("".join(line.rstrip() + "\n" for line in lines))
+
+
+def _wrap_parts(text: str, width: int) -> list[str]:
+    """`text`, a list of parts joined by ", ", on lines of at most `width` characters where the parts allow (a part
+    is never split: "last used 2026-11-28 10:55" stays whole), the first indented by two spaces, the rest by four."""
+    lines: list[str] = []
+    for part in text.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += ", " + part
+        else:
+            if lines:
+                lines[-1] += ","
+            lines.append(("    " if lines else "  ") + part)
+    return lines
 
 
 def _count(tokens: float) -> str:

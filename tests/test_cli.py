@@ -519,6 +519,23 @@ def test_cache_list_names_documents_by_absolute_path_and_never_cuts_them(gali, t
     assert "…" not in narrow and name in narrow.splitlines() and "other.txt" in narrow.splitlines()
 
 
+@pytest.mark.parametrize("columns, width", [("60", 60), (None, 80), ("200", 200)])
+def test_cache_list_into_a_pipe_keeps_to_columns_without_trailing_spaces(gali, doc, tmp_path, columns, width):
+    """`gali cache list | less`: a table where it fits COLUMNS (80 without it), else a paragraph an entry, its details
+    wrapped at that width; only a name (never cut) may be wider, and no line ends in spaces."""
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    assert gali("summarize", str(doc), "--max-new-tokens", "2", env=env).exit_code == 0
+    listed = gali("cache", "list", env={**env, "COLUMNS": columns}, model=False)
+    assert listed.exit_code == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines and all(line == line.rstrip() for line in lines)
+    assert all(len(line) <= width for line in lines if short_path(str(doc)) not in line)
+    table = lines[0].split() == ["document", "model", "method", "tokens", "MiB", "last", "used"]
+    assert table == (width == 200)
+    if not table:
+        assert lines[0] == short_path(str(doc)) and lines[1].startswith("  ") and "tokens" in listed.stdout
+
+
 def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):
     real_ask, calls = conversation.Conversation.ask, []
 
