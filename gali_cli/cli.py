@@ -450,6 +450,8 @@ def info(
     check: Annotated[bool, typer.Option("--check", metavar="", help="Also run the engine's self-check on the device: "
                                         "each fast attention path against the PyTorch path, GALI against Alg. 3, "
                                         "timed.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Every attention route in words, and "
+                                          "the path noise would take when it is off.")] = False,
     choice: ModelChoice = None,
 ) -> None:
     """Describe the model, device, CUDA, bitsandbytes and GALI settings, without loading weights.
@@ -458,7 +460,7 @@ def info(
     """
     from .runs.info import show_info
 
-    show_info(choice, json_output, check)
+    show_info(choice, json_output, check, verbose)
 
 
 def _version(value: bool) -> None:

@@ -146,6 +146,8 @@ def print_facts(facts: dict, json_output: bool) -> None:
             value = "; ".join(f"{gpu['name']} ({gpu['memory_gib']} GiB)" for gpu in value) or "no GPU"
         elif isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif key == "attention_routes":  # gali info -v: a route a line
+            value = (";\n" + " " * width).join(value.split("; "))
         lines.append(f"{key:<{width}}{value}\n")
     _print("".join(lines))
 

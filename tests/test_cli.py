@@ -240,12 +240,15 @@ def test_info(gali, tiny_model_dir):
     assert facts["train_len"] == 32 and facts["architecture"] == "LlamaForCausalLM"
     assert facts["gali"]["chunk_size"] == 6 and facts["gali"]["local_window"] == 16
     assert facts["device"] in ("cpu", "cuda") and "bitsandbytes" in facts["bitsandbytes"]
+    assert "noisy_attention" not in facts  # noise is off: its path is no fact of this run (-v shows it)
+    facts = json.loads(gali("info", "--json", "-v").stdout)
     if facts["device"] == "cpu":
         assert facts["noisy_attention"].startswith(("native CPU kernel (built with", "PyTorch ("))
-    forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "torch"}).stdout)
+    forced = json.loads(gali("info", "--json", "--noise", env={"GALI_KERNEL": "torch"}).stdout)
     assert forced["noisy_attention"] == "PyTorch (GALI_KERNEL=torch)"
     if facts["device"] == "cpu":
-        forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "triton", "TRITON_INTERPRET": "0"}).stdout)
+        forced = json.loads(gali("info", "--json", "--noise",
+                                 env={"GALI_KERNEL": "triton", "TRITON_INTERPRET": "0"}).stdout)
         assert forced["noisy_attention"] in ("error: GALI_KERNEL=triton needs CUDA",
                                              "PyTorch (triton is not installed)")
     previews = json.loads(gali("info", "--json", "--method", "all", "--leaky-factor", "4").stdout)
@@ -558,15 +561,22 @@ def test_info_prints_the_attention_plan(gali, monkeypatch, kernel, noise):
     from gali_cli.engine.attention.plan import decide
 
     flags = ["--noise"] if noise else []
-    facts = json.loads(gali("info", "--json", *flags, env={"GALI_KERNEL": kernel}).stdout)
+    facts = json.loads(gali("info", "--json", "-v", *flags, env={"GALI_KERNEL": kernel}).stdout)
     monkeypatch.setenv("GALI_KERNEL", kernel)
     plan = decide(facts["device"], facts["dtype"], forward_only=True, noise=noise)
-    assert facts["attention"] == plan.describe()
+    assert facts["attention"] == plan.summary() and facts["attention_routes"] == plan.describe()
     assert facts["noisy_attention"] == decide(facts["device"], facts["dtype"], True, noise=True).noisy_words()
     if noise:
-        assert f"noisy chunks: {facts['noisy_attention']};" in facts["attention"]
+        assert f"noisy chunks: {facts['noisy_attention']};" in facts["attention_routes"]
+    verbose = gali("info", "-v", *flags, env={"GALI_KERNEL": kernel})
+    assert plan.describe() in " ".join(verbose.stdout.split())  # a route a line
+    routes = verbose.stdout.split("attention_routes", 1)[1].split("\n")[: plan.describe().count("; ") + 1]
+    assert all("; " not in route for route in routes)
     text = gali("info", *flags, env={"GALI_KERNEL": kernel})
-    assert plan.describe() in " ".join(text.stdout.split())  # the plain output too, wrapped or not
+    line, = [line for line in text.stdout.splitlines() if line.startswith("attention")]
+    assert line.split(None, 1)[1] == plan.summary() and len(line) < 100 and "attention_routes" not in text.stdout
+    assert ("noisy_attention" in text.stdout) == noise
+    assert ("no noise" in line) != noise
 
 
 def test_a_mistyped_gali_kernel_fails_before_the_model_loads(gali, doc):

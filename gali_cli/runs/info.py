@@ -16,15 +16,21 @@ from ..model.machine import environment_facts
 from . import ModelChoice
 
 
-def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> None:
+def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbose: bool = False) -> None:
     """What is known without the model, then its architecture and the settings GALI (and the other methods chosen,
     where they are known before the input) would use; with `check`, the engine's self-check on the device (no model
-    needed: it runs even when the model cannot load)."""
+    needed: it runs even when the model cannot load). `verbose`: every attention route, and the path noise would
+    take when it is off."""
+    noise = bool(choice.settings.gali().noise)
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
+    if not noise and not verbose:
+        del facts["noisy_attention"]  # which kernel noise would take: not a fact of this run
     # The routes a forward takes here, from the plan the engine decides by (engine/attention/plan.py), not restated.
-    facts["attention"] = decide(facts["device"], facts["dtype"], forward_only=True,
-                                noise=bool(choice.settings.gali().noise)).describe()
+    plan = decide(facts["device"], facts["dtype"], forward_only=True, noise=noise)
+    facts["attention"] = plan.summary()
+    if verbose:
+        facts["attention_routes"] = plan.describe()
     try:
         config = read_model_config(choice.model)
     except GaliError:
