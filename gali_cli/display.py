@@ -10,6 +10,7 @@ that erases the line the answer is being written on.
 import io
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import datetime
@@ -153,12 +154,17 @@ def print_facts(facts: dict, json_output: bool) -> None:
 
 
 def print_check(check) -> None:
-    """One line of `gali info --check` on stdout: the verdict, what was compared, the gap and each path's time."""
-    timings = ", ".join(f"{path} {seconds * 1000:.1f} ms" for path, seconds in check.seconds.items())
+    """A check of `gali info --check` on stdout: the verdict, what was compared, the gap and each path's time; on one
+    line where it fits the width (the terminal's; into a pipe, COLUMNS, else 80), else wrapped at it, the lines after
+    the first indented."""
+    whole = "\xa0"  # a space the wrapping keeps: "max error 1e-06 (tolerance 0.0001)" and "gali 2.1 ms" stay whole
+    timings = ", ".join(f"{path}{whole}{seconds * 1000:.1f}{whole}ms" for path, seconds in check.seconds.items())
     verdict = "ok  " if check.ok else "FAIL"
-    sys.stdout.write(f"{verdict} {check.name}: max error {check.error:.2g} (tolerance {check.tolerance:.2g})"
-                     f"{'; ' + timings if timings else ''}\n")
-    sys.stdout.flush()
+    gap = f"max error {check.error:.2g} (tolerance {check.tolerance:.2g})".replace(" ", whole)
+    text = f"{verdict} {check.name}: {gap}{'; ' + timings if timings else ''}"
+    lines = textwrap.wrap(text, max(40, _stdout_console().width), subsequent_indent="     ", break_long_words=False,
+                          break_on_hyphens=False)
+    _print("".join(line.replace(whole, " ") + "\n" for line in lines))
 
 
 class Bar:

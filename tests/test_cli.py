@@ -652,7 +652,7 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 29 of 29 passed" in result.stderr
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 29 of 29 passed in " in result.stderr
     assert len(lines) == 29 and all(line.startswith("ok ") for line in lines)
     assert sum(line.startswith("ok   transformers seam, ") for line in lines[:19]) == 19  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
@@ -666,6 +666,28 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 29
     assert sum(item["seam"] for item in checks) == 19
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
+
+
+def test_a_check_keeps_to_the_width_and_its_figures_whole(monkeypatch, capsys):
+    """gali info --check's lines were 220 characters: a check now wraps at the width (COLUMNS into a pipe), the
+    lines after its first indented, a figure never split from its name."""
+    from types import SimpleNamespace
+
+    from gali_cli import display
+
+    check = SimpleNamespace(ok=True, name="a decoding step's attention, native vs float64: head dim 64, 9/3 heads, "
+                            "float32, 700 keys, noise on, keys rotated by a table per offset, mixed (GALI)",
+                            error=1.5e-7, tolerance=1e-4, seconds={"native": 0.0119, "PyTorch": 0.092})
+    monkeypatch.setenv("COLUMNS", "60")
+    display.print_check(check)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 2 and all(len(line) <= 60 for line in lines)
+    assert lines[0].startswith("ok   a decoding step's") and all(line.startswith("     ") for line in lines[1:])
+    joined = " ".join(line.strip() for line in lines)
+    assert "max error 1.5e-07 (tolerance 0.0001); native 11.9 ms, PyTorch 92.0 ms" in joined
+    monkeypatch.setenv("COLUMNS", "300")
+    display.print_check(check)
+    assert len(capsys.readouterr().out.splitlines()) == 1
 
 
 def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, monkeypatch):

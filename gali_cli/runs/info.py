@@ -4,6 +4,7 @@ transformers where they are not needed to tell (model/machine.py, model/config.p
 
 import itertools
 import os
+import time
 
 from .. import display
 from ..compat import TESTED_TRANSFORMERS, installed_transformers
@@ -71,11 +72,16 @@ def run_self_check(device, json_output: bool) -> list:
     from ..seam_check import seam_checks
 
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    started = time.perf_counter()
     if not json_output:
-        where = ("no GPU here: checking the CPU paths" + (", and the Triton kernels under TRITON_INTERPRET=1 (slow)"
-                 if interpreted else " (TRITON_INTERPRET=1 adds the Triton kernels, interpreted)")
-                 if device.type == "cpu" else f"checking the GPU paths on {device}")
-        say(f"self-check: {where}")
+        if device.type != "cpu":
+            say(f"self-check: checking the GPU paths on {device}")
+        elif interpreted:
+            say("self-check: no GPU here: checking the CPU paths, and the Triton kernels under TRITON_INTERPRET=1 "
+                "(slow)")
+        else:
+            say("self-check: no GPU here: checking the CPU paths")
+            say("(TRITON_INTERPRET=1 adds the Triton kernels, interpreted)", style="dim")
     checks = []
     for item in itertools.chain(seam_checks(), self_check(device, triton_interpreted=interpreted)):
         checks.append(item)
@@ -83,7 +89,7 @@ def run_self_check(device, json_output: bool) -> list:
             display.print_check(item)
     if not json_output:
         passed = sum(item.ok for item in checks)
-        say(f"self-check: {passed} of {len(checks)} passed")
+        say(f"self-check: {passed} of {len(checks)} passed in {display.elapsed(time.perf_counter() - started)}")
     return checks
 
 
