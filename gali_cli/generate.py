@@ -244,12 +244,16 @@ def stream_generate(
     spans: list[tuple[int, int]],
     progress: Progress | None = None,
     cache: DynamicCache | None = None,
+    after_prefill: Callable[[DynamicCache], None] | None = None,
 ) -> Iterator[TextPiece | Finished]:
     """Prefill `prompt_ids` along `spans`, then decode; yields the answer piece by piece, then `Finished`. An
     answer caught in a loop (RepetitionGuard) ends there, with the reason "repetition".
 
     A `cache` that already holds the prompt's first tokens (a document read before) is continued: `spans` then
     start where it ends. Either way the cache holds the prompt and the answer afterwards, for the next turn.
+    `after_prefill(cache)` runs once the prompt is read, before the first token is decoded (the conversation stores
+    the document's state there: an answer stopped by Ctrl-C does not lose the read); its time counts in neither
+    rate.
     """
     device = model.get_input_embeddings().weight.device
     ids = torch.tensor([prompt_ids], device=device)
@@ -263,6 +267,9 @@ def stream_generate(
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # kernels run asynchronously: wait for them before reading the clock
     prefilled = time.perf_counter()
+    if after_prefill:
+        after_prefill(cache)
+    decoding = time.perf_counter()
     detokenizer = _Detokenizer(tokenizer)
     generated, answer, reason, guard = 0, [], "length", RepetitionGuard()
     path = DecodePath()
@@ -286,7 +293,7 @@ def stream_generate(
         prefilled_tokens=spans[-1][1] - spans[0][0],
         generated_tokens=generated,
         prefill_seconds=prefilled - started,
-        decode_seconds=time.perf_counter() - prefilled,
+        decode_seconds=time.perf_counter() - decoding,
         peak_memory_bytes=peak_memory_bytes(device),
         answer_ids=tuple(answer),
         decode_path=path.description,

@@ -350,6 +350,29 @@ def test_interrupt_keeps_what_was_printed(gali, doc, monkeypatch):
     assert result.exit_code == 130 and result.stdout == "The lease ends\n"
 
 
+@pytest.mark.parametrize("command", [["summarize"], ["ask", "When does the lease end?"]])
+def test_ctrl_c_during_the_answer_keeps_the_documents_read(gali, doc, tmp_path, monkeypatch, command):
+    """The document's state is stored once it is read, before the answer: Ctrl-C in the answer does not lose it,
+    and the next question starts from it."""
+    import gali_cli.generate as generate
+
+    real_decode = generate.decode
+
+    def interrupted(*args, **kwargs):
+        yield from []
+        raise KeyboardInterrupt
+
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    monkeypatch.setattr(generate, "decode", interrupted)
+    stopped = gali(command[0], str(doc), *command[1:], env=env)
+    assert stopped.exit_code == 130, stopped.stderr
+    entries = json.loads(gali("cache", "list", "--json", env=env, model=False).stdout)["entries"]
+    assert [entry["document"] for entry in entries] == [str(doc.resolve())]
+    monkeypatch.setattr(generate, "decode", real_decode)
+    again = gali("ask", str(doc), "Who repairs the roof?", "--max-new-tokens", "2", env=env)
+    assert again.exit_code == 0 and "document state from the cache" in again.stderr
+
+
 @pytest.mark.parametrize("stream", [[], ["--no-stream"]], ids=["streamed", "at-the-end"])
 def test_an_answer_starts_at_its_first_word(gali, doc, monkeypatch, stream):
     def blank_first(*args, **kwargs):
