@@ -266,12 +266,23 @@ def test_standard_input_and_pdfs(gali, tmp_path):
     assert gali("summarize", "-", "--max-new-tokens", "4", input=DOCUMENT).exit_code == 0
     pdf = make_pdf(tmp_path / "lease.pdf", [DOCUMENT[:300], None, DOCUMENT[300:600]])
     result = gali("ask", str(pdf), "When?", "--max-new-tokens", "4", "--json")
-    assert result.exit_code == 0 and "no text on page 2" in result.stderr
+    assert result.exit_code == 0 and "read text from 2 of 3 pages; none on page 2 (scanned images)" in result.stderr
     assert json.loads(result.stdout)["document"]["pages"] == 3
     locked = make_pdf(tmp_path / "locked.pdf", [DOCUMENT[:300]], password="pw")
     refused = gali("summarize", str(locked))
     assert refused.exit_code == 3 and "--password" in refused.stderr and refused.stdout == ""
     assert gali("summarize", str(locked), "--password", "pw", "--max-new-tokens", "4").exit_code == 0
+
+
+def test_a_pdf_mostly_without_text_exits_3_unless_partial_reading_is_allowed(gali, tmp_path):
+    path = make_pdf(tmp_path / "scanned.pdf", ["The lease ends in March.", None, None])
+    refused = gali("summarize", str(path), "--max-new-tokens", "2")
+    assert refused.exit_code == 3 and not refused.stdout
+    assert "text on only 1 of 3 pages (scanned images on the others)" in refused.stderr
+    assert "--allow-partial" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    read = gali("summarize", str(path), "--max-new-tokens", "2", "--allow-partial")
+    assert read.exit_code == 0, read.stderr
+    assert "read text from 1 of 3 pages; none on pages 2, 3 (scanned images)" in read.stderr
 
 
 def test_bad_inputs_exit_3_with_one_line(gali, tmp_path):

@@ -43,7 +43,8 @@ def answer_batch(specs: list[str], out: str | None, command: str, instruction: s
         limit = prompt_limit(loaded, reading)
 
         def work(path: Path) -> list[dict]:
-            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
+            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes,
+                                     allow_partial=reading.allow_partial)
             talk = conversation(loaded, choice, document, answering.system, cache, limit)
             sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
             events = list(talk.ask(instruction, sampler, answering.max_new_tokens))
@@ -70,7 +71,8 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
         bound = prompt_limit(loaded, reading)
 
         def work(path: Path) -> list[dict]:
-            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
+            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes,
+                                     allow_partial=reading.allow_partial)
             ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens, bound)
             reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
             records = []

@@ -86,7 +86,8 @@ def _quiet_libraries() -> Iterator[None]:
 def read(file: str, reading: Reading) -> Document:
     """The document, with a bar over its pages and its warnings on stderr."""
     with display.progress_bar("Pages") as bar:
-        document = read_document(file, password=reading.password, progress=bar, max_bytes=reading.max_bytes)
+        document = read_document(file, password=reading.password, progress=bar, max_bytes=reading.max_bytes,
+                                 allow_partial=reading.allow_partial)
     for warning in document.warnings:
         warn(warning)
     return document
