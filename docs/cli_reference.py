@@ -14,7 +14,8 @@ EXIT_CODE_MEANINGS = [
     (2, "bad usage: an unknown option, a bad value, conflicting flags, an output path that cannot be written, a "
         "`--plot` format matplotlib does not write, a batch's `--out` that another gali run is writing"),
     (3, "unreadable input: missing, empty, binary, corrupt, encrypted without `--password`, a PDF without text (OCR "
-        "it first), larger than `--max-input-size`"),
+        "it first) or with text on fewer than half its pages (unless `--allow-partial`), larger than "
+        "`--max-input-size`"),
     (4, "a model that cannot be loaded or is not supported: a damaged or cut-short file, pickle checkpoints only "
         "(gali never unpickles; the message says how to convert them), weights missing or of the wrong shape, a "
         "config, GGUF header, tokenizer or chat template that fails the checks in [models.md](models.md), or out of "

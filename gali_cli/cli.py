@@ -24,6 +24,7 @@ from .config import MAX_INPUT_BYTES
 from .display import fail, say
 from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
 from .options import (
+    AllowPartial,
     CacheDir,
     Command,
     File,
@@ -84,7 +85,8 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
 @_guarded
 @with_model_options
 def summarize(
-    files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    files: Files, out: Out = None, password: Password = None, allow_partial: AllowPartial = False,
+    max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     max_prompt_tokens: MaxPromptTokens = None,
     max_new_tokens: MaxNewTokens = 1024, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = 0, system: System = None,
@@ -103,7 +105,7 @@ def summarize(
     Example: gali summarize reports/ --out summaries.jsonl
     """
     answering = _answering(locals())
-    reading = Reading(password, max_input_size, max_prompt_tokens)
+    reading = Reading(password, max_input_size, max_prompt_tokens, allow_partial)
     _answer(files, out, "summarize", SUMMARIZE, None, choice, reading, answering)
 
 
@@ -113,7 +115,8 @@ def summarize(
 def ask(
     files: Files,
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="The question about the document(s).")],
-    out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    out: Out = None, password: Password = None, allow_partial: AllowPartial = False,
+    max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     max_prompt_tokens: MaxPromptTokens = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
@@ -131,7 +134,7 @@ def ask(
     if not question.strip():
         raise ConfigError("QUESTION is empty")
     answering = _answering(locals())
-    reading = Reading(password, max_input_size, max_prompt_tokens)
+    reading = Reading(password, max_input_size, max_prompt_tokens, allow_partial)
     _answer(files, out, "ask", ask_instruction(question), question, choice, reading, answering)
 
 
@@ -170,7 +173,8 @@ def _answer(files: list[str], out: str | None, command: str, instruction: str, q
 @_guarded
 @with_model_options(many_methods=True)
 def ppl(
-    files: Files, out: Out = None, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    files: Files, out: Out = None, password: Password = None, allow_partial: AllowPartial = False,
+    max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     max_prompt_tokens: MaxPromptTokens = None,
     max_tokens: Annotated[int | None, typer.Option(min=2, metavar="N", help="Evaluate the first N tokens only.")]
     = None,
@@ -203,15 +207,15 @@ def ppl(
     if out or len(files) > 1:
         from .runs.batches import perplexity_batch
 
-        reading = Reading(password, max_input_size, max_prompt_tokens)
+        reading = Reading(password, max_input_size, max_prompt_tokens, allow_partial)
         if perplexity_batch(files, out, choice, reading, max_tokens, wanted, json_output, csv, plot, verbose):
             raise typer.Exit(1)
     else:
         _check_first(choice, files[0])
         from .runs.ppl import perplexity
 
-        perplexity(files[0], choice, Reading(password, max_input_size, max_prompt_tokens), max_tokens, wanted,
-                   json_output, csv, plot, verbose)
+        perplexity(files[0], choice, Reading(password, max_input_size, max_prompt_tokens, allow_partial), max_tokens,
+                   wanted, json_output, csv, plot, verbose)
 
 
 def _parse_lengths(text: str | None, shortest: int = 2, why: str = "perplexity needs at least 2 tokens",
@@ -264,7 +268,8 @@ def eval_(
     system: Annotated[str | None, typer.Option(metavar="TEXT", help="A system message before each sample that "
                                                                    "goes through the chat template (the GALI "
                                                                    "authors' LongBench runs used one).")] = None,
-    password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    password: Password = None, allow_partial: AllowPartial = False,
+    max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     max_prompt_tokens: MaxPromptTokens = None,
     csv: Annotated[bool, typer.Option("--csv", metavar="", help="Print task,length,method,score rows as CSV.")]
     = False,
@@ -302,14 +307,15 @@ def eval_(
 
     evaluate(choice, Evaluation(tuple(names), tuple(wanted), samples, seed, haystack, out, json_output, csv, plot,
                                 cache_dir, no_cache, longbench_data, truncation, system),
-             Reading(password, max_input_size, max_prompt_tokens))
+             Reading(password, max_input_size, max_prompt_tokens, allow_partial))
 
 
 @app.command(cls=Command)
 @_guarded
 @with_model_options
 def chat(
-    file: File, password: Password = None, max_input_size: MaxInputSize = MAX_INPUT_BYTES,
+    file: File, password: Password = None, allow_partial: AllowPartial = False,
+    max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     max_prompt_tokens: MaxPromptTokens = None,
     max_new_tokens: MaxNewTokens = 512, temperature: Temperature = 0.0, top_p: TopP = 1.0, top_k: TopK = 0,
     seed: Seed = 0, system: System = None, no_stream: NoStream = False, cache_dir: CacheDir = None,
@@ -331,7 +337,7 @@ def chat(
     from .runs.answer import chat as run_chat
 
     answering = _answering(locals())
-    run_chat(file, choice, Reading(password, max_input_size, max_prompt_tokens), answering)
+    run_chat(file, choice, Reading(password, max_input_size, max_prompt_tokens, allow_partial), answering)
 
 
 def _web_origin(value: str) -> str:
@@ -450,6 +456,8 @@ def info(
     check: Annotated[bool, typer.Option("--check", metavar="", help="Also run the engine's self-check on the device: "
                                         "each fast attention path against the PyTorch path, GALI against Alg. 3, "
                                         "timed.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Every attention route in words, and "
+                                          "the path noise would take when it is off.")] = False,
     choice: ModelChoice = None,
 ) -> None:
     """Describe the model, device, CUDA, bitsandbytes and GALI settings, without loading weights.
@@ -458,7 +466,7 @@ def info(
     """
     from .runs.info import show_info
 
-    show_info(choice, json_output, check)
+    show_info(choice, json_output, check, verbose)
 
 
 def _version(value: bool) -> None:

@@ -135,11 +135,17 @@ class Conversation:
             self.cache = stored[0] if stored else new_cache(model)
         start, recorded = len(self.cached_ids), False
         spans = prefill_spans(model, self.method, start, len(ids), [self.document_tokens])
+        # A document read in this turn is stored as soon as it is read (no forward ended before it, but where GALI's
+        # chunks end), before the answer: Ctrl-C during the answer keeps the read.
+        store = start == 0 and not self.from_store
+        document = prompt.ids[: self.document_tokens]
         try:
             for event in stream_generate(model, tokenizer, ids, sampler, max_new_tokens,
-                                         stop_token_ids(model, tokenizer), spans, progress, self.cache):
+                                         stop_token_ids(model, tokenizer), spans, progress, self.cache,
+                                         after_prefill=(lambda cache: self.states.save(
+                                             document, [], resolved, cache, self.document_name)) if store else None):
                 if isinstance(event, Finished):  # before yielding it: a consumer may stop at the last event
-                    self._record(instruction, prompt, prefix + list(event.answer_ids), start)
+                    self._record(instruction, prompt, prefix + list(event.answer_ids))
                     recorded = True
                 yield event
         finally:
@@ -155,10 +161,8 @@ class Conversation:
             return
         truncate_cache(self.cache, kept)
 
-    def _record(self, instruction: str, prompt: Prompt, answer: list[int], start: int) -> None:
-        """The turn joins the conversation; a document read in this turn is stored for later runs."""
+    def _record(self, instruction: str, prompt: Prompt, answer: list[int]) -> None:
+        """The turn joins the conversation."""
         self.questions.append(instruction)
         self.answers.append(answer)
         self.cached_ids = (prompt.ids + answer)[: self.cache.get_seq_length()]
-        if not self.from_store and start == 0:  # no forward ended before it, but where GALI's chunks end
-            self.states.save(prompt.ids[: self.document_tokens], [], self.resolved, self.cache, self.document_name)

@@ -7,8 +7,10 @@ second, by moving the cursor to their start and erasing them (`\r ESC[2K`), and 
 that erases the line the answer is being written on.
 """
 
+import io
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import datetime
@@ -24,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .errors import ConfigError, GaliError
+from .estimate import duration
 from .printable import json_text, printable
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
@@ -144,17 +147,24 @@ def print_facts(facts: dict, json_output: bool) -> None:
             value = "; ".join(f"{gpu['name']} ({gpu['memory_gib']} GiB)" for gpu in value) or "no GPU"
         elif isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif key == "attention_routes":  # gali info -v: a route a line
+            value = (";\n" + " " * width).join(value.split("; "))
         lines.append(f"{key:<{width}}{value}\n")
     _print("".join(lines))
 
 
 def print_check(check) -> None:
-    """One line of `gali info --check` on stdout: the verdict, what was compared, the gap and each path's time."""
-    timings = ", ".join(f"{path} {seconds * 1000:.1f} ms" for path, seconds in check.seconds.items())
+    """A check of `gali info --check` on stdout: the verdict, what was compared, the gap and each path's time; on one
+    line where it fits the width (the terminal's; into a pipe, COLUMNS, else 80), else wrapped at it, the lines after
+    the first indented."""
+    whole = "\xa0"  # a space the wrapping keeps: "max error 1e-06 (tolerance 0.0001)" and "gali 2.1 ms" stay whole
+    timings = ", ".join(f"{path}{whole}{seconds * 1000:.1f}{whole}ms" for path, seconds in check.seconds.items())
     verdict = "ok  " if check.ok else "FAIL"
-    sys.stdout.write(f"{verdict} {check.name}: max error {check.error:.2g} (tolerance {check.tolerance:.2g})"
-                     f"{'; ' + timings if timings else ''}\n")
-    sys.stdout.flush()
+    gap = f"max error {check.error:.2g} (tolerance {check.tolerance:.2g})".replace(" ", whole)
+    text = f"{verdict} {check.name}: {gap}{'; ' + timings if timings else ''}"
+    lines = textwrap.wrap(text, max(40, _stdout_console().width), subsequent_indent="     ", break_long_words=False,
+                          break_on_hyphens=False)
+    _print("".join(line.replace(whole, " ") + "\n" for line in lines))
 
 
 class Bar:
@@ -168,14 +178,18 @@ class Bar:
     def __call__(self, done: int, total: int) -> None:
         self.progress.update(self.task, completed=done, total=total, visible=True)
 
-    def with_figure(self, name: str) -> Callable[[int, int, float], None]:
-        """A (done, total, figure) callback that also shows a running figure, e.g. the perplexity so far."""
+    def with_figure(self, name: str, left: Callable[[int, int], float | None] | None = None
+                    ) -> Callable[[int, int, float], None]:
+        """A (done, total, figure) callback that also shows a running figure, e.g. the perplexity so far, and, with
+        `left`, the seconds the whole job still needs (from this bar's done and total; None: not known yet)."""
 
         def update(done: int, total: int, figure: float) -> None:
             self(done, total)
-            self.progress.update(self.task, description=f"{self.label} ({name} {figure:.3f})")
+            seconds = left(done, total) if left else None
+            remaining = f"; {time_left(seconds)}" if seconds is not None else ""
+            self.progress.update(self.task, description=f"{self.label} ({name} {figure:.3f}{remaining})")
             if not err.is_terminal and (done >= self.next_line * total or done == total):
-                say(f"{self.label}: {done}/{total} tokens, {name} {figure:.3f}")
+                say(f"{self.label}: {done}/{total} tokens, {name} {figure:.3f}{remaining}")
                 self.next_line = done / total + 1 / 8
 
         return update
@@ -186,6 +200,16 @@ class Bar:
     def stop(self) -> None:
         """Take the bar off the screen now (the work it follows is done); later calls count unseen."""
         self.progress.stop()
+
+
+def elapsed(seconds: float) -> str:
+    """Time a part of a job took: 4.2 s, or in minutes and more past a minute and a half."""
+    return f"{seconds:.1f} s" if seconds < 90 else duration(seconds)
+
+
+def time_left(seconds: float) -> str:
+    """An estimate of the time a job still needs, in words: "about 3.5 minutes left"."""
+    return f"about {duration(seconds)} left" if seconds >= 1 else "almost done"
 
 
 @contextmanager
@@ -199,18 +223,35 @@ def progress_bar(label: str) -> Iterator[Bar]:
         yield Bar(progress, label)
 
 
+def method_label(method: str, window: int | None = None) -> str:
+    """A method as tables and plots name it: with its own `window` where it reads past --train-len, e.g. "original
+    (8k window)" (the original model is never narrowed by --train-len)."""
+    if not window:
+        return method
+    size = _count(window)
+    return f"{method} ({size}{'' if size.endswith('k') else '-token'} window)"
+
+
+def _labels(rows: list[dict]) -> dict[str, str]:
+    """Each method of `rows`, in their order, with its label (method_label, from a row's "window")."""
+    labels: dict[str, str] = {}
+    for row in rows:
+        labels.setdefault(row["method"], method_label(row["method"], row.get("window")))
+    return labels
+
+
 def ppl_table(rows: list[dict]) -> Table:
     """Methods down, lengths across, the best (lowest) perplexity of each length in bold, as the paper's Table 3
     ("-" where a method has no figure, e.g. no document of a batch reached that length)."""
     lengths = sorted({row["length"] for row in rows})
-    methods = list(dict.fromkeys(row["method"] for row in rows))
+    labels = _labels(rows)
     value = {(row["method"], row["length"]): row["ppl"] for row in rows}
     best = {length: min(ppl for (_, n), ppl in value.items() if n == length) for length in lengths}
     table = Table("method", *(str(length) for length in lengths))
-    for method in methods:
+    for method, label in labels.items():
         cells = ["-" if (method, n) not in value else f"[bold]{value[(method, n)]:.3f}[/]"
                  if value[(method, n)] == best[n] else f"{value[(method, n)]:.3f}" for n in lengths]
-        table.add_row(method, *cells)
+        table.add_row(escape(label), *cells)
     return table
 
 
@@ -233,7 +274,7 @@ def eval_table(rows: list[dict]) -> Table:
                     score["mean", length, method] = round(sum(found) / len(found), 2)
             lines.append(("mean", length))
     paper = {(row["task"], row["length"], row["method"]): row["paper"] for row in rows if "paper" in row}
-    table = Table("task", "length", *methods,
+    table = Table("task", "length", *map(escape, _labels(rows).values()),
                   caption="(in brackets: the GALI paper's score for this model)" if paper else None)
     for task, length in lines:
         values = [score.get((task, length, method)) for method in methods]
@@ -296,8 +337,10 @@ def print_model_entries(entries: list, directory) -> None:
 
 def _print_whole(columns: tuple[str, ...], rows: list[tuple[str, ...]], right: set[str],
                  paragraph: Callable[..., str]) -> None:
-    """Rows on stdout with their first column (a name) never cut: a table where it fits (into a pipe or a file, as
-    wide as it needs), else one row a paragraph, the name on a line of its own that the terminal wraps."""
+    """Rows on stdout with their first column (a name) never cut: a table where it fits the width (the terminal's;
+    into a pipe or a file, COLUMNS, else 80), else one row a paragraph, the name on a line of its own (which the
+    terminal wraps; into a pipe, whole) and the rest below it, indented (into a pipe, wrapped at the width). Into a
+    pipe no line ends in spaces."""
     if not rows:
         return
     console, table = _stdout_console(), Table(box=box.SIMPLE_HEAD)
@@ -306,14 +349,37 @@ def _print_whole(columns: tuple[str, ...], rows: list[tuple[str, ...]], right: s
     for row in rows:
         table.add_row(*map(escape, row))
     width = console.measure(table, options=console.options.update_width(2**16)).maximum
-    if not console.is_terminal:
-        Console(highlight=False, width=max(console.width, width)).print(table)
-    elif width <= console.width:
-        console.print(table)
-    else:
+    if console.is_terminal:
+        if width <= console.width:
+            console.print(table)
+            return
         for name, *rest in rows:
             console.print(name, markup=False, soft_wrap=True)
             console.print(f"  {paragraph(*rest)}", markup=False, soft_wrap=True, style="dim")
+        return
+    if width <= console.width:
+        plain = Console(file=io.StringIO(), width=console.width, highlight=False, color_system=None)
+        plain.print(table)
+        lines = [line.rstrip() for line in plain.file.getvalue().splitlines()]
+        while lines and not lines[0]:  # the box's empty top edge
+            lines.pop(0)
+    else:
+        lines = [line for name, *rest in rows for line in (name, *_wrap_parts(paragraph(*rest), console.width))]
+    _print("".join(line.rstrip() + "\n" for line in lines))
+
+
+def _wrap_parts(text: str, width: int) -> list[str]:
+    """`text`, a list of parts joined by ", ", on lines of at most `width` characters where the parts allow (a part
+    is never split: "last used 2026-11-28 10:55" stays whole), the first indented by two spaces, the rest by four."""
+    lines: list[str] = []
+    for part in text.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += ", " + part
+        else:
+            if lines:
+                lines[-1] += ","
+            lines.append(("    " if lines else "  ") + part)
+    return lines
 
 
 def _count(tokens: float) -> str:
@@ -362,38 +428,69 @@ def check_plotting(path: str) -> None:
         raise ConfigError(f"--plot {path}: {problem}")
 
 
+# One colour and one marker a line, none repeated among the first 13; past them the dash pattern changes too, so
+# that no two lines share colour, marker and dashes. Colours: matplotlib's tab10, then black, navy and goldenrod.
+LINE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+                "#17becf", "#000000", "#000080", "#b8860b")
+LINE_MARKERS = ("o", "s", "D", "^", "v", "P", "*", "X", "h", "p", "<", ">", "d")
+LINE_STYLES = ("-", "--", "-.", ":")
+PLOT_DPI = 150
+
+
+def line_style(index: int) -> dict:
+    """The colour, marker and dashes of a plot's `index`th line: distinct from every other line's, together."""
+    turn = index // len(LINE_COLOURS)
+    return {"color": LINE_COLOURS[index % len(LINE_COLOURS)],
+            "marker": LINE_MARKERS[(index + turn) % len(LINE_MARKERS)],
+            "linestyle": LINE_STYLES[turn % len(LINE_STYLES)]}
+
+
+def plot_title(subject: str, model: str, train_len: int | None, model_window: int) -> str:
+    """A plot's title: what was measured, the model, and the window the methods kept to (--train-len, or the
+    model's own)."""
+    window = (f"--train-len {_count(train_len)}" if train_len is not None and train_len != model_window
+              else f"train_len {_count(model_window)} (the model's)")
+    return f"{subject}\n{short_path(model)}, {window}"
+
+
 def plot_ppl(rows: list[dict], path: str, title: str, window: int) -> None:
-    """Perplexity against length, one line per method, saved as an image at `path`: lengths in tokens (2k, 8k), the
-    training `window` marked, the legend beside the axes, and the y axis bounded so that one method's divergence (the
-    original model past its window, in the thousands) does not flatten the others into the floor; points above the
-    bound are drawn on the top edge as open triangles, with their values."""
+    """Perplexity against length, one line per method (each its own colour and marker: line_style), saved as an
+    image at `path` at PLOT_DPI: lengths in tokens (2k, 8k), the training `window` marked, the legend beside the axes,
+    and the y axis fitted to the data with a small margin. One method's divergence (the original model past its
+    window, in the thousands, or an infinite perplexity) must not flatten the others into the floor: points above 4x
+    the best at their length are drawn on the top edge as open triangles with their values, and the legend says
+    so."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
-    values = [row["ppl"] for row in rows]
+    finite = [row["ppl"] for row in rows if math.isfinite(row["ppl"]) and row["ppl"] > 0] or [1.0]
     best = {}
     for row in rows:
-        best[row["length"]] = min(best.get(row["length"], float("inf")), row["ppl"])
-    low = min(values) / 1.15
-    high = min(max(values) * 1.15, max(best.values()) * 4)  # a spread of 4x above the best at any length shows
-    lengths = sorted(best)
-    markers = "osD^vP*Xhp<>"
-    figure, axes = plt.subplots(figsize=(8, 4.5))
-    clipped = False
-    for index, method in enumerate(dict.fromkeys(row["method"] for row in rows)):
+        if math.isfinite(row["ppl"]):
+            best[row["length"]] = min(best.get(row["length"], math.inf), row["ppl"])
+    high = min(max(finite), max(best.values(), default=max(finite)) * 4)  # a spread of 4x above the best shows
+    low = min(finite)
+    clipped = any(not row["ppl"] <= high for row in rows)  # above the bound, infinite or not a number
+    span = math.log(high / low) if high > low else math.log(1.1)
+    margin = max(0.04 * span, math.log(1.02))
+    lengths = sorted({row["length"] for row in rows})
+    figure, axes = plt.subplots(figsize=(9, 5), dpi=PLOT_DPI)
+    for index, (method, label) in enumerate(_labels(rows).items()):
         points = sorted((row["length"], row["ppl"]) for row in rows if row["method"] == method)
         xs, ys = zip(*points)
-        line, = axes.plot(xs, [min(y, high) for y in ys], marker=markers[index % len(markers)], markersize=5,
-                          linewidth=1.5, label=method, linestyle="-" if index < 10 else "--")
+        style = line_style(index)
+        axes.plot(xs, [y if y <= high else high for y in ys], markersize=5, linewidth=1.5, label=label, **style)
         for x, y in points:
-            if y > high:
-                axes.plot([x], [high], marker="^", markersize=9, markerfacecolor="white", color=line.get_color())
-                axes.annotate(f"{y:.3g}" if y < 1000 else f"{y:,.0f}", (x, high), textcoords="offset points",
-                              xytext=(0, 7), ha="center", fontsize=7, color=line.get_color())
-                clipped = True
+            if not y <= high:
+                axes.plot([x], [high], marker="^", markersize=9, markerfacecolor="white", color=style["color"])
+                value = f"{y:.3g}" if y < 1000 else f"{y:,.0f}" if math.isfinite(y) else str(y)
+                axes.annotate(value, (x, high), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7,
+                              color=style["color"])
     axes.axvline(window, color="0.4", linestyle=":", linewidth=1.2)
     axes.annotate(f"training window ({_count(window)})", (window, 0), xycoords=("data", "axes fraction"),
                   xytext=(4, 5), textcoords="offset points", fontsize=8, color="0.3")
@@ -402,7 +499,7 @@ def plot_ppl(rows: list[dict], path: str, title: str, window: int) -> None:
                   label="above the scale\n(value shown)")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
-    axes.set_ylim(low, high * 1.3)
+    axes.set_ylim(low * math.exp(-margin), high * math.exp(margin + (0.12 * span + math.log(1.1) if clipped else 0)))
     axes.set_xlim(min([*lengths, window]) / 1.2, max([*lengths, window]) * 1.2)
     axes.xaxis.set_major_locator(FixedLocator(lengths))
     axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _count(x)))
@@ -413,8 +510,15 @@ def plot_ppl(rows: list[dict], path: str, title: str, window: int) -> None:
     axes.set(xlabel="tokens evaluated (log scale)", ylabel="perplexity (log scale)", title=title)
     axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, frameon=False, fontsize=9)
     figure.tight_layout()
+    _save(figure, path)
+
+
+def _save(figure, path: str) -> None:
+    """Write `figure` to `path` at PLOT_DPI, and let it go."""
+    import matplotlib.pyplot as plt
+
     try:
-        figure.savefig(path)
+        figure.savefig(path, dpi=PLOT_DPI)
     except (OSError, RuntimeError, ValueError) as error:  # e.g. the disk filled up, or Pillow lacks a codec
         raise ConfigError(f"--plot {path}: {getattr(error, 'strerror', None) or error}") from error
     finally:
@@ -430,22 +534,17 @@ def plot_eval(rows: list[dict], path: str, title: str, window: int) -> None:
     import matplotlib.pyplot as plt
 
     tasks = list(dict.fromkeys(row["task"] for row in rows))
-    figure, panels = plt.subplots(1, len(tasks), figsize=(4 * len(tasks) + 2, 3.5), squeeze=False)
+    figure, panels = plt.subplots(1, len(tasks), figsize=(4 * len(tasks) + 2, 3.5), squeeze=False, dpi=PLOT_DPI)
     for axes, task in zip(panels[0], tasks):
-        for method in dict.fromkeys(row["method"] for row in rows):
+        for index, (method, label) in enumerate(_labels(rows).items()):
             points = sorted((row["length"], row["score"]) for row in rows
                             if row["task"] == task and row["method"] == method and row["length"])
             if points:
-                axes.plot(*zip(*points), marker="o", markersize=4, label=method)
+                axes.plot(*zip(*points), markersize=4, label=label, **line_style(index))
         axes.axvline(window, color="0.4", linestyle=":", linewidth=1.2)
         axes.set_xscale("log", base=2)
         axes.set(title=task, xlabel="tokens (log scale)", ylabel="score", ylim=(-3, 103))
     panels[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False, fontsize=9)
     figure.suptitle(title)
     figure.tight_layout()
-    try:
-        figure.savefig(path)
-    except (OSError, RuntimeError, ValueError) as error:
-        raise ConfigError(f"--plot {path}: {getattr(error, 'strerror', None) or error}") from error
-    finally:
-        plt.close(figure)
+    _save(figure, path)

@@ -8,6 +8,7 @@ replaced bytes, PDF pages without text) come back as warnings on the `Document`.
 import errno
 import io
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ def read_document(
     progress: Callable[[int, int], None] | None = None,
     stdin: BinaryIO | None = None,
     max_bytes: int = MAX_INPUT_BYTES,
+    allow_partial: bool = False,
 ) -> Document:
     """Read a file path, or standard input for "-"; PDFs are recognised by their first bytes, not their name.
 
@@ -55,6 +57,7 @@ def read_document(
         password: for encrypted PDFs.
         progress: called with (pages read, pages in all) while a PDF is read.
         max_bytes: a larger input is refused (InputError) once this much has been read.
+        allow_partial: read a PDF with text on fewer than MIN_TEXT_SHARE of its pages (else an InputError).
     """
     name = "<stdin>" if source == STDIN else source
     if source == STDIN:
@@ -64,7 +67,7 @@ def read_document(
     if not data.strip():
         raise InputError(f"{name} is empty")
     if data.lstrip()[:5] == b"%PDF-":
-        return _read_pdf(data, name, password, progress)
+        return _read_pdf(data, name, password, progress, allow_partial)
     text, warnings = _decode(data, name)
     if not text.strip():
         raise InputError(f"{name} has no text")
@@ -191,8 +194,12 @@ def _legacy_decode(data: bytes) -> tuple[str, str] | None:
     return (western, "cp1252") if western is not None else None
 
 
+MIN_TEXT_SHARE = 0.5  # of a PDF's pages: with text on fewer, most of the document would be missing from the answer
+
+
 def _read_pdf(
-    data: bytes, name: str, password: str | None, progress: Callable[[int, int], None] | None
+    data: bytes, name: str, password: str | None, progress: Callable[[int, int], None] | None,
+    allow_partial: bool = False,
 ) -> Document:
     try:
         reader = PdfReader(io.BytesIO(data))
@@ -208,7 +215,7 @@ def _read_pdf(
         raise InputError(f"{name} needs a decryption library: pip install 'pypdf[crypto]' ({error})") from error
     except (PyPdfError, ValueError, KeyError, TypeError) as error:
         raise InputError(f"{name} is not a readable PDF ({error})") from error
-    texts, empty, broken = [], [], []
+    texts, empty, broken, causes = [], [], [], set()
     for number in range(1, total + 1):
         try:
             text = pages[number - 1].extract_text() or ""
@@ -219,18 +226,51 @@ def _read_pdf(
             texts.append(text)
         elif number not in broken:
             empty.append(number)
+            causes.add(_why_no_text(pages[number - 1]))
         if progress:
             progress(number, total)
+    cause = _causes_words(causes)
     if not texts:
-        raise InputError(
-            f"{name} has no extractable text (is it scanned images?): run OCR on it first, e.g. ocrmypdf"
-        )
+        raise InputError(f"{name} has no extractable text ({cause}): run OCR on it first, e.g. ocrmypdf")
+    if len(texts) < MIN_TEXT_SHARE * total and not allow_partial:
+        raise InputError(f"{name}: text on only {len(texts)} of {total} pages ({cause} on the others): run OCR on it "
+                         f"first, e.g. ocrmypdf, or give --allow-partial to read the {len(texts)} pages with text")
     warnings = []
     if empty:
-        warnings.append(f"{name}: no text on page{'s' if len(empty) > 1 else ''} {_page_list(empty)} (images?)")
+        warnings.append(f"{name}: read text from {len(texts)} of {total} pages; none on page"
+                        f"{'s' if len(empty) > 1 else ''} {_page_list(empty)} ({cause})")
     if broken:
         warnings.append(f"{name}: could not read page{'s' if len(broken) > 1 else ''} {_page_list(broken)}")
     return Document(text="\n\n".join(texts), name=name, kind="pdf", pages=total, warnings=tuple(warnings))
+
+
+def _why_no_text(page) -> str:
+    """Why a page gave no text: "fonts" (it draws text, with fonts whose glyphs map to no characters: no ToUnicode
+    map), "images" (it draws images and no text: a scan), or "" (neither: a blank page, or not known). Resources are
+    often shared between pages, so what the page's drawing does decides, not what its resources hold."""
+    try:
+        resources = page.get("/Resources")
+        resources = resources.get_object() if resources is not None else {}
+        contents = page.get_contents()
+        drawing = contents.get_data() if contents is not None else b""
+        fonts = resources.get("/Font")
+        if fonts is not None and len(fonts.get_object()) and re.search(rb"(^|\s)BT(\s|$)", drawing):
+            return "fonts"
+        objects = resources.get("/XObject")
+        objects = objects.get_object() if objects is not None else {}
+        if any(item.get_object().get("/Subtype") == "/Image" for item in objects.values()):
+            return "images"
+    except Exception:  # a damaged page: the cause is not known
+        pass
+    return ""
+
+
+def _causes_words(causes: set[str]) -> str:
+    """The reasons pages gave no text, in words."""
+    words = {"fonts": "fonts without a text map", "images": "scanned images", "": "blank pages"}
+    if causes <= {""}:
+        return "blank pages"
+    return " and ".join(words[cause] for cause in ("fonts", "images") if cause in causes)
 
 
 def _page_list(numbers: list[int]) -> str:

@@ -90,6 +90,56 @@ class PrefillClock:
         return scale * self.per_token, scale * self.per_pair, False
 
 
+class JobClock:
+    """A long job's overall progress: how many of its parts are done, and the seconds the rest should take.
+
+    Each part has a size (its tokens) and a kind (e.g. a method at a length). A part still to run is projected to
+    take what the finished parts of its kind took on average; a part of a kind not seen yet, the seconds per token
+    of all the finished parts times its size. The part under way counts with the share of it done (`within`).
+    """
+
+    def __init__(self, parts: list[tuple[object, float]]) -> None:
+        self.parts = parts
+        self.done = 0  # parts finished, in order
+        self.started = self._part_started = time.perf_counter()
+        self._seconds: dict[object, list[float]] = {}  # seconds of each finished part, by kind
+        self._sizes = 0.0  # size of the finished parts
+
+    @property
+    def total(self) -> int:
+        return len(self.parts)
+
+    def finish(self) -> float:
+        """The part under way is done; returns the seconds it took."""
+        now = time.perf_counter()
+        seconds, (kind, size) = now - self._part_started, self.parts[self.done]
+        self._seconds.setdefault(kind, []).append(seconds)
+        self._sizes += size
+        self.done += 1
+        self._part_started = now
+        return seconds
+
+    def seconds_left(self, within: float = 0.0) -> float | None:
+        """The expected seconds until every part is done (`within`: the share of the part under way done so far);
+        None before there is anything to project from."""
+        if self.done >= len(self.parts):
+            return 0.0
+        now_part = time.perf_counter() - self._part_started
+        if self._sizes > 0:
+            per_size = sum(map(sum, self._seconds.values())) / self._sizes
+        elif within > 0 and self.parts[self.done][1] > 0:  # nothing finished yet: the part under way's own pace
+            per_size = now_part / within / self.parts[self.done][1]
+        else:
+            return None
+        left = 0.0
+        for index in range(self.done, len(self.parts)):
+            kind, size = self.parts[index]
+            seen = self._seconds.get(kind)
+            expected = sum(seen) / len(seen) if seen else per_size * size
+            left += max(expected - now_part, expected * (1 - within)) if index == self.done else expected
+        return left
+
+
 def duration(seconds: float) -> str:
     """37 -> "37 seconds", 5000 -> "83 minutes", 3e6 -> "35 days": as precise as an estimate can be."""
     for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):

@@ -8,6 +8,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -113,15 +114,45 @@ def prefill(
 ) -> torch.Tensor:
     """Run the prompt `ids` (1, n) through the model span by span; returns the last position's logits (vocab,).
 
-    `progress` hears (0, tokens) before the first forward, then (tokens done, tokens) after each."""
+    `progress` hears (0, tokens) before the first forward, then (tokens done, tokens) after each. When it also has
+    a `within` callback (a bar), that hears the same during a long forward, after each decoder layer, the tokens
+    counted in proportion to the layers done: a bar moves steadily through a forward of thousands of tokens, while
+    `progress` itself (which may time the forwards: estimate.PrefillClock) still hears only whole forwards."""
     logits, given = None, with_cache(model, cache)
+    total = spans[-1][1] - spans[0][0]
+    within = getattr(progress, "within", None)
     if progress:
-        progress(0, spans[-1][1] - spans[0][0])
+        progress(0, total)
     for first, last in spans:
-        logits = model(input_ids=ids[:, first:last], **given, use_cache=True, logits_to_keep=1).logits
+        watched = within if last - first >= WATCHED_FORWARD else None
+        with _each_layer(model, watched, first - spans[0][0], last - first, total):
+            logits = model(input_ids=ids[:, first:last], **given, use_cache=True, logits_to_keep=1).logits
         if progress:
-            progress(last - spans[0][0], spans[-1][1] - spans[0][0])
+            progress(last - spans[0][0], total)
     return logits[0, -1].float()
+
+
+WATCHED_FORWARD = 256  # tokens: a forward this long reports its layers to a bar (a shorter one is over at once)
+
+
+@contextmanager
+def _each_layer(model: PreTrainedModel, report: Progress | None, done: int, tokens: int, total: int
+                ) -> Iterator[None]:
+    """`report(done + the share of `tokens` that the decoder layers done stand for, total)` after each layer of the
+    model's forward in the block: a Python call per layer of a forward of hundreds of tokens or more, nothing beside
+    its matrix products. On a GPU the layers are reported as they are queued, ahead of their kernels."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if report is None or not layers:
+        yield
+        return
+    handles = [layer.register_forward_hook(
+        lambda *_, index=index: report(done + tokens * (index + 1) // len(layers), total))
+        for index, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @dataclass
@@ -213,12 +244,16 @@ def stream_generate(
     spans: list[tuple[int, int]],
     progress: Progress | None = None,
     cache: DynamicCache | None = None,
+    after_prefill: Callable[[DynamicCache], None] | None = None,
 ) -> Iterator[TextPiece | Finished]:
     """Prefill `prompt_ids` along `spans`, then decode; yields the answer piece by piece, then `Finished`. An
     answer caught in a loop (RepetitionGuard) ends there, with the reason "repetition".
 
     A `cache` that already holds the prompt's first tokens (a document read before) is continued: `spans` then
     start where it ends. Either way the cache holds the prompt and the answer afterwards, for the next turn.
+    `after_prefill(cache)` runs once the prompt is read, before the first token is decoded (the conversation stores
+    the document's state there: an answer stopped by Ctrl-C does not lose the read); its time counts in neither
+    rate.
     """
     device = model.get_input_embeddings().weight.device
     ids = torch.tensor([prompt_ids], device=device)
@@ -232,6 +267,9 @@ def stream_generate(
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # kernels run asynchronously: wait for them before reading the clock
     prefilled = time.perf_counter()
+    if after_prefill:
+        after_prefill(cache)
+    decoding = time.perf_counter()
     detokenizer = _Detokenizer(tokenizer)
     generated, answer, reason, guard = 0, [], "length", RepetitionGuard()
     path = DecodePath()
@@ -255,7 +293,7 @@ def stream_generate(
         prefilled_tokens=spans[-1][1] - spans[0][0],
         generated_tokens=generated,
         prefill_seconds=prefilled - started,
-        decode_seconds=time.perf_counter() - prefilled,
+        decode_seconds=time.perf_counter() - decoding,
         peak_memory_bytes=peak_memory_bytes(device),
         answer_ids=tuple(answer),
         decode_path=path.description,

@@ -161,6 +161,9 @@ Files = Annotated[list[str], typer.Argument(metavar="DOCS", show_default=False,
 Out = Annotated[str | None, typer.Option(metavar="FILE", help="Batch mode: append one JSON line per document here; "
                                                               "a rerun skips the documents already done.")]
 Password = Annotated[str | None, typer.Option(metavar="TEXT", help="Password of an encrypted PDF.")]
+AllowPartial = Annotated[bool, typer.Option("--allow-partial", metavar="", help="Read a PDF even when fewer than half "
+                                            "its pages have text (the rest: scanned images, or fonts without a text "
+                                            "map); it is refused otherwise.")]
 
 
 def _size(value: str | int) -> int:

@@ -69,7 +69,34 @@ def test_the_input_line_names_the_window_the_method_stays_within(gali, doc):
     tokens = int(narrowed.stderr.split(" tokens, ")[0].split()[-1])
     assert f"{tokens / 16:.1f}x the 16-token window of --train-len (the model's: 32) (gali)" in narrowed.stderr
     original = gali("summarize", str(doc), "--max-new-tokens", "2", "--train-len", "16", "--method", "original")
-    assert f"{tokens / 32:.1f}x the model's 32-token window (original)" in original.stderr
+    assert (f"{tokens / 32:.1f}x the model's 32-token window (original, unrestricted: --train-len 16 does not "
+            "apply to it)") in original.stderr
+
+
+def test_original_under_a_lowered_train_len_is_labelled_with_its_own_window(gali, doc, tmp_path):
+    """--train-len narrows every method but the original model, which reads with its own window (the tiny model's:
+    32): the input line, the table, --json and the plot say so."""
+    args = ("ppl", str(doc), "--method", "gali,original", "--lengths", "16,64", "--train-len", "16")
+    table = gali(*args)
+    assert table.exit_code == 0, table.stderr
+    assert "original (32-token window)" in table.stdout and "gali (" not in table.stdout
+    assert "(original, unrestricted: --train-len 16 does not apply to it)" in table.stderr
+    rows = json.loads(gali(*args, "--json").stdout)["results"]
+    assert {(row["method"], row.get("window")) for row in rows} == {("gali", None), ("original", 32)}
+    plain = gali("ppl", str(doc), "--method", "gali,original", "--lengths", "16,64")  # no --train-len: no label
+    assert "original" in plain.stdout and "window" not in plain.stdout
+
+
+def test_several_methods_show_how_many_are_done_and_the_time_left(gali, doc):
+    """gali ppl --method a,b,c: each method's bar and its closing line say k/N, and the rest's time left."""
+    result = gali("ppl", str(doc), "--method", "gali,original,ntk", "--lengths", "16,64")
+    assert result.exit_code == 0, result.stderr
+    done = [line for line in result.stderr.splitlines() if "done in" in line]
+    assert [line.split(":")[0] for line in done] == ["[1/3] gali", "[2/3] original", "[3/3] ntk"]
+    assert "2 more, " in done[0] and ("left" in done[0] or "almost done" in done[0]) and "more" not in done[2]
+    assert "[2/3] original: 64/64 tokens, ppl" in result.stderr  # the bar's lines where stderr is no terminal
+    single = gali("ppl", str(doc), "--lengths", "16,64")
+    assert "done in" not in single.stderr and "[1/1]" not in single.stderr
 
 
 def test_ask_streams_the_same_answer_as_no_stream(gali, doc):
@@ -213,12 +240,15 @@ def test_info(gali, tiny_model_dir):
     assert facts["train_len"] == 32 and facts["architecture"] == "LlamaForCausalLM"
     assert facts["gali"]["chunk_size"] == 6 and facts["gali"]["local_window"] == 16
     assert facts["device"] in ("cpu", "cuda") and "bitsandbytes" in facts["bitsandbytes"]
+    assert "noisy_attention" not in facts  # noise is off: its path is no fact of this run (-v shows it)
+    facts = json.loads(gali("info", "--json", "-v").stdout)
     if facts["device"] == "cpu":
         assert facts["noisy_attention"].startswith(("native CPU kernel (built with", "PyTorch ("))
-    forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "torch"}).stdout)
+    forced = json.loads(gali("info", "--json", "--noise", env={"GALI_KERNEL": "torch"}).stdout)
     assert forced["noisy_attention"] == "PyTorch (GALI_KERNEL=torch)"
     if facts["device"] == "cpu":
-        forced = json.loads(gali("info", "--json", env={"GALI_KERNEL": "triton", "TRITON_INTERPRET": "0"}).stdout)
+        forced = json.loads(gali("info", "--json", "--noise",
+                                 env={"GALI_KERNEL": "triton", "TRITON_INTERPRET": "0"}).stdout)
         assert forced["noisy_attention"] in ("error: GALI_KERNEL=triton needs CUDA",
                                              "PyTorch (triton is not installed)")
     previews = json.loads(gali("info", "--json", "--method", "all", "--leaky-factor", "4").stdout)
@@ -236,12 +266,23 @@ def test_standard_input_and_pdfs(gali, tmp_path):
     assert gali("summarize", "-", "--max-new-tokens", "4", input=DOCUMENT).exit_code == 0
     pdf = make_pdf(tmp_path / "lease.pdf", [DOCUMENT[:300], None, DOCUMENT[300:600]])
     result = gali("ask", str(pdf), "When?", "--max-new-tokens", "4", "--json")
-    assert result.exit_code == 0 and "no text on page 2" in result.stderr
+    assert result.exit_code == 0 and "read text from 2 of 3 pages; none on page 2 (scanned images)" in result.stderr
     assert json.loads(result.stdout)["document"]["pages"] == 3
     locked = make_pdf(tmp_path / "locked.pdf", [DOCUMENT[:300]], password="pw")
     refused = gali("summarize", str(locked))
     assert refused.exit_code == 3 and "--password" in refused.stderr and refused.stdout == ""
     assert gali("summarize", str(locked), "--password", "pw", "--max-new-tokens", "4").exit_code == 0
+
+
+def test_a_pdf_mostly_without_text_exits_3_unless_partial_reading_is_allowed(gali, tmp_path):
+    path = make_pdf(tmp_path / "scanned.pdf", ["The lease ends in March.", None, None])
+    refused = gali("summarize", str(path), "--max-new-tokens", "2")
+    assert refused.exit_code == 3 and not refused.stdout
+    assert "text on only 1 of 3 pages (scanned images on the others)" in refused.stderr
+    assert "--allow-partial" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    read = gali("summarize", str(path), "--max-new-tokens", "2", "--allow-partial")
+    assert read.exit_code == 0, read.stderr
+    assert "read text from 1 of 3 pages; none on pages 2, 3 (scanned images)" in read.stderr
 
 
 def test_bad_inputs_exit_3_with_one_line(gali, tmp_path):
@@ -318,6 +359,29 @@ def test_interrupt_keeps_what_was_printed(gali, doc, monkeypatch):
     monkeypatch.setattr(conversation, "stream_generate", interrupted)
     result = gali("summarize", str(doc))
     assert result.exit_code == 130 and result.stdout == "The lease ends\n"
+
+
+@pytest.mark.parametrize("command", [["summarize"], ["ask", "When does the lease end?"]])
+def test_ctrl_c_during_the_answer_keeps_the_documents_read(gali, doc, tmp_path, monkeypatch, command):
+    """The document's state is stored once it is read, before the answer: Ctrl-C in the answer does not lose it,
+    and the next question starts from it."""
+    import gali_cli.generate as generate
+
+    real_decode = generate.decode
+
+    def interrupted(*args, **kwargs):
+        yield from []
+        raise KeyboardInterrupt
+
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    monkeypatch.setattr(generate, "decode", interrupted)
+    stopped = gali(command[0], str(doc), *command[1:], env=env)
+    assert stopped.exit_code == 130, stopped.stderr
+    entries = json.loads(gali("cache", "list", "--json", env=env, model=False).stdout)["entries"]
+    assert [entry["document"] for entry in entries] == [str(doc.resolve())]
+    monkeypatch.setattr(generate, "decode", real_decode)
+    again = gali("ask", str(doc), "Who repairs the roof?", "--max-new-tokens", "2", env=env)
+    assert again.exit_code == 0 and "document state from the cache" in again.stderr
 
 
 @pytest.mark.parametrize("stream", [[], ["--no-stream"]], ids=["streamed", "at-the-end"])
@@ -492,6 +556,23 @@ def test_cache_list_names_documents_by_absolute_path_and_never_cuts_them(gali, t
     assert "…" not in narrow and name in narrow.splitlines() and "other.txt" in narrow.splitlines()
 
 
+@pytest.mark.parametrize("columns, width", [("60", 60), (None, 80), ("200", 200)])
+def test_cache_list_into_a_pipe_keeps_to_columns_without_trailing_spaces(gali, doc, tmp_path, columns, width):
+    """`gali cache list | less`: a table where it fits COLUMNS (80 without it), else a paragraph an entry, its details
+    wrapped at that width; only a name (never cut) may be wider, and no line ends in spaces."""
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    assert gali("summarize", str(doc), "--max-new-tokens", "2", env=env).exit_code == 0
+    listed = gali("cache", "list", env={**env, "COLUMNS": columns}, model=False)
+    assert listed.exit_code == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines and all(line == line.rstrip() for line in lines)
+    assert all(len(line) <= width for line in lines if short_path(str(doc)) not in line)
+    table = lines[0].split() == ["document", "model", "method", "tokens", "MiB", "last", "used"]
+    assert table == (width == 200)
+    if not table:
+        assert lines[0] == short_path(str(doc)) and lines[1].startswith("  ") and "tokens" in listed.stdout
+
+
 def test_ctrl_c_in_chat_stops_one_answer(gali, doc, monkeypatch):
     real_ask, calls = conversation.Conversation.ask, []
 
@@ -514,15 +595,22 @@ def test_info_prints_the_attention_plan(gali, monkeypatch, kernel, noise):
     from gali_cli.engine.attention.plan import decide
 
     flags = ["--noise"] if noise else []
-    facts = json.loads(gali("info", "--json", *flags, env={"GALI_KERNEL": kernel}).stdout)
+    facts = json.loads(gali("info", "--json", "-v", *flags, env={"GALI_KERNEL": kernel}).stdout)
     monkeypatch.setenv("GALI_KERNEL", kernel)
     plan = decide(facts["device"], facts["dtype"], forward_only=True, noise=noise)
-    assert facts["attention"] == plan.describe()
+    assert facts["attention"] == plan.summary() and facts["attention_routes"] == plan.describe()
     assert facts["noisy_attention"] == decide(facts["device"], facts["dtype"], True, noise=True).noisy_words()
     if noise:
-        assert f"noisy chunks: {facts['noisy_attention']};" in facts["attention"]
+        assert f"noisy chunks: {facts['noisy_attention']};" in facts["attention_routes"]
+    verbose = gali("info", "-v", *flags, env={"GALI_KERNEL": kernel})
+    assert plan.describe() in " ".join(verbose.stdout.split())  # a route a line
+    routes = verbose.stdout.split("attention_routes", 1)[1].split("\n")[: plan.describe().count("; ") + 1]
+    assert all("; " not in route for route in routes)
     text = gali("info", *flags, env={"GALI_KERNEL": kernel})
-    assert plan.describe() in " ".join(text.stdout.split())  # the plain output too, wrapped or not
+    line, = [line for line in text.stdout.splitlines() if line.startswith("attention")]
+    assert line.split(None, 1)[1] == plan.summary() and len(line) < 100 and "attention_routes" not in text.stdout
+    assert ("noisy_attention" in text.stdout) == noise
+    assert ("no noise" in line) != noise
 
 
 def test_a_mistyped_gali_kernel_fails_before_the_model_loads(gali, doc):
@@ -598,7 +686,7 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 30 of 30 passed" in result.stderr
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 30 of 30 passed in " in result.stderr
     assert len(lines) == 30 and all(line.startswith("ok ") for line in lines)
     assert sum(line.startswith("ok   transformers seam, ") for line in lines[:20]) == 20  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
@@ -612,6 +700,28 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 30
     assert sum(item["seam"] for item in checks) == 20
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
+
+
+def test_a_check_keeps_to_the_width_and_its_figures_whole(monkeypatch, capsys):
+    """gali info --check's lines were 220 characters: a check now wraps at the width (COLUMNS into a pipe), the
+    lines after its first indented, a figure never split from its name."""
+    from types import SimpleNamespace
+
+    from gali_cli import display
+
+    check = SimpleNamespace(ok=True, name="a decoding step's attention, native vs float64: head dim 64, 9/3 heads, "
+                            "float32, 700 keys, noise on, keys rotated by a table per offset, mixed (GALI)",
+                            error=1.5e-7, tolerance=1e-4, seconds={"native": 0.0119, "PyTorch": 0.092})
+    monkeypatch.setenv("COLUMNS", "60")
+    display.print_check(check)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 2 and all(len(line) <= 60 for line in lines)
+    assert lines[0].startswith("ok   a decoding step's") and all(line.startswith("     ") for line in lines[1:])
+    joined = " ".join(line.strip() for line in lines)
+    assert "max error 1.5e-07 (tolerance 0.0001); native 11.9 ms, PyTorch 92.0 ms" in joined
+    monkeypatch.setenv("COLUMNS", "300")
+    display.print_check(check)
+    assert len(capsys.readouterr().out.splitlines()) == 1
 
 
 def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, monkeypatch):

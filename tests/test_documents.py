@@ -77,7 +77,45 @@ def test_pdf_page_by_page_with_progress(tmp_path):
 def test_pdf_pages_without_text_are_reported(tmp_path):
     path = make_pdf(tmp_path / "mixed.pdf", ["Some text.", None, "More text."])
     document = read_document(str(path))
-    assert document.warnings == (f"{path}: no text on page 2 (images?)",)
+    assert document.warnings == (f"{path}: read text from 2 of 3 pages; none on page 2 (scanned images)",)
+
+
+def _without_text_on(path: Path, pages: list[int]) -> Path:
+    """The PDF at `path` with `pages` (0-based) drawing text that gives no characters, in their own font, as a PDF
+    whose fonts have no text map reads."""
+    from pypdf import PdfWriter
+    from pypdf.generic import DecodedStreamObject, NameObject
+
+    writer = PdfWriter(clone_from=str(path))
+    for index in pages:
+        page = writer.pages[index]
+        font = next(iter(page["/Resources"]["/Font"]))
+        drawing = DecodedStreamObject()
+        drawing.set_data(f"BT {font} 12 Tf 72 700 Td () Tj ET".encode())
+        page[NameObject("/Contents")] = writer._add_object(drawing)
+    with open(path, "wb") as file:
+        writer.write(file)
+    return path
+
+
+def test_a_pdf_mostly_without_text_is_refused_unless_partial_reading_is_allowed(tmp_path):
+    """42 of 64 pages without text once gave a confident summary of the rest: fewer than half the pages with text
+    is refused (exit 3 on the command line), saying how many were read and why the others were not."""
+    scanned = make_pdf(tmp_path / "scanned.pdf", ["A lease.", None, None, None])
+    with pytest.raises(InputError, match=r"text on only 1 of 4 pages \(scanned images on the others\).*"
+                                         r"ocrmypdf, or give --allow-partial to read the 1 pages with text"):
+        read_document(str(scanned))
+    partial = read_document(str(scanned), allow_partial=True)
+    assert partial.text.strip() == "A lease." and partial.warnings == (
+        f"{scanned}: read text from 1 of 4 pages; none on pages 2, 3, 4 (scanned images)",)
+    unmapped = _without_text_on(make_pdf(tmp_path / "fonts.pdf", ["One.", "Two.", "Three.", None]), [1, 2])
+    with pytest.raises(InputError, match=r"text on only 1 of 4 pages \(fonts without a text map and scanned images"):
+        read_document(str(unmapped))
+    half = make_pdf(tmp_path / "half.pdf", ["One.", None, "Three.", None])
+    assert read_document(str(half)).warnings == (f"{half}: read text from 2 of 4 pages; none on pages 2, 4 "
+                                                 "(scanned images)",)
+    with pytest.raises(InputError, match=r"no extractable text \(scanned images\): run OCR"):
+        read_document(str(make_pdf(tmp_path / "images.pdf", [None, None])), allow_partial=True)
 
 
 def test_encrypted_pdf(tmp_path):

@@ -82,3 +82,23 @@ def test_readable_tokens_is_bounded_by_memory_and_by_reading_time():
     assert readable_tokens(config, 2, 64 * 2**30, FLOPS_PER_SECOND["cuda"]) > on_cpu
     assert readable_tokens(config, 4, 2**20, FLOPS_PER_SECOND["cpu"]) == 256  # 1 MiB: the window, at least
     assert readable_tokens(config, 4, 2**28, FLOPS_PER_SECOND["cpu"]) == 2**27 // kv_bytes_per_token(config, 4)
+
+
+
+def test_a_jobs_time_left_comes_from_the_parts_done_weighted_by_their_kind_and_size(monkeypatch):
+    """gali eval's answers: a part of a kind already seen takes what that kind took; another kind the seconds per
+    token so far times its tokens; the part under way counts with its share done."""
+    now = [0.0]
+    monkeypatch.setattr(estimate.time, "perf_counter", lambda: now[0])
+    job = estimate.JobClock([("a", 100), ("a", 100), ("b", 400), ("c", 100)])
+    assert job.seconds_left() is None  # nothing to project from yet
+    now[0] = 10.0
+    assert job.seconds_left(within=0.5) == pytest.approx(10 + 20 + 80 + 20)  # its own pace: 0.2 s a token
+    job.finish()
+    assert (job.done, job.total) == (1, 4)
+    assert job.seconds_left() == pytest.approx(10 + 40 + 10)  # a: 10 s; b and c: 0.1 s a token
+    now[0] = 15.0
+    assert job.seconds_left(within=0.25) == pytest.approx(7.5 + 40 + 10)  # a's 10 s, 5 spent, a quarter done
+    for _ in range(3):
+        job.finish()
+    assert job.seconds_left() == 0.0

@@ -63,6 +63,9 @@ def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, mon
     assert gali_settings["train_len"] == 32 and "chunk_size" in gali_settings  # the settings as applied
     assert all(json.loads(line)["seconds"] > 0 for line in (tmp_path / "whole.jsonl").read_text().splitlines())
     assert "niah_single_1" in whole.stdout and "gali" in whole.stdout and "original" in whole.stdout
+    lines = [line for line in whole.stderr.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] + "]" for line in lines] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
+    assert all(" left" in line or "almost done" in line for line in lines[:3]) and "left" not in lines[3]
 
     answered, real = [], evaluate.answer_sample
 
@@ -247,3 +250,16 @@ def test_the_papers_scores_are_shown_beside_ours_for_its_model():
     table = eval_table(found)
     assert table.caption and "GALI paper" in table.caption
     assert [str(cell) for cell in table.columns[2]._cells] == ["[bold]70.0[/] (77.0)", "[bold]90.0[/]", "[bold]80.0[/]"]
+
+
+def test_original_under_a_lowered_train_len_is_named_with_its_own_window():
+    from gali_cli.display import eval_table
+    from gali_cli.runs.common import with_windows
+
+    rows = [{"task": "vt", "length": 16384, "method": method, "score": 50.0, "samples": 1, "seconds_per_sample": 1.0}
+            for method in ("gali", "original")]
+    labelled = with_windows(rows, 4096, 8192)
+    assert [row.get("window") for row in labelled] == [None, 8192]
+    assert [column.header for column in eval_table(labelled).columns] == ["task", "length", "gali",
+                                                                         "original (8k window)"]
+    assert with_windows(rows, None, 8192) == rows == with_windows(rows, 8192, 8192)

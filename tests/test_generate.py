@@ -66,6 +66,35 @@ def test_prefill_along_spans_equals_one_forward(tiny):
     torch.testing.assert_close(prefill(model, ids, DynamicCache(config=model.config), spans), whole)
 
 
+def test_a_bar_moves_through_a_long_forward_layer_by_layer(tiny, monkeypatch):
+    """A bar (a progress callback with `within`) hears each decoder layer of a forward of WATCHED_FORWARD tokens or
+    more; the callback itself only whole forwards; the result is the same, and no hook stays behind."""
+    import gali_cli.generate as generate
+
+    model, _ = tiny
+    monkeypatch.setattr(generate, "WATCHED_FORWARD", 40)
+    ids = torch.randint(0, 300, (1, 100), generator=torch.Generator().manual_seed(0))
+    forwards, steps = [], []
+
+    class Bar:
+        def __call__(self, done, total):
+            forwards.append((done, total))
+
+        def within(self, done, total):
+            steps.append((done, total))
+
+    spans = [(0, 80), (80, 100)]  # the second forward is shorter than WATCHED_FORWARD: no steps inside it
+    logits = prefill(model, ids, DynamicCache(config=model.config), spans, Bar())
+    layers = model.config.num_hidden_layers
+    assert forwards == [(0, 100), (80, 100), (100, 100)]
+    assert steps == [(80 * (index + 1) // layers, 100) for index in range(layers)]
+    assert all(not layer._forward_hooks for layer in model.model.layers)
+    torch.testing.assert_close(logits, model(ids).logits[0, -1])
+    plain = []
+    prefill(model, ids, DynamicCache(config=model.config), spans, lambda done, total: plain.append(done))
+    assert plain == [0, 80, 100]
+
+
 def test_stream_generate_is_greedy_decoding(tiny):
     model, tokenizer = tiny
     apply_gali(model, GaliConfig(chunk_size=4, local_window=2, noise=False))

@@ -170,3 +170,14 @@ def test_describe_says_every_route():
     noisy = decide("cuda", "bfloat16", False, noise=True)
     assert noisy.describe().endswith("noisy chunks: PyTorch (autograd or dropout: the kernels are forward only); "
                                      "noisy parts: explicit float32 logits")
+
+
+@pytest.mark.parametrize("device, dtype, forward_only, noise, expected", [
+    ("cpu", "float32", True, False, "torch's CPU flash kernel, GALI's chunks split; no noise"),
+    ("cuda", "bfloat16", True, False, "torch's memory-efficient CUDA kernel; no noise"),
+    ("cuda", "bfloat16", False, True, "explicit float32 logits; noise by PyTorch (explicit logits)"),
+])
+def test_the_summary_is_a_few_plain_words(device, dtype, forward_only, noise, expected):
+    """gali info's attention line: under 100 characters; describe() (gali info -v) keeps every route."""
+    summary = decide(device, dtype, forward_only, noise=noise).summary()
+    assert summary == expected and len(summary) < 100

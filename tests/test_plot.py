@@ -7,16 +7,70 @@ from gali_cli import display
 pytest.importorskip("matplotlib")
 
 
-def drawn(monkeypatch, rows: list[dict], window: int):
-    """The figure plot_ppl saved, kept open for inspection."""
+def drawn(monkeypatch, rows: list[dict], window: int, saved: dict | None = None):
+    """The figure plot_ppl saved, kept open for inspection (`saved`: gets savefig's keywords)."""
     from matplotlib.figure import Figure
 
     figures = []
-    monkeypatch.setattr(Figure, "savefig", lambda figure, path: figures.append(figure))
+
+    def save(figure, path, **keywords):
+        figures.append(figure)
+        (saved if saved is not None else {}).update(keywords)
+
+    monkeypatch.setattr(Figure, "savefig", save)
     display.plot_ppl(rows, "unused.png", "title", window)
     figure, = figures
     figure.canvas.draw()
     return figure.axes[0]
+
+
+def _method_lines(axes) -> list:
+    """The lines that carry a method's points (not the window's mark or the clipped points' triangles)."""
+    methods = {text.get_text() for text in axes.get_legend().get_texts()}
+    return [line for line in axes.lines if line.get_label() in methods]
+
+
+def test_twelve_methods_each_have_their_own_colour_and_marker_and_the_axis_fits_the_data(monkeypatch):
+    """gali ppl --method all: 12 lines, none merging into another by look; the y axis runs just past the data
+    (6.25 to 19 here: not to 28), at 150 dpi or more."""
+    from matplotlib.colors import to_hex
+
+    methods = [f"method{index}" for index in range(12)]
+    rows = [{"method": method, "length": length, "ppl": 6.0 + index + length / 4096}
+            for index, method in enumerate(methods) for length in (1024, 2048, 4096, 8192)]
+    saved = {}
+    axes = drawn(monkeypatch, rows, window=2048, saved=saved)
+    lines = _method_lines(axes)
+    assert [line.get_label() for line in lines] == methods
+    assert len({to_hex(line.get_color()) for line in lines}) == 12
+    assert len({line.get_marker() for line in lines}) == 12
+    low, high = axes.get_ylim()
+    assert 6.25 / 1.1 < low < 6.25 and 19.0 < high < 19.0 * 1.1
+    assert axes.figure.dpi >= 150 and saved.get("dpi", axes.figure.dpi) >= 150
+    assert not any(text.get_text() == "above the scale\n(value shown)" for text in axes.get_legend().get_texts())
+
+
+def test_more_lines_than_colours_never_repeat_colour_marker_and_dashes_together():
+    styles = [display.line_style(index) for index in range(60)]
+    assert len({(s["color"], s["marker"], s["linestyle"]) for s in styles}) == 60
+    assert len({(s["color"], s["marker"]) for s in styles}) == 60
+
+
+def test_infinite_and_huge_perplexities_are_clipped_and_said(monkeypatch):
+    rows = [{"method": "gali", "length": length, "ppl": 10.0 + length / 1024} for length in (1024, 2048, 4096)]
+    rows += [{"method": "original", "length": 1024, "ppl": 11.0}, {"method": "original", "length": 2048, "ppl": 1e9},
+             {"method": "original", "length": 4096, "ppl": float("inf")}]
+    axes = drawn(monkeypatch, rows, window=1024)
+    low, high = axes.get_ylim()
+    assert 9.0 < low < 11.0 and high < 14.0 * 4 * 1.5
+    assert {"1,000,000,000", "inf"} <= {text.get_text() for text in axes.texts}
+    assert "above the scale\n(value shown)" in [text.get_text() for text in axes.get_legend().get_texts()]
+
+
+def test_the_title_names_the_model_and_the_window():
+    assert display.plot_title("Perplexity of book.txt", "demo", 1024, 8192) == (
+        "Perplexity of book.txt\ndemo, --train-len 1k")
+    assert display.plot_title("Perplexity of book.txt", "demo", None, 8192).endswith("train_len 8k (the model's)")
 
 
 def test_axes_in_tokens_window_marked_legend_outside(monkeypatch):

@@ -73,12 +73,14 @@ class ModelChoice:
 
 @dataclass(frozen=True)
 class Reading:
-    """How documents are read: an encrypted PDF's password, the size past which an input is refused, and the
-    prompt length past which it is refused before any forward (None: what the free memory holds)."""
+    """How documents are read: an encrypted PDF's password, the size past which an input is refused, the prompt
+    length past which it is refused before any forward (None: what the free memory holds), and whether a PDF with
+    text on fewer than half its pages is read."""
 
     password: str | None = None
     max_bytes: int = MAX_INPUT_BYTES
     max_prompt_tokens: int | None = None
+    allow_partial: bool = False  # a PDF most of whose pages have no text is read all the same (--allow-partial)
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,11 @@ class _Reading:
         self._note()
         self.progress(done, total)
 
+    def within(self, done: int, total: int) -> None:
+        """Progress inside a long forward (generate.prefill, layer by layer): the bar only, not the estimate."""
+        self._note()
+        self.bar(done, total)
+
     def over(self) -> None:
         if not self.done:
             self.done = True

@@ -26,7 +26,7 @@ from .batch_files import (
     expand_documents,
     run_batch,
 )
-from .common import conversation, entry_point, finished_facts, load, prompt_limit, store
+from .common import conversation, entry_point, finished_facts, load, prompt_limit, store, with_windows
 from .ppl import method_perplexities, ppl_ids, print_rows
 
 
@@ -43,7 +43,8 @@ def answer_batch(specs: list[str], out: str | None, command: str, instruction: s
         limit = prompt_limit(loaded, reading)
 
         def work(path: Path) -> list[dict]:
-            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
+            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes,
+                                     allow_partial=reading.allow_partial)
             talk = conversation(loaded, choice, document, answering.system, cache, limit)
             sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
             events = list(talk.ask(instruction, sampler, answering.max_new_tokens))
@@ -70,7 +71,8 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
         bound = prompt_limit(loaded, reading)
 
         def work(path: Path) -> list[dict]:
-            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes)
+            document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes,
+                                     allow_partial=reading.allow_partial)
             ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens, bound)
             reachable = [length for length in lengths if length <= len(ids)] if lengths else [len(ids)]
             records = []
@@ -86,7 +88,8 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
         failed = _run(batch, job, work, _ppl_line)
         if batch.rank.rank == 0:
             records = batch.results.records()
-            rows = corpus_perplexities(records, job, batch.documents, by_length=bool(lengths))
+            rows = with_windows(corpus_perplexities(records, job, batch.documents, by_length=bool(lengths)),
+                                choice.settings.train_len, loaded.train_len)
             if json_output:
                 print_json({"corpus": rows, "out": str(batch.results.path),
                             **batch_summary(records, job, batch.documents)})
@@ -94,7 +97,9 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
                 print_rows(rows, csv, single=len(rows) == 1)
             if plot and lengths and rows:
                 window = kept_window("gali", choice.settings.train_len, loaded.train_len)
-                display.plot_ppl(rows, plot, f"{len(batch.documents)} documents, {choice.model}", window)
+                title = display.plot_title(f"Perplexity of {len(batch.documents)} documents", choice.model,
+                                           choice.settings.train_len, loaded.train_len)
+                display.plot_ppl(rows, plot, title, window)
                 say(f"Saved {plot}.")
         return failed
 

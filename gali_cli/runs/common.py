@@ -86,7 +86,8 @@ def _quiet_libraries() -> Iterator[None]:
 def read(file: str, reading: Reading) -> Document:
     """The document, with a bar over its pages and its warnings on stderr."""
     with display.progress_bar("Pages") as bar:
-        document = read_document(file, password=reading.password, progress=bar, max_bytes=reading.max_bytes)
+        document = read_document(file, password=reading.password, progress=bar, max_bytes=reading.max_bytes,
+                                 allow_partial=reading.allow_partial)
     for warning in document.warnings:
         warn(warning)
     return document
@@ -162,12 +163,27 @@ def announcing(progress: Callable[..., None], loaded: LoadedModel) -> Callable[.
 
 def say_input(loaded: LoadedModel, method: str, document: Document, tokens: int, train_len: int | None = None) -> None:
     """One dim line on stderr: the document, its length, and how far past the window the method stays within that
-    is: the model's, or a narrower --train-len (which the original model does not use)."""
+    is: the model's, or a narrower --train-len (which the original model does not use, and the line says so)."""
     pages = f"{document.pages} page{'s' if document.pages != 1 else ''}, " if document.pages else ""
     window = kept_window(method, train_len, loaded.train_len)
     about = (f"the model's {window}-token window" if window == loaded.train_len else
              f"the {window}-token window of --train-len (the model's: {loaded.train_len})")
-    say(f"{document.name}: {pages}{tokens} tokens, {tokens / window:.1f}x {about} ({method})", style="dim")
+    own = own_window(method, train_len, loaded.train_len)
+    label = f"{method}, unrestricted: --train-len {train_len} does not apply to it" if own else method
+    say(f"{document.name}: {pages}{tokens} tokens, {tokens / window:.1f}x {about} ({label})", style="dim")
+
+
+def own_window(method: str, train_len: int | None, model_window: int) -> int | None:
+    """The model's own window where `method` reads with it although --train-len narrows the others' (the original
+    model, which --train-len does not restrict), else None: what its label in tables and plots says."""
+    return model_window if train_len is not None and train_len != model_window and kept_window(
+        method, train_len, model_window) == model_window else None
+
+
+def with_windows(rows: list[dict], train_len: int | None, model_window: int) -> list[dict]:
+    """Result rows, those of a method that --train-len does not narrow (own_window) with its "window" in tokens."""
+    return [{**row, "window": own} if (own := own_window(row["method"], train_len, model_window)) else row
+            for row in rows]
 
 
 def say_threads() -> None:

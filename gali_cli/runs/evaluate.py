@@ -13,6 +13,7 @@ from .. import display
 from ..conversation import Conversation
 from ..display import print_json, say
 from ..errors import ConfigError, InputError
+from ..estimate import JobClock
 from ..evaluation.longbench_paper import is_paper_model, paper_scores
 from ..evaluation.sample import Request, Sample
 from ..evaluation.tasks import LONGBENCH, build_samples
@@ -23,7 +24,7 @@ from ..prompts import check_prompt_length, conversation_ids, text_ids
 from . import ModelChoice, Reading
 from .batch_files import Rank, ResultsFile, job_hash, latest_records
 from .batches import batch_job, held
-from .common import entry_point, finished_facts, load, prompt_limit, read, store
+from .common import entry_point, finished_facts, load, prompt_limit, read, store, with_windows
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
             records = results.records()
     if rank.rank != 0:
         return
-    rows = score_rows(records, jobs, samples)
+    rows = with_windows(score_rows(records, jobs, samples), choice.settings.train_len, loaded.train_len)
     if paper_model:
         rows = with_paper_scores(rows, choice.settings.train_len or loaded.train_len)
     if evaluation.json_output:
@@ -134,7 +135,9 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
         display.print_eval_table(rows)
     if evaluation.plot and rows:
         window = kept_window("gali", choice.settings.train_len, loaded.train_len)
-        display.plot_eval(rows, evaluation.plot, choice.model, window)
+        tasks = ", ".join(evaluation.tasks) if len(evaluation.tasks) <= 3 else f"{len(evaluation.tasks)} tasks"
+        title = display.plot_title(f"gali eval: {tasks}", choice.model, choice.settings.train_len, loaded.train_len)
+        display.plot_eval(rows, evaluation.plot, title, window)
         say(f"Saved {evaluation.plot}.")
 
 
@@ -154,6 +157,9 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
     if len(todo) < len(pairs):
         say(f"{label}{len(pairs) - len(todo)} answers already in {evaluation.out}, skipped", style="dim")
     written = []
+    # Each answer's time projected from answers of its length and method, else from the seconds per prompt token
+    # (a sample built without a target length: its characters / 4).
+    clock = JobClock([((sample.length, method), sample.length or len(sample.context) / 4) for sample, method in todo])
     with display.progress_bar("answers") as bar:
         for done, (sample, method) in enumerate(todo):
             bar(done, len(todo))
@@ -167,8 +173,12 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
             if results:
                 results.append([record])
             written.append(record)
+            clock.finish()
+            left = clock.seconds_left()
+            remaining = f"; {display.time_left(left)}" if left is not None and done + 1 < len(todo) else ""
+            bar.describe(f"answers ({display.time_left(left)})" if remaining else "answers")
             say(f"{label}[{done + 1}/{len(todo)}] {sample.task} {sample.id} {method}: score {answer['score']:.2f} "
-                f"in {record['seconds']:.1f} s, {answer['prediction'][:60]!r}", style="dim")
+                f"in {record['seconds']:.1f} s, {answer['prediction'][:60]!r}{remaining}", style="dim")
         bar(len(todo), len(todo))
     if written:
         seconds = sum(record["seconds"] for record in written)

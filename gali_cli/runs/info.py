@@ -4,6 +4,7 @@ transformers where they are not needed to tell (model/machine.py, model/config.p
 
 import itertools
 import os
+import time
 
 from .. import display
 from ..compat import TESTED_TRANSFORMERS, installed_transformers
@@ -16,15 +17,21 @@ from ..model.machine import environment_facts
 from . import ModelChoice
 
 
-def show_info(choice: ModelChoice, json_output: bool, check: bool = False) -> None:
+def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbose: bool = False) -> None:
     """What is known without the model, then its architecture and the settings GALI (and the other methods chosen,
     where they are known before the input) would use; with `check`, the engine's self-check on the device (no model
-    needed: it runs even when the model cannot load)."""
+    needed: it runs even when the model cannot load). `verbose`: every attention route, and the path noise would
+    take when it is off."""
+    noise = bool(choice.settings.gali().noise)
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
+    if not noise and not verbose:
+        del facts["noisy_attention"]  # which kernel noise would take: not a fact of this run
     # The routes a forward takes here, from the plan the engine decides by (engine/attention/plan.py), not restated.
-    facts["attention"] = decide(facts["device"], facts["dtype"], forward_only=True,
-                                noise=bool(choice.settings.gali().noise)).describe()
+    plan = decide(facts["device"], facts["dtype"], forward_only=True, noise=noise)
+    facts["attention"] = plan.summary()
+    if verbose:
+        facts["attention_routes"] = plan.describe()
     try:
         config = read_model_config(choice.model)
     except GaliError:
@@ -65,11 +72,16 @@ def run_self_check(device, json_output: bool) -> list:
     from ..seam_check import seam_checks
 
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    started = time.perf_counter()
     if not json_output:
-        where = ("no GPU here: checking the CPU paths" + (", and the Triton kernels under TRITON_INTERPRET=1 (slow)"
-                 if interpreted else " (TRITON_INTERPRET=1 adds the Triton kernels, interpreted)")
-                 if device.type == "cpu" else f"checking the GPU paths on {device}")
-        say(f"self-check: {where}")
+        if device.type != "cpu":
+            say(f"self-check: checking the GPU paths on {device}")
+        elif interpreted:
+            say("self-check: no GPU here: checking the CPU paths, and the Triton kernels under TRITON_INTERPRET=1 "
+                "(slow)")
+        else:
+            say("self-check: no GPU here: checking the CPU paths")
+            say("(TRITON_INTERPRET=1 adds the Triton kernels, interpreted)", style="dim")
     checks = []
     for item in itertools.chain(seam_checks(), self_check(device, triton_interpreted=interpreted)):
         checks.append(item)
@@ -77,7 +89,7 @@ def run_self_check(device, json_output: bool) -> list:
             display.print_check(item)
     if not json_output:
         passed = sum(item.ok for item in checks)
-        say(f"self-check: {passed} of {len(checks)} passed")
+        say(f"self-check: {passed} of {len(checks)} passed in {display.elapsed(time.perf_counter() - started)}")
     return checks
 
 

@@ -9,6 +9,7 @@ from .. import display
 from ..display import print_json, say
 from ..documents import Document
 from ..errors import InputError
+from ..estimate import JobClock
 from ..generate import peak_memory_bytes, reset_peak_memory
 from ..methods import kept_window
 from ..model.loading import LoadedModel
@@ -16,7 +17,18 @@ from ..patching import apply_method, forward_ends, prefill_spans
 from ..perplexity import Perplexity, perplexities
 from ..prompts import check_prompt_length, text_ids
 from . import ModelChoice, Reading
-from .common import announcing, entry_point, facts, load, prompt_limit, read, say_input, say_threads
+from .common import (
+    announcing,
+    entry_point,
+    facts,
+    load,
+    own_window,
+    prompt_limit,
+    read,
+    say_input,
+    say_threads,
+    with_windows,
+)
 
 
 @entry_point
@@ -33,20 +45,26 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
     if verbose:
         say_threads()
     rows, settings = [], {}
+    clock = JobClock([(method, len(ids)) for method in choice.methods]) if len(choice.methods) > 1 else None
     for method in choice.methods:
         say_input(loaded, method, document, len(ids), choice.settings.train_len)
-        settings[method], results = method_perplexities(loaded, ids, method, choice, lengths or [len(ids)], verbose)
+        settings[method], results = method_perplexities(loaded, ids, method, choice, lengths or [len(ids)], verbose,
+                                                        clock=clock)
         rows += [{"method": method, "length": result.length, "ppl": result.ppl} for result in results]
+    rows = with_windows(rows, choice.settings.train_len, loaded.train_len)
     single = len(rows) == 1 and not lengths
     if json_output:
         about = facts(choice.model, ",".join(choice.methods), settings, document)
-        print_json({"ppl": rows[0]["ppl"], "tokens": len(ids), **about} if single else
+        own = {"window": rows[0]["window"]} if "window" in rows[0] else {}
+        print_json({"ppl": rows[0]["ppl"], "tokens": len(ids), **about, **own} if single else
                    {"results": rows, "tokens": len(ids), **about})
     else:
         print_rows(rows, csv, single)
     if plot:
         window = kept_window("gali", choice.settings.train_len, loaded.train_len)
-        display.plot_ppl(rows, plot, f"{os.path.basename(document.name)}, {choice.model}", window)
+        title = display.plot_title(f"Perplexity of {os.path.basename(document.name)}", choice.model,
+                                   choice.settings.train_len, loaded.train_len)
+        display.plot_ppl(rows, plot, title, window)
         say(f"Saved {plot}.")
 
 
@@ -63,19 +81,32 @@ def ppl_ids(loaded: LoadedModel, document: Document, limit: int | None, bound: i
 
 
 def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice: ModelChoice, lengths: list[int],
-                        verbose: bool, show_progress: bool = True) -> tuple[dict, list[Perplexity]]:
-    """Apply `method` for these tokens and measure PPL at `lengths` in one pass; returns its settings and results."""
+                        verbose: bool, show_progress: bool = True, clock: JobClock | None = None
+                        ) -> tuple[dict, list[Perplexity]]:
+    """Apply `method` for these tokens and measure PPL at `lengths` in one pass; returns its settings and results.
+    `clock`: the run's methods, this one the next of them: the bar and a line when it is done say "k/N" and how
+    long the rest should take."""
     device = loaded.model.get_input_embeddings().weight.device
     settings = apply_method(loaded.model, method, choice.settings, len(ids))
     spans = prefill_spans(loaded.model, method, 0, len(ids))
     boundaries = forward_ends(loaded.model, method, 0, len(ids))
     reset_peak_memory(device)
     started = time.perf_counter()
-    with display.progress_bar(method) as bar:
+    label = display.method_label(method, own_window(method, choice.settings.train_len, loaded.train_len))
+    step = f"[{clock.done + 1}/{clock.total}] " if clock else ""
+    left = (lambda done, total: clock.seconds_left(done / total)) if clock else None
+    with display.progress_bar(step + label) as bar:
         results = perplexities(loaded.model, torch.tensor([ids], device=device), lengths, spans,
-                               announcing(bar.with_figure("ppl"), loaded) if show_progress else None, boundaries)
+                               announcing(bar.with_figure("ppl", left), loaded) if show_progress else None,
+                               boundaries)
+    seconds = time.perf_counter() - started
+    if clock:
+        clock.finish()
+        rest = clock.seconds_left()
+        say(f"{step}{label}: done in {display.elapsed(seconds)}"
+            + (f"; {clock.total - clock.done} more, {display.time_left(rest)}" if clock.done < clock.total
+               and rest is not None else ""), style="dim")
     if verbose:
-        seconds = time.perf_counter() - started
         say(f"{method}: {len(ids)} tokens in {seconds:.2f} s ({len(ids) / seconds:.0f} tokens/s); "
             f"peak memory {peak_memory_bytes(device) / 2**30:.2f} GiB")
     return settings, results

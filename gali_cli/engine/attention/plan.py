@@ -27,6 +27,11 @@ CAUSAL_WORDS = {
 PARTIAL_WORDS = {"flash": "torch's CPU flash kernel",
                  "cuda": "torch's memory-efficient CUDA kernel (in the model's dtype; rotations in float32)",
                  "explicit": "explicit float32 logits, a tile at a time"}
+# The same, in the few words of `gali info`'s attention line:
+SUMMARY_WORDS = {"flash": "torch's CPU flash kernel", "cuda": "torch's memory-efficient CUDA kernel",
+                 "explicit": "explicit float32 logits"}
+NOISY_SUMMARY_WORDS = {"native": "the native CPU kernel", "triton": "the fused Triton kernel",
+                       "torch": "PyTorch (explicit logits)"}
 # Noisy attention over keys every query sees (noisy_attention.NOISY_PARTIAL), for decoding and the CPU's split:
 NOISY_PARTIAL_WORDS = {"native": "the native CPU kernel", "explicit": "explicit float32 logits"}
 
@@ -66,6 +71,18 @@ class AttentionPlan:
             checked = ", checked against PyTorch on first use" if self.checked else ""
             return f"fused Triton kernel (triton {importlib.metadata.version('triton')}{checked})"
         return f"PyTorch ({self.why})"
+
+    def summary(self) -> str:
+        """The plan in a few plain words (`gali info`'s attention line): the kernel most attention runs on, whether
+        GALI's chunks are split, and what adds the noise (describe() has every route)."""
+        words = [SUMMARY_WORDS[self.partial] + (", GALI's chunks split" if self.split else "")]
+        if not self.noise:
+            words.append("no noise")
+        elif self.error is not None:
+            words.append(f"noise: cannot run ({self.why})")
+        else:
+            words.append(f"noise by {NOISY_SUMMARY_WORDS.get(self.noisy or 'torch')}")
+        return "; ".join(words)
 
     def describe(self) -> str:
         """Every route a forward takes under this plan, in words (`gali info`, `gali info --check`)."""
