@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..engine.seam.hooks import llama_model
 from ..errors import ConfigError
+from ..model.families import GLOBAL, family_of, rope_parameters
 
 
 class RescaledRope(nn.Module):
@@ -20,10 +21,14 @@ class RescaledRope(nn.Module):
     def __init__(self, original: nn.Module, config) -> None:
         super().__init__()
         self.original = original
-        self.rescaled = LlamaRotaryEmbedding(config=config).to(original.inv_freq.device)
+        if family_of(config).layer_kinds:  # its own class: a rope per layer kind, the kind passed on
+            device = original.get_buffer(f"{GLOBAL}_inv_freq").device
+            self.rescaled = type(original)(config=config).to(device)
+        else:
+            self.rescaled = LlamaRotaryEmbedding(config=config).to(original.inv_freq.device)
 
-    def forward(self, x, position_ids):
-        return self.rescaled(x, position_ids)
+    def forward(self, x, position_ids, *kind):
+        return self.rescaled(x, position_ids, *kind)
 
 
 def ntk_theta(rope_theta: float, factor: float, head_dim: int) -> float:
@@ -34,11 +39,12 @@ def ntk_theta(rope_theta: float, factor: float, head_dim: int) -> float:
 def rescale(model: PreTrainedModel, kind: str, factor: float, train_len: int) -> dict:
     """Install `kind` ("ntk", "dynamic-ntk" or "yarn") with `factor`, relative to a window of `train_len`.
 
-    Returns the rope parameters now in use.
+    Returns the rope parameters now in use (a family with local layers: its global layers', the local layers'
+    rope kept).
     """
     base = llama_model(model)
     config = copy.deepcopy(model.config)
-    parameters = dict(config.rope_parameters or {})
+    parameters = rope_parameters(config)
     if parameters.get("rope_type", "default") != "default":
         raise ConfigError(
             f"--method {kind} rescales plain RoPE, but this model already uses rope_type "
@@ -58,7 +64,10 @@ def rescale(model: PreTrainedModel, kind: str, factor: float, train_len: int) ->
                       "original_max_position_embeddings": train_len}
     else:
         raise ValueError(f"unknown rope scaling {kind!r}")
-    config.rope_parameters = parameters
+    if family_of(config).layer_kinds:
+        config.rope_parameters = {**config.rope_parameters, GLOBAL: parameters}
+    else:
+        config.rope_parameters = parameters
     original = base.rotary_emb.original if isinstance(base.rotary_emb, RescaledRope) else base.rotary_emb
     base.rotary_emb = RescaledRope(original, config)
     return parameters
