@@ -286,7 +286,8 @@ def test_model_problems_exit_4(gali, doc, tmp_path):
                       num_key_value_heads=2, pad_token_id=0)
     Phi3ForCausalLM(phi3).save_pretrained(tmp_path / "m")
     result = gali("summarize", str(doc), "-m", str(tmp_path / "m"), model=False)
-    assert result.exit_code == 4 and "'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3" in result.stderr
+    assert result.exit_code == 4
+    assert "'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3, Gemma 3" in result.stderr
 
 
 def test_out_of_memory_suggests_quantizing(gali, doc, monkeypatch):

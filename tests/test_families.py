@@ -356,3 +356,55 @@ def test_ntk_and_yarn_rescale_only_gemma3s_global_layers():
     assert rotary.rope_type == {"full_attention": "yarn", "sliding_attention": "default"}
     remove_method(model)
     assert type(model.model.rotary_emb).__name__ == "Gemma3RotaryEmbedding"
+
+
+GEMMA3_GGUF = {"hidden": 64, "head_dim": 256, "layers": 6, "query_pre_attn_scalar": 256,
+               # as transformers reads a Gemma 3 GGUF: every sixth layer global, the local base 10,000
+               "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+               "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+
+
+def test_a_gemma3_gguf_loads_and_reads_past_its_window(tmp_path):
+    """A Gemma 3 GGUF as llama.cpp writes one (norms as 1 + weight, tied output), read by transformers to the model
+    the directory holds, and GALI read past the window with it. (transformers makes a GemmaTokenizer of every
+    Gemma 3 GGUF's vocabulary, a SentencePiece one; the tests' byte-level one cannot stand in for it, so the model
+    is fed token ids here, not a document.)"""
+    pytest.importorskip("gguf")
+    from conftest import save_tiny_llama, write_gguf
+
+    from gali_cli.model.loading import load_model
+
+    directory = save_tiny_llama(tmp_path / "model", "gemma3_text", **GEMMA3_GGUF)
+    path = write_gguf(tmp_path / "tiny-gemma3.gguf", directory, quantized=False)
+    facts = read_model_config(str(path)).facts()
+    assert facts["family"] == "Gemma 3" and facts["train_len"] == 32 and facts["methods"] == "yes"
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        from_gguf = load_model(str(path), device="cpu", dtype="float32").model(ids).logits
+        from_directory = load_model(str(directory), device="cpu", dtype="float32").model(ids).logits
+    assert (from_gguf - from_directory).abs().max() < 1e-4
+    model = load_model(str(path), device="cpu", dtype="float32").model
+    ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        apply_method(model, "gali", MethodSettings(), 48)
+        cache = new_cache(model)
+        logits = prefill(model, ids, cache, prefill_spans(model, "gali", 0, 48, step=16))
+    assert torch.isfinite(logits).all() and cache.get_seq_length() == 48
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ({"query_pre_attn_scalar": 128, "head_dim": 128}, r"attention logits are scaled by 1/sqrt\(128\); transformers "
+                                                      r"reads every Gemma 3 GGUF's as 1/sqrt\(256\)"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+     r"global RoPE is scaled \(linear, factor 8.0: Gemma 3 4B on\); transformers reads it unscaled"),
+], ids=["query-scale", "rope-scaling"])
+def test_a_gemma3_gguf_transformers_would_misread_is_refused(tmp_path, change, refusal):
+    pytest.importorskip("gguf")
+    from conftest import save_tiny_llama, write_gguf
+
+    directory = save_tiny_llama(tmp_path / "model", "gemma3_text", **{**GEMMA3_GGUF, **change})
+    path = write_gguf(tmp_path / "tiny-gemma3.gguf", directory)
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        read_model_config(str(path))

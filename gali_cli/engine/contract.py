@@ -18,8 +18,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import StaticCache
-from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function,
-                                       sliding_window_causal_mask_function)
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    causal_mask_function,
+    sliding_window_causal_mask_function,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 

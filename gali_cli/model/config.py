@@ -171,6 +171,9 @@ _GGUF_FIELDS = {"context_length": "max_position_embeddings", "block_count": "num
                 "embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
                 "attention.head_count_kv": "num_key_value_heads", "rope.freq_base": "rope_theta",
                 "vocab_size": "vocab_size", "feed_forward_length": "intermediate_size"}
+# What transformers reads besides, per architecture, and the model_type it gives the config.
+_GGUF_MORE_FIELDS = {"gemma3": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"}}
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def _gguf_config(name: str, gguf: GgufFile) -> ModelConfig:
@@ -178,9 +181,10 @@ def _gguf_config(name: str, gguf: GgufFile) -> ModelConfig:
     header = read_header(gguf.path)
     check_architecture(gguf.path, header)
     architecture = header.architecture  # the model_type transformers gives it
-    keys = {field: f"{architecture}.{key}" for key, field in _GGUF_FIELDS.items()}
-    raw = {"model_type": architecture, **{field: header.metadata[key] for field, key in keys.items()
-                                          if key in header.metadata}}
+    fields = {**_GGUF_FIELDS, **_GGUF_MORE_FIELDS.get(architecture, {})}
+    keys = {field: f"{architecture}.{key}" for key, field in fields.items()}
+    raw = {"model_type": _GGUF_MODEL_TYPES.get(architecture, architecture),
+           **{field: header.metadata[key] for field, key in keys.items() if key in header.metadata}}
     raw.setdefault("vocab_size", header.metadata.get("tokenizer.ggml.tokens", 32000))  # an array: its length
     check_config(name, raw, keys)
     try:
