@@ -106,6 +106,11 @@ def rope_parameters(config: Any) -> dict:
     return dict(parameters)
 
 
+def has_layer_kinds(config: Any) -> bool:
+    """Whether `config` is of a family with global and local layers (False for one gali does not serve)."""
+    return any(family.layer_kinds and family.model_type == _get(config, "model_type") for family in FAMILIES)
+
+
 def layer_is_local(config: Any, layer: int) -> bool:
     """Whether layer `layer` is a local (sliding-window) layer the methods leave exact."""
     kinds = _get(config, "layer_types") if family_of(config).layer_kinds else None

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from ...model.families import family_of
+from ...model.families import has_layer_kinds
 
 _SPARE_MIN = 64  # rows of room added, at least, when a buffer must grow past what was reserved
 
@@ -101,7 +101,7 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     (model/families.py: Gemma 3) gets every layer's keys kept, as one length to cut, save and hand to the methods;
     its local layers still attend within their window."""
     cache = DynamicCache(config=model.config)
-    if family_of(model.config).layer_kinds:
+    if has_layer_kinds(model.config):
         cache.layers = [GrowingLayer() for _ in cache.layers]
         return cache
     if not all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding windows: not a Llama's
