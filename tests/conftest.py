@@ -186,6 +186,8 @@ def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, qua
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocabulary)
     writer.add_token_types([3 if token in specials else 1 for token in vocabulary])
+    if config.model_type == "gemma3_text":  # a SentencePiece vocabulary's scores, as Gemma's GGUFs carry them
+        writer.add_token_scores([-float(index) for index in range(len(vocabulary))])
     writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in merges])
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
