@@ -53,8 +53,8 @@ def cache_argument_renamed(monkeypatch):
                             **kwargs).last_hidden_state
         return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, -logits_to_keep:]))
 
-    for family in FAMILIES:
-        model_class = getattr(transformers, family.causal_lm.replace("ForCausalLM", "Model"))
+    for family in FAMILIES:  # each causal LM's decoder model: LlamaModel, ..., Gemma3TextModel
+        model_class = transformers.AutoModel._model_mapping[getattr(transformers, family.causal_lm).config_class]
         monkeypatch.setattr(model_class, "forward", renamed(model_class))
         monkeypatch.setattr(getattr(transformers, family.causal_lm), "forward", renamed_causal_forward)
     seam.forward_parameters.cache_clear()  # it remembers each class's declared parameters

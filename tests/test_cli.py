@@ -599,9 +599,9 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 29 of 29 passed" in result.stderr
-    assert len(lines) == 29 and all(line.startswith("ok ") for line in lines)
-    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:19]) == 19  # the seam first
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 31 of 31 passed" in result.stderr
+    assert len(lines) == 31 and all(line.startswith("ok ") for line in lines)
+    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:21]) == 21  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
     assert any(line.startswith("ok   GALI vs Alg. 3 as written: 300 keys") and "GALI " in line and " ms" in line
                for line in lines)
@@ -610,8 +610,8 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
                                "SiLU-gated") for line in lines)
     facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
     checks = facts["check"]["checks"]
-    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 29
-    assert sum(item["seam"] for item in checks) == 19
+    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 31
+    assert sum(item["seam"] for item in checks) == 21
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
 
 
@@ -632,7 +632,7 @@ def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, mon
     assert sum(line.startswith("FAIL noisy attention, native vs PyTorch") for line in result.stdout.splitlines()) == 4
     assert sum(line.startswith("FAIL GALI vs Alg. 3") for line in result.stdout.splitlines()) == 2  # its route
     assert result.stderr.strip().splitlines()[-1] == (
-        "gali: self-check: 7 of 29 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
+        "gali: self-check: 7 of 31 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
     assert "FAIL transformers seam, gali with noise" in result.stdout  # noisy GALI takes the wrong kernel too
 
 
@@ -645,7 +645,7 @@ def test_info_check_reports_wrong_products_as_bytes(gali, small_self_check, monk
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     assert sum(line.startswith("FAIL a decoding step's projection as bytes") for line in lines) == 2
-    assert "2 of 29 checks failed on cpu" in result.stderr
+    assert "2 of 31 checks failed on cpu" in result.stderr
 
 
 def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, small_self_check,
@@ -654,11 +654,11 @@ def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, s
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     seam = [line for line in lines if "transformers seam" in line]
-    assert len(seam) == 19 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
+    assert len(seam) == 21 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
     assert "takes its KV cache under none of the names gali knows (cache, past_key_values)" in seam[0]
     assert sum(line.startswith("ok   ") for line in lines) == 10  # the attention paths themselves hold
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "gali: self-check: 19 of 29 checks failed; the transformers seam fails (see above): gali's answers would be "
+        "gali: self-check: 21 of 31 checks failed; the transformers seam fails (see above): gali's answers would be "
         "wrong with transformers ")
 
 
