@@ -345,6 +345,8 @@ def test_a_hostile_gemma3_rope_per_kind_is_refused(tmp_path):
     kinds = {"full_attention": {"rope_type": "default", "rope_theta": float("inf")}}
     with pytest.raises(ModelLoadError, match=r"rope_parameters.full_attention.rope_theta is inf"):
         read_model_config(_config_dir(tmp_path, model_type="gemma3_text", rope_parameters=kinds))
+    with pytest.raises(ModelLoadError, match=r"sliding_window is 1e\+300: not a window a model has"):
+        read_model_config(_config_dir(tmp_path, model_type="gemma3_text", sliding_window=1e300))
 
 
 def test_ntk_and_yarn_rescale_only_gemma3s_global_layers():

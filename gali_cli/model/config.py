@@ -294,10 +294,13 @@ def check_config(name: str, raw: dict, labels: dict | None = None) -> None:
     kinds = raw.get("rope_parameters")
     if isinstance(kinds, dict) and (GLOBAL in kinds or LOCAL in kinds):  # one set per layer kind (Gemma 3)
         ropes = [ropes[0], *((f"rope_parameters.{kind}", kinds[kind]) for kind in (GLOBAL, LOCAL) if kind in kinds)]
-    for field in ("sliding_window", "rope_local_base_freq"):
-        if raw.get(field) is not None:
-            _check_float(raw[field], lambda why, value=raw[field], field=field: refuse(field, value, why),
-                         positive=True)
+    window = raw.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or not 1 <= window <= LIMITS["max_position_embeddings"]):
+        raise refuse("sliding_window", window, "not a window a model has")
+    if raw.get("rope_local_base_freq") is not None:
+        _check_float(raw["rope_local_base_freq"], lambda why, value=raw["rope_local_base_freq"]: refuse(
+            "rope_local_base_freq", value, why), positive=True)
     for field, rope in ropes:
         if rope is None:
             continue

@@ -52,11 +52,14 @@ def chunk_positions(cur_len: int, add_token: int, train_len: int, local_window: 
 
 class NaiveLlama:
     """A Llama spelled out from its weights, in float64, one forward per call, K/V cached without RoPE; with the
-    q/k/v biases (Qwen2) and the per-head q/k RMSNorms before RoPE (Qwen3) where the weights hold them.
+    q/k/v biases (Qwen2) and the per-head q/k RMSNorms before RoPE (Qwen3, Gemma 3) where the weights hold them,
+    and what model/families.py declares of Gemma 3: local layers on their own rope within their window (the
+    methods' positions on the global layers only), logits scaled by query_pre_attn_scalar^-1/2, embeddings times
+    sqrt(hidden), RMSNorms by 1 + weight, the attention's and MLP's outputs normed, a GELU MLP.
 
-    Subclasses give the attention logits of one head: `logits(q (n, D), keys (T, D), first, layer, head)`, scaled
-    by 1/sqrt(d), for the queries of tokens first..first+n-1 over the keys of tokens 0..T-1; the causal mask,
-    softmax and the rest of the layer are here.
+    Subclasses give the attention logits of one head of a global layer: `logits(q (n, D), keys (T, D), first,
+    layer, head)`, scaled by `logit_scale` (1/sqrt(d) on a Llama), for the queries of tokens first..first+n-1 over
+    the keys of tokens 0..T-1; the causal mask, softmax and the rest of the layer are here.
     """
 
     def __init__(self, model, batch_index: int = 0):
