@@ -40,7 +40,7 @@ def tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     hidden: int = 32,
-    layers: int = 2,
+    layers: int | None = None,
     rope_parameters: dict | None = None,
     attn_implementation: str = "sdpa",
     seed: int = 0,
@@ -49,20 +49,36 @@ def tiny_model(
 ) -> PreTrainedModel:
     """A random model of a family in model/families.py (its config's `model_type`), sized as a tiny Llama: random
     q/k/v biases (Qwen2) and q/k norm weights (Qwen3), so that a restatement missing them is off. `family_fields`
-    set other config fields (Mistral's sliding_window, say); `head_dim`: hidden / heads unless given."""
+    set other config fields (Mistral's sliding_window, say); `head_dim`: hidden / heads unless given.
+
+    Gemma 3 (`gemma3_text`): three layers, local, global, local, the local ones on an 8-token window and a RoPE base
+    of 100 (the global one's 10,000: swapping them shows), the logits scaled by query_pre_attn_scalar = head_dim / 2
+    (not 1/sqrt(head_dim): a route ignoring the scaling it is handed shows), and random norm weights (Gemma's
+    RMSNorm scales by 1 + weight, zero at init)."""
+    rope = rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+    head_dim = head_dim or hidden // heads
+    if model_type == "gemma3_text":
+        layers = layers or 3
+        family_fields = {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"][:layers]
+                         + ["full_attention"] * (layers - 3), "sliding_window": 8,
+                         "query_pre_attn_scalar": head_dim // 2, **family_fields}
+        rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}} \
+            if "full_attention" not in rope else rope
+    elif model_type == "mistral":
+        family_fields = {"sliding_window": None, **family_fields}
     config = AutoConfig.for_model(
         model_type,
         vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
+        num_hidden_layers=layers or 2,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=head_dim or hidden // heads,
+        head_dim=head_dim,
         max_position_embeddings=train_len,
-        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters=rope,
         attn_implementation=attn_implementation,
-        **{"sliding_window": None, **family_fields} if model_type == "mistral" else family_fields,
+        **family_fields,
     )
     with torch.random.fork_rng(devices=[]):  # the global generator as it was afterwards
         torch.manual_seed(seed)
@@ -76,6 +92,8 @@ def tiny_model(
                     parameter.normal_(0.0, 0.5)
                 elif name.endswith(("q_norm.weight", "k_norm.weight")):
                     parameter.uniform_(0.5, 1.5)
+                elif model_type == "gemma3_text" and name.endswith("norm.weight"):
+                    parameter.uniform_(-0.5, 0.5)
     return model
 
 

@@ -53,8 +53,8 @@ def cache_argument_renamed(monkeypatch):
                             **kwargs).last_hidden_state
         return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, -logits_to_keep:]))
 
-    for family in FAMILIES:
-        model_class = getattr(transformers, family.causal_lm.replace("ForCausalLM", "Model"))
+    for family in FAMILIES:  # each causal LM's decoder model: LlamaModel, ..., Gemma3TextModel
+        model_class = transformers.AutoModel._model_mapping[getattr(transformers, family.causal_lm).config_class]
         monkeypatch.setattr(model_class, "forward", renamed(model_class))
         monkeypatch.setattr(getattr(transformers, family.causal_lm), "forward", renamed_causal_forward)
     seam.forward_parameters.cache_clear()  # it remembers each class's declared parameters
@@ -146,15 +146,16 @@ def _own_model_cache(_model_cache_directory, monkeypatch):
 def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, quantized: bool = True) -> Path:
     """Write the model and tokenizer in `model_dir` as a GGUF the way llama.cpp's converter lays it out: a Llama's q
     and k rows permuted for its rotary layout (a Qwen's not), Qwen2's q/k/v biases, Qwen3's q/k norms and head
-    width, and (with `quantized`) the projections in Q8_0 blocks. `architecture`: the one the header names (the
-    model's model_type unless given)."""
+    width, Gemma 3's four norms a layer (stored as the 1 + weight they scale by), window and tied output, and (with
+    `quantized`) the projections in Q8_0 blocks. `architecture`: the one the header names (the model's model_type,
+    Gemma 3's "gemma3", unless given)."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = model.config
-    writer = gguf.GGUFWriter(str(path), architecture or config.model_type)
+    writer = gguf.GGUFWriter(str(path), architecture or config.model_type.replace("gemma3_text", "gemma3"))
     writer.add_name("tiny llama")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -164,10 +165,18 @@ def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, qua
     writer.add_head_count_kv(config.num_key_value_heads)
     head_dim = model.model.layers[0].self_attn.head_dim
     writer.add_rope_dimension_count(head_dim)
-    if config.model_type == "qwen3":
+    gemma = config.model_type == "gemma3_text"
+    if config.model_type == "qwen3" or gemma:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if gemma:  # the global layers' base (llama.cpp takes the local layers' as 10,000), their window, their scaling
+        writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_sliding_window(config.sliding_window)
+        if config.rope_parameters["full_attention"].get("factor"):
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
+    else:
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     vocabulary = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
@@ -177,6 +186,8 @@ def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, qua
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocabulary)
     writer.add_token_types([3 if token in specials else 1 for token in vocabulary])
+    if config.model_type == "gemma3_text":  # a SentencePiece vocabulary's scores, as Gemma's GGUFs carry them
+        writer.add_token_scores([-float(index) for index in range(len(vocabulary))])
     writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in merges])
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
@@ -197,10 +208,13 @@ def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, qua
         else:
             writer.add_tensor(name, array)
 
+    def norm(weight):  # llama.cpp stores Gemma's norms as the 1 + weight they scale by
+        return weight + 1 if gemma else weight
+
     add("token_embd.weight", model.model.embed_tokens.weight)
     for index, layer in enumerate(model.model.layers):
         attention, mlp, prefix = layer.self_attn, layer.mlp, f"blk.{index}"
-        add(f"{prefix}.attn_norm.weight", layer.input_layernorm.weight)
+        add(f"{prefix}.attn_norm.weight", norm(layer.input_layernorm.weight))
         add(f"{prefix}.attn_q.weight", permute(attention.q_proj.weight, config.num_attention_heads), True)
         add(f"{prefix}.attn_k.weight", permute(attention.k_proj.weight, config.num_key_value_heads), True)
         add(f"{prefix}.attn_v.weight", attention.v_proj.weight, True)
@@ -209,15 +223,21 @@ def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, qua
             if bias is not None:
                 add(f"{prefix}.attn_{part}.bias", bias)
         if hasattr(attention, "q_norm"):
-            add(f"{prefix}.attn_q_norm.weight", attention.q_norm.weight)
-            add(f"{prefix}.attn_k_norm.weight", attention.k_norm.weight)
+            add(f"{prefix}.attn_q_norm.weight", norm(attention.q_norm.weight))
+            add(f"{prefix}.attn_k_norm.weight", norm(attention.k_norm.weight))
         add(f"{prefix}.attn_output.weight", attention.o_proj.weight, True)
-        add(f"{prefix}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+        if gemma:
+            add(f"{prefix}.post_attention_norm.weight", norm(layer.post_attention_layernorm.weight))
+            add(f"{prefix}.ffn_norm.weight", norm(layer.pre_feedforward_layernorm.weight))
+            add(f"{prefix}.post_ffw_norm.weight", norm(layer.post_feedforward_layernorm.weight))
+        else:
+            add(f"{prefix}.ffn_norm.weight", layer.post_attention_layernorm.weight)
         add(f"{prefix}.ffn_gate.weight", mlp.gate_proj.weight, True)
         add(f"{prefix}.ffn_up.weight", mlp.up_proj.weight, True)
         add(f"{prefix}.ffn_down.weight", mlp.down_proj.weight, True)
-    add("output_norm.weight", model.model.norm.weight)
-    add("output.weight", model.lm_head.weight, True)
+    add("output_norm.weight", norm(model.model.norm.weight))
+    if not gemma:  # Gemma's output is its embedding (tied): llama.cpp writes it once
+        add("output.weight", model.lm_head.weight, True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -327,7 +327,8 @@ def test_model_problems_exit_4(gali, doc, tmp_path):
                       num_key_value_heads=2, pad_token_id=0)
     Phi3ForCausalLM(phi3).save_pretrained(tmp_path / "m")
     result = gali("summarize", str(doc), "-m", str(tmp_path / "m"), model=False)
-    assert result.exit_code == 4 and "'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3" in result.stderr
+    assert result.exit_code == 4
+    assert "'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3, Gemma 3" in result.stderr
 
 
 def test_out_of_memory_suggests_quantizing(gali, doc, monkeypatch):
@@ -686,9 +687,9 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 30 of 30 passed in " in result.stderr
-    assert len(lines) == 30 and all(line.startswith("ok ") for line in lines)
-    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:20]) == 20  # the seam first
+    assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 32 of 32 passed in " in result.stderr
+    assert len(lines) == 32 and all(line.startswith("ok ") for line in lines)
+    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:22]) == 22  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
     assert any(line.startswith("ok   GALI vs Alg. 3 as written: 300 keys") and "GALI " in line and " ms" in line
                for line in lines)
@@ -697,8 +698,8 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
                                "SiLU-gated") for line in lines)
     facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
     checks = facts["check"]["checks"]
-    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 30
-    assert sum(item["seam"] for item in checks) == 20
+    assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 32
+    assert sum(item["seam"] for item in checks) == 22
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
 
 
@@ -741,7 +742,7 @@ def test_info_check_reports_a_wrong_kernel_and_fails(gali, small_self_check, mon
     assert sum(line.startswith("FAIL noisy attention, native vs PyTorch") for line in result.stdout.splitlines()) == 4
     assert sum(line.startswith("FAIL GALI vs Alg. 3") for line in result.stdout.splitlines()) == 2  # its route
     assert result.stderr.strip().splitlines()[-1] == (
-        "gali: self-check: 7 of 30 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
+        "gali: self-check: 7 of 32 checks failed on cpu (see above); GALI_KERNEL=torch runs the PyTorch path")
     assert "FAIL transformers seam, gali with noise" in result.stdout  # noisy GALI takes the wrong kernel too
 
 
@@ -754,7 +755,7 @@ def test_info_check_reports_wrong_products_as_bytes(gali, small_self_check, monk
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     assert sum(line.startswith("FAIL a decoding step's projection as bytes") for line in lines) == 2
-    assert "2 of 30 checks failed on cpu" in result.stderr
+    assert "2 of 32 checks failed on cpu" in result.stderr
 
 
 def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, small_self_check,
@@ -763,11 +764,11 @@ def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, s
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     seam = [line for line in lines if "transformers seam" in line]
-    assert len(seam) == 20 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
+    assert len(seam) == 22 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
     assert "takes its KV cache under none of the names gali knows (cache, past_key_values)" in seam[0]
     assert sum(line.startswith("ok   ") for line in lines) == 10  # the attention paths themselves hold
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "gali: self-check: 20 of 30 checks failed; the transformers seam fails (see above): gali's answers would be "
+        "gali: self-check: 22 of 32 checks failed; the transformers seam fails (see above): gali's answers would be "
         "wrong with transformers ")
 
 

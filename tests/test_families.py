@@ -2,6 +2,7 @@
 float64 restatement reads it, exact within the window, decoded by the static step where the family has one, and
 refused in one line where gali does not serve it."""
 
+import dataclasses
 import json
 
 import pytest
@@ -20,6 +21,8 @@ from gali_cli.patching import apply_method, prefill_spans, remove_method
 from gali_cli.seam_check import CASES, PROMPT, VOCAB, seam_check, tiny_model
 
 OTHER_FAMILIES = [family.model_type for family in FAMILIES if family.model_type != "llama"]
+STATIC_FAMILIES = [family.model_type for family in FAMILIES if family.model_type != "llama"
+                   and family.no_static_step is None]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,10 @@ def test_eager_decoding_equals_the_restatement_too(model_type, prompt, monkeypat
         assert check.ok, (check.name, check.error)
 
 
-@pytest.mark.parametrize("model_type, part", [("qwen2", "self_attn.k_proj.bias"), ("qwen3", "self_attn.k_norm.weight")])
+@pytest.mark.parametrize("model_type, part", [("qwen2", "self_attn.k_proj.bias"), ("qwen3", "self_attn.k_norm.weight"),
+                                              ("gemma3_text", "self_attn.k_norm.weight"),
+                                              ("gemma3_text", "pre_feedforward_layernorm.weight"),
+                                              ("gemma3_text", "post_feedforward_layernorm.weight")])
 def test_the_restatement_misses_nothing_of_the_family(model_type, part):
     """The restatement with the family's own part taken out (a bias, a norm's weights) is far from the model: the
     tests above would fail if the hooks dropped it."""
@@ -73,7 +79,7 @@ def test_within_the_window_gali_is_the_unpatched_model(model_type):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("model_type", OTHER_FAMILIES)
+@pytest.mark.parametrize("model_type", STATIC_FAMILIES)
 @pytest.mark.parametrize("method", ["original", "gali", "self-extend"])
 def test_the_static_step_equals_the_models_own_forward(model_type, method):
     """From a 40-token prompt past the 32-token window: each static step's logits against the eager forward's on
@@ -101,17 +107,18 @@ def _config_dir(tmp_path, **fields):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("model_type, shown", [("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3")])
+@pytest.mark.parametrize("model_type, shown", [("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
+                                               ("gemma3_text", "Gemma 3")])
 def test_a_family_is_read_and_named(tmp_path, model_type, shown):
     config = read_model_config(_config_dir(tmp_path, model_type=model_type, max_position_embeddings=4096))
     assert config.facts()["family"] == shown and config.train_len == 4096
     assert config.facts()["methods"] == "yes"
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3", "falcon"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "phi3", "falcon"])
 def test_a_model_of_another_family_is_refused_naming_the_supported_ones(tmp_path, model_type):
     with pytest.raises(UnsupportedModelError, match=rf"is a '{model_type}' model; gali supports Llama, Mistral, "
-                                                    r"Qwen2, Qwen3$"):
+                                                    r"Qwen2, Qwen3, Gemma 3$"):
         read_model_config(_config_dir(tmp_path, model_type=model_type))
 
 
@@ -225,3 +232,181 @@ def test_bitsandbytes_on_each_family(family_model_dir, quantize):
         cache = new_cache(loaded.model)
         logits = prefill(loaded.model, ids, cache, prefill_spans(loaded.model, "gali", 0, 48, step=16))
     assert torch.isfinite(logits).all() and cache.get_seq_length() == 48
+
+
+# Gemma 3: local layers (a window of 8 on a RoPE base of 100) around a global one (base 10,000), logits scaled by
+# query_pre_attn_scalar^-1/2 (seam_check.tiny_model); the methods place the global layer's keys only.
+
+
+def test_gemma3s_restatement_misses_none_of_its_parts():
+    """The restatement without the local layers' window, with their base swapped for the global one, with the
+    logits scaled by 1/sqrt(head_dim), without the embedding scale or without Gemma's 1 + weight in its norms is far
+    from the model: each part is one a route could drop."""
+    import copy
+
+    model = tiny_model("gemma3_text", train_len=16)
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.inference_mode():
+        expected = model(torch.tensor([ids])).logits[0].double()
+    assert (ref.NaiveRoPE(model).prefill(ids) - expected).abs().max() < 1e-4
+
+    def without(change) -> float:
+        naive = ref.NaiveRoPE(model)
+        change(naive)
+        return (naive.prefill(ids) - expected).abs().max().item()
+
+    def no_window(naive):
+        naive.config = copy.deepcopy(naive.config)
+        naive.config.sliding_window = 1000
+
+    def one_base(naive):
+        naive.local_inv_freq = naive.inv_freq
+
+    def plain_scaling(naive):
+        naive.pre_attn_scale = None
+
+    def no_embedding_scale(naive):
+        naive.family = dataclasses.replace(naive.family, embedding_scale=False)
+
+    def plain_norms(naive):
+        naive.family = dataclasses.replace(naive.family, norm_offset=0.0)
+
+    for change in (no_window, one_base, plain_scaling, no_embedding_scale, plain_norms):
+        assert without(change) > 1e-2, change.__name__
+
+
+@pytest.mark.parametrize("method", ["original", "self-extend", "chunk-llama", "rerope", "dpe", "string"])
+def test_gemma3_decodes_eagerly_as_one_forward_over_everything_computes(method):
+    """40 tokens prefilled in forwards of 12, then 6 fed one forward each (the eager decoding step: the static one
+    is declared unavailable, with its reason), against the logits of one forward over all 46. (GALI's positions
+    depend on where its chunks end, so its decoding is held to its restatement instead, above.)"""
+    model = tiny_model("gemma3_text", train_len=16)
+    ids = torch.randint(0, VOCAB, (1, 46), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        apply_method(model, method, MethodSettings(), 46)
+        whole = new_cache(model)
+        spans = prefill_spans(model, method, 0, 46, step=46)
+        expected = torch.cat([model(ids[:, a:b], **with_cache(model, whole), use_cache=True).logits[0]
+                              for a, b in spans])[40:]
+        cache = new_cache(model)
+        prefill(model, ids[:, :40], cache, prefill_spans(model, method, 0, 40, step=12))
+        assert why_not_static(model, cache) == family_of(model.config).no_static_step
+        given = with_cache(model, cache)
+        got = torch.cat([model(ids[:, index : index + 1], **given, use_cache=True).logits[0]
+                         for index in range(40, 46)])
+    remove_method(model)
+    assert (got - expected).abs().max() < 1e-4
+
+
+def test_gemma3_original_is_the_unpatched_model_in_several_forwards():
+    model = tiny_model("gemma3_text", train_len=16)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        expected = model(ids).logits[0, -1]
+        apply_method(model, "original", MethodSettings(), 40)
+        logits = prefill(model, ids, new_cache(model), [(0, 12), (12, 30), (30, 40)])
+    assert (logits - expected).abs().max() < 1e-5
+
+
+def test_soft_capped_attention_logits_refuse_the_methods():
+    assert why_no_methods({"model_type": "gemma3_text", "attn_logit_softcapping": None}) is None
+    assert why_no_methods({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}) == (
+        "its attention logits are soft-capped at 50.0, which gali's attention routes do not apply: read it with "
+        "--method original")
+    model = tiny_model("gemma3_text", train_len=16, attn_logit_softcapping=50.0)
+    with pytest.raises(UnsupportedModelError, match=r"^gali does not apply to this model: its attention logits are "
+                                                    r"soft-capped at 50.0"):
+        apply_method(model, "gali", MethodSettings(), 24)
+
+
+@pytest.mark.parametrize("config, train_len, rope", [
+    # Gemma 3 1B's config.json as transformers 4 wrote it: flat rope_theta (the global layers') and no scaling.
+    ({"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None, "sliding_window": 512,
+      "max_position_embeddings": 32768}, 32768, {"rope_theta": 1000000.0, "rope_type": "default"}),
+    # The 4B on's text config: the global layers' RoPE scaled linearly by 8, trained at 128k with it.
+    ({"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+      "sliding_window": 1024, "max_position_embeddings": 131072}, 131072,
+     {"factor": 8.0, "rope_theta": 1000000.0, "rope_type": "linear"}),
+    # As transformers 5 writes it: a set per layer kind.
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+      "max_position_embeddings": 131072}, 131072, {"factor": 8.0, "rope_theta": 1000000.0, "rope_type": "linear"}),
+], ids=["1b", "4b-transformers-4", "4b-transformers-5"])
+def test_gemma3s_config_shows_its_global_rope_and_the_window_it_was_trained_at(tmp_path, config, train_len, rope):
+    facts = read_model_config(_config_dir(tmp_path, model_type="gemma3_text", **config)).facts()
+    assert facts["family"] == "Gemma 3" and facts["train_len"] == train_len and facts["rope"] == rope
+    assert facts["methods"] == "yes"
+    assert facts["static_step"] == f"no: {family_of({'model_type': 'gemma3_text'}).no_static_step}"
+
+
+def test_a_hostile_gemma3_rope_per_kind_is_refused(tmp_path):
+    from gali_cli.errors import ModelLoadError
+
+    kinds = {"full_attention": {"rope_type": "default", "rope_theta": float("inf")}}
+    with pytest.raises(ModelLoadError, match=r"rope_parameters.full_attention.rope_theta is inf"):
+        read_model_config(_config_dir(tmp_path, model_type="gemma3_text", rope_parameters=kinds))
+    with pytest.raises(ModelLoadError, match=r"sliding_window is 1e\+300: not a window a model has"):
+        read_model_config(_config_dir(tmp_path, model_type="gemma3_text", sliding_window=1e300))
+
+
+def test_ntk_and_yarn_rescale_only_gemma3s_global_layers():
+    model = tiny_model("gemma3_text", train_len=16)
+    local = model.model.rotary_emb.sliding_attention_inv_freq.clone()
+    apply_method(model, "yarn", MethodSettings(factor=3), 40)
+    rotary = model.model.rotary_emb.rescaled
+    assert torch.equal(rotary.sliding_attention_inv_freq, local)
+    assert rotary.rope_type == {"full_attention": "yarn", "sliding_attention": "default"}
+    remove_method(model)
+    assert type(model.model.rotary_emb).__name__ == "Gemma3RotaryEmbedding"
+
+
+GEMMA3_GGUF = {"hidden": 64, "head_dim": 256, "layers": 6, "query_pre_attn_scalar": 256,
+               # as transformers reads a Gemma 3 GGUF: every sixth layer global, the local base 10,000
+               "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+               "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+
+
+def test_a_gemma3_gguf_loads_and_reads_past_its_window(tmp_path):
+    """A Gemma 3 GGUF as llama.cpp writes one (norms as 1 + weight, tied output), read by transformers to the model
+    the directory holds, and GALI read past the window with it. (transformers makes a GemmaTokenizer of every
+    Gemma 3 GGUF's vocabulary, a SentencePiece one; the tests' byte-level one cannot stand in for it, so the model
+    is fed token ids here, not a document.)"""
+    pytest.importorskip("gguf")
+    from conftest import save_tiny_llama, write_gguf
+
+    from gali_cli.model.loading import load_model
+
+    directory = save_tiny_llama(tmp_path / "model", "gemma3_text", **GEMMA3_GGUF)
+    path = write_gguf(tmp_path / "tiny-gemma3.gguf", directory, quantized=False)
+    facts = read_model_config(str(path)).facts()
+    assert facts["family"] == "Gemma 3" and facts["train_len"] == 32 and facts["methods"] == "yes"
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        from_gguf = load_model(str(path), device="cpu", dtype="float32").model(ids).logits
+        from_directory = load_model(str(directory), device="cpu", dtype="float32").model(ids).logits
+    assert (from_gguf - from_directory).abs().max() < 1e-4
+    model = load_model(str(path), device="cpu", dtype="float32").model
+    ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        apply_method(model, "gali", MethodSettings(), 48)
+        cache = new_cache(model)
+        logits = prefill(model, ids, cache, prefill_spans(model, "gali", 0, 48, step=16))
+    assert torch.isfinite(logits).all() and cache.get_seq_length() == 48
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ({"query_pre_attn_scalar": 128, "head_dim": 128}, r"attention logits are scaled by 1/sqrt\(128\); transformers "
+                                                      r"reads every Gemma 3 GGUF's as 1/sqrt\(256\)"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+     r"global RoPE is scaled \(linear, factor 8.0: Gemma 3 4B on\); transformers reads it unscaled"),
+], ids=["query-scale", "rope-scaling"])
+def test_a_gemma3_gguf_transformers_would_misread_is_refused(tmp_path, change, refusal):
+    pytest.importorskip("gguf")
+    from conftest import save_tiny_llama, write_gguf
+
+    directory = save_tiny_llama(tmp_path / "model", "gemma3_text", **{**GEMMA3_GGUF, **change})
+    path = write_gguf(tmp_path / "tiny-gemma3.gguf", directory)
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        read_model_config(str(path))

@@ -47,7 +47,8 @@ def test_configs_transformers_wrote(tmp_path, tiny_model_dir):
 
 def test_what_cannot_be_read(tmp_path):
     Phi3Config().save_pretrained(tmp_path / "phi3")
-    with pytest.raises(UnsupportedModelError, match=r"'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3$"):
+    with pytest.raises(UnsupportedModelError, match=r"'phi3' model; gali supports Llama, Mistral, Qwen2, Qwen3, "
+                                                    r"Gemma 3$"):
         read_model_config(str(tmp_path / "phi3"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match=r"cannot load model .*: no config.json in it"):

@@ -18,7 +18,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import StaticCache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    causal_mask_function,
+    sliding_window_causal_mask_function,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -58,11 +62,13 @@ class Installed:
     """What `install` changed on a model, so that `uninstall` can put it back."""
 
     method: PositionalAttention
-    rotary: nn.Module
+    rotary: nn.Module  # what the method rotates by: the model's rotary (two kinds: the global layers' rope of it)
     original_attention: str
     config: Any  # the config object the model had, perhaps shared with other models
     hook: RemovableHandle | None = None
     check: RemovableHandle | None = None
+    module: nn.Module | None = None  # the model's rotary module, put back by `uninstall`
+    local_rotary: Any = None  # the local layers' rope where a family has two kinds (model/families.py), else None
 
 
 class Forward:
@@ -127,14 +133,38 @@ class Forward:
                               **kwargs)
         return output
 
-    def _original_mask(self, module: nn.Module, query: torch.Tensor, last: int) -> Any:
+    def local_attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        window: int, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
+        """A local layer's attention (a family with two kinds of layers): as the unpatched model computes it, with
+        the local rope at the true positions and the sliding window of `window` tokens, over the keys of tokens
+        [start - window + 1, stop) only (the cache holds them all). Returns (B, q, H, D)."""
+        first = max(0, self.start - window + 1)
+        cos, sin = self.memo(("local", query.device, query.dtype), lambda: self._local_table(query, first))
+        query = rotate(query[:, :, : self.stop - self.start], cos[self.start - first :], sin[self.start - first :])
+        key = rotate(key[:, :, first : self.stop], cos, sin)
+        mask = self.memo(("local-mask", query.device), lambda: self._original_mask(
+            module, query, self.stop, first, sliding_window_causal_mask_function(window)))
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.installed.original_attention, eager_attention_forward)
+        output, _ = attention(module, query, key, value[:, :, first : self.stop], mask, dropout=dropout,
+                              scaling=scaling, **kwargs)
+        return output
+
+    def _local_table(self, query: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local rope's cos/sin at tokens [first, stop), computed as the unpatched model computes them."""
+        positions = torch.arange(first, self.stop, device=query.device).unsqueeze(0)
+        cos, sin = self.installed.local_rotary(query, positions)
+        return cos[0].to(query.device), sin[0].to(query.device)
+
+    def _original_mask(self, module: nn.Module, query: torch.Tensor, last: int, first_key: int = 0,
+                       window_function: Callable | None = None) -> Any:
         make_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(self.installed.original_attention)
         if make_mask is None:
             return None
-        return make_mask(batch_size=query.shape[0], q_length=last - self.start, kv_length=last, q_offset=self.start,
-                         kv_offset=0, mask_function=causal_mask_function, attention_mask=None,
-                         allow_is_causal_skip=True, dtype=query.dtype, config=module.config, use_vmap=False,
-                         device=query.device)
+        return make_mask(batch_size=query.shape[0], q_length=last - self.start, kv_length=last - first_key,
+                         q_offset=self.start, kv_offset=first_key,
+                         mask_function=window_function or causal_mask_function, attention_mask=None,
+                         allow_is_causal_skip=window_function is None, dtype=query.dtype, config=module.config,
+                         use_vmap=False, device=query.device)
 
 
 class Placement(NamedTuple):

@@ -10,6 +10,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..errors import ConfigError
+from ..model.families import GLOBAL, family_of, rope_parameters
 
 
 class RescaledRope(nn.Module):
@@ -18,10 +19,14 @@ class RescaledRope(nn.Module):
     def __init__(self, original: nn.Module, config) -> None:
         super().__init__()
         self.original = original
-        self.rescaled = LlamaRotaryEmbedding(config=config).to(original.inv_freq.device)
+        if family_of(config).layer_kinds:  # its own class: a rope per layer kind, the kind passed on
+            device = original.get_buffer(f"{GLOBAL}_inv_freq").device
+            self.rescaled = type(original)(config=config).to(device)
+        else:
+            self.rescaled = LlamaRotaryEmbedding(config=config).to(original.inv_freq.device)
 
-    def forward(self, x, position_ids):
-        return self.rescaled(x, position_ids)
+    def forward(self, x, position_ids, *kind):
+        return self.rescaled(x, position_ids, *kind)
 
 
 def ntk_theta(rope_theta: float, factor: float, head_dim: int) -> float:
@@ -33,10 +38,11 @@ def rescale(base: nn.Module, kind: str, factor: float, train_len: int) -> dict:
     """Install `kind` ("ntk", "dynamic-ntk" or "yarn") with `factor`, relative to a window of `train_len`, in the
     decoder model `base` (the module holding `rotary_emb`, seam/hooks.py's `llama_model`).
 
-    Returns the rope parameters now in use.
+    Returns the rope parameters now in use (a family with local layers: its global layers', the local layers'
+    rope kept).
     """
     config = copy.deepcopy(base.config)
-    parameters = dict(config.rope_parameters or {})
+    parameters = rope_parameters(config)
     if parameters.get("rope_type", "default") != "default":
         raise ConfigError(
             f"--method {kind} rescales plain RoPE, but this model already uses rope_type "
@@ -56,7 +62,10 @@ def rescale(base: nn.Module, kind: str, factor: float, train_len: int) -> dict:
                       "original_max_position_embeddings": train_len}
     else:
         raise ValueError(f"unknown rope scaling {kind!r}")
-    config.rope_parameters = parameters
+    if family_of(config).layer_kinds:
+        config.rope_parameters = {**config.rope_parameters, GLOBAL: parameters}
+    else:
+        config.rope_parameters = parameters
     original = base.rotary_emb.original if isinstance(base.rotary_emb, RescaledRope) else base.rotary_emb
     base.rotary_emb = RescaledRope(original, config)
     return parameters

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from .families import default_train_len, family_of, why_no_methods
+from .families import GLOBAL, LOCAL, default_train_len, family_of, rope_parameters, why_no_methods
 from .gguf import GgufFile, check_architecture, is_gguf, read_header
 from .hub import check_hub
 from .machine import cuda_available
@@ -126,13 +126,15 @@ class ModelConfig:
     rope: dict
     family: str  # model/families.py
     methods: str  # "yes", or why the position methods do not apply (families.why_no_methods)
+    no_static_step: str | None = None  # why the family decodes without the static step (families.Family), if it does
 
     def facts(self) -> dict:
         """As `gali info` shows them (and as its --json has always named them)."""
         return {"architecture": self.architecture, "family": self.family, "layers": self.layers,
                 "hidden_size": self.hidden_size, "heads": self.heads, "kv_heads": self.kv_heads,
                 "vocab_size": self.vocab_size, "train_len": self.train_len, "rope": dict(self.rope),
-                "methods": self.methods}
+                "methods": self.methods,
+                **({"static_step": f"no: {self.no_static_step}"} if self.no_static_step else {})}
 
 
 def read_model_config(name: str) -> ModelConfig:
@@ -169,6 +171,9 @@ _GGUF_FIELDS = {"context_length": "max_position_embeddings", "block_count": "num
                 "embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
                 "attention.head_count_kv": "num_key_value_heads", "rope.freq_base": "rope_theta",
                 "vocab_size": "vocab_size", "feed_forward_length": "intermediate_size"}
+# What transformers reads besides, per architecture, and the model_type it gives the config.
+_GGUF_MORE_FIELDS = {"gemma3": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"}}
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def _gguf_config(name: str, gguf: GgufFile) -> ModelConfig:
@@ -176,9 +181,10 @@ def _gguf_config(name: str, gguf: GgufFile) -> ModelConfig:
     header = read_header(gguf.path)
     check_architecture(gguf.path, header)
     architecture = header.architecture  # the model_type transformers gives it
-    keys = {field: f"{architecture}.{key}" for key, field in _GGUF_FIELDS.items()}
-    raw = {"model_type": architecture, **{field: header.metadata[key] for field, key in keys.items()
-                                          if key in header.metadata}}
+    fields = {**_GGUF_FIELDS, **_GGUF_MORE_FIELDS.get(architecture, {})}
+    keys = {field: f"{architecture}.{key}" for key, field in fields.items()}
+    raw = {"model_type": _GGUF_MODEL_TYPES.get(architecture, architecture),
+           **{field: header.metadata[key] for field, key in keys.items() if key in header.metadata}}
     raw.setdefault("vocab_size", header.metadata.get("tokenizer.ggml.tokens", 32000))  # an array: its length
     check_config(name, raw, keys)
     try:
@@ -206,8 +212,10 @@ def _llama_config(raw: dict) -> ModelConfig:
     family = family_of(raw)
     heads, hidden = int(raw.get("num_attention_heads", 32)), int(raw.get("hidden_size", 4096))
     train_len = default_train_len(raw)
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    # A family with local layers (Gemma 3): the global layers' rope, the one the methods rotate by; a config.json of
+    # transformers 4 states it flat (rope_scaling, rope_theta; rope_local_base_freq the local layers').
+    rope = dict(rope_parameters(raw) or raw.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0 if family.layer_kinds else 10000.0))
     rope.setdefault("rope_type", rope.get("type", "default"))
     if rope["rope_type"] in ("llama3", "yarn", "longrope"):
         rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings", train_len))
@@ -216,7 +224,8 @@ def _llama_config(raw: dict) -> ModelConfig:
                        heads=heads, kv_heads=int(raw.get("num_key_value_heads") or heads),
                        head_dim=int(raw.get("head_dim") or hidden // heads),
                        vocab_size=int(raw.get("vocab_size", 32000)), train_len=train_len, rope=rope,
-                       family=family.name, methods=_yes_or_why_not(why_no_methods(raw)))
+                       family=family.name, methods=_yes_or_why_not(why_no_methods(raw)),
+                       no_static_step=family.no_static_step)
 
 
 def _yes_or_why_not(reason: str | None) -> str:
@@ -281,8 +290,18 @@ def check_config(name: str, raw: dict, labels: dict | None = None) -> None:
         if field in raw:
             _check_float(raw[field], lambda why, value=raw[field], field=field: refuse(field, value, why),
                          positive=field == "rope_theta")
-    for field in ("rope_scaling", "rope_parameters"):
-        rope = raw.get(field)
+    ropes = [(field, raw.get(field)) for field in ("rope_scaling", "rope_parameters")]
+    kinds = raw.get("rope_parameters")
+    if isinstance(kinds, dict) and (GLOBAL in kinds or LOCAL in kinds):  # one set per layer kind (Gemma 3)
+        ropes = [ropes[0], *((f"rope_parameters.{kind}", kinds[kind]) for kind in (GLOBAL, LOCAL) if kind in kinds)]
+    window = raw.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or not 1 <= window <= LIMITS["max_position_embeddings"]):
+        raise refuse("sliding_window", window, "not a window a model has")
+    if raw.get("rope_local_base_freq") is not None:
+        _check_float(raw["rope_local_base_freq"], lambda why, value=raw["rope_local_base_freq"]: refuse(
+            "rope_local_base_freq", value, why), positive=True)
+    for field, rope in ropes:
         if rope is None:
             continue
         if not isinstance(rope, dict):

@@ -14,6 +14,16 @@ torch nor transformers imported (`gali info` answers without them):
   than its window, inside its training length, so no relative position ever leaves what it was trained on and the
   position methods have nothing to extend; bending positions under a window it was not trained with would change
   it for nothing. Methods are refused there (`why_no_methods`); --method original reads it as transformers does.
+- Layers of two kinds (Gemma 3, `layer_kinds`): the config's `layer_types` calls each layer "full_attention"
+  (global) or "sliding_attention" (local: a window of `sliding_window` tokens, inside the training length, on a
+  RoPE of its own base), `rope_parameters` holds one set per kind, and the rotary takes the kind as its third
+  argument. The methods place the global layers' keys only; a local layer is computed as the unpatched model
+  computes it (its rotary, its window), since it never sees a distance past its window. Its cache keeps every
+  token, as a global layer's does (the cache is cut and saved at one length for all layers), and its attention
+  reads the window's keys only. The rest (RMSNorm scaling by 1 + weight, embeddings scaled by sqrt(hidden), norms
+  after the attention and around the MLP) is outside what the hooks touch: the float64 restatement spells it out.
+- Attention logit soft-capping (Gemma 2's `attn_logit_softcapping`) bends every logit before the softmax: none of
+  the methods' routes applies it, so they are refused on such a config (`why_no_methods`).
 """
 
 from dataclasses import dataclass
@@ -37,6 +47,15 @@ class Family:
     # transformers' class of its RMSNorms where they compute Llama's x / rms(x) * weight, which the CPU decoding
     # step's byte-grid products fuse (seam/grid_weights.py); None: its norms are run as modules.
     rms_norm: str | None = None
+    layer_kinds: bool = False  # global and local layers (GLOBAL, LOCAL), a rope per kind (see above)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight): Gemma's 1 + weight
+    embedding_scale: bool = False  # the embeddings times sqrt(hidden_size)
+    sandwich_norms: bool = False  # the attention's and the MLP's outputs normed too, the MLP's input by its own norm
+    # Why the static decoding step (engine/seam/static_decode.py) is not written out for the family (None: it is).
+    no_static_step: str | None = None
+
+
+GLOBAL, LOCAL = "full_attention", "sliding_attention"  # a layer's kind, as `layer_types` names it
 
 
 FAMILIES = (
@@ -46,6 +65,12 @@ FAMILIES = (
     # Qwen3's configs state 40,960 positions: its 32,768-token pretraining context plus 8,192 for the answer.
     Family("Qwen3", "qwen3", "Qwen3ForCausalLM", "Qwen3DecoderLayer", qk_norm=True, pretraining_len=((40960, 32768),),
            rms_norm="Qwen3RMSNorm"),
+    # Gemma 3's configs state the length it was trained at: 32,768 (1B), 131,072 (4B on, reached at the end of
+    # pretraining with the global layers' RoPE scaled linearly by 8, which the methods rotate with).
+    Family("Gemma 3", "gemma3_text", "Gemma3ForCausalLM", "Gemma3DecoderLayer", qk_norm=True, layer_kinds=True,
+           norm_offset=1.0, embedding_scale=True, sandwich_norms=True,
+           no_static_step="Gemma 3's decoder layer (local and global kinds, four norms) is not written out for "
+                          "it: tokens decode by the model's own forward"),
 )
 
 
@@ -75,8 +100,36 @@ def default_train_len(config: Any) -> int:
     return dict(family_of(config).pretraining_len).get(window, window)
 
 
+def rope_parameters(config: Any) -> dict:
+    """The rope parameters the methods rotate by: the global layers' where a family has two kinds (as a config
+    object or a transformers 5 config.json holds them; an older config.json's flat `rope_scaling` and `rope_theta`
+    are the global layers' too), else the config's own (flat)."""
+    parameters = _get(config, "rope_parameters") or {}
+    if family_of(config).layer_kinds and isinstance(parameters, dict) and GLOBAL in parameters:
+        return dict(parameters[GLOBAL] or {})
+    return dict(parameters)
+
+
+def has_layer_kinds(config: Any) -> bool:
+    """Whether `config` is of a family with global and local layers (False for one gali does not serve)."""
+    return any(family.layer_kinds and family.model_type == _get(config, "model_type") for family in FAMILIES)
+
+
+def layer_is_local(config: Any, layer: int) -> bool:
+    """Whether layer `layer` is a local (sliding-window) layer the methods leave exact."""
+    kinds = _get(config, "layer_types") if family_of(config).layer_kinds else None
+    return bool(kinds) and kinds[layer] == LOCAL
+
+
 def why_no_methods(config: Any) -> str | None:
-    """Why the position methods do not apply to this model (None: they do): a sliding window on its layers."""
+    """Why the position methods do not apply to this model (None: they do): a sliding window on its layers, or
+    attention logits soft-capped."""
+    softcap = _get(config, "attn_logit_softcapping")
+    if softcap is not None:
+        return (f"its attention logits are soft-capped at {softcap}, which gali's attention routes do not apply: "
+                "read it with --method original")
+    if family_of(config).layer_kinds:
+        return None  # its sliding window is on the local layers only, which the methods leave exact
     window = _get(config, "sliding_window")
     if window is None or (_get(config, "model_type") != "mistral" and not _get(config, "use_sliding_window")):
         return None

@@ -18,10 +18,15 @@ from ..errors import ModelLoadError, UnsupportedModelError
 
 MAGIC = b"GGUF"
 # The GGUF architectures of gali's families that transformers reads (llama.cpp writes a Mistral as "llama").
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # transformers takes no head width from a Qwen3 GGUF (its attention.key_length): Qwen3Config's default, 128, which
 # every released Qwen3 has; another would load with its attention weights silently re-initialised.
 QWEN3_GGUF_HEAD_DIM = 128
+# transformers reads a Gemma 3 GGUF with Gemma3TextConfig's defaults where the header says nothing: logits scaled by
+# query_pre_attn_scalar = 256, and no rope scaling (it rebuilds none for this architecture). llama.cpp scales by
+# hidden / heads for the 27B (62 blocks), by the head width otherwise; 4B on scale their global RoPE linearly by 8.
+GEMMA3_GGUF_QUERY_SCALAR = 256
+GEMMA3_27B_BLOCKS = 62
 _VERSIONS = (2, 3)  # version 1 counted in 32 bits; llama.cpp has not written it since 2023
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -237,6 +242,18 @@ def check_architecture(path: Path, header: GgufHeader) -> None:
     if architecture == "qwen3" and head_dim != QWEN3_GGUF_HEAD_DIM:
         raise UnsupportedModelError(f"{path}: a Qwen3 GGUF with heads {head_dim} wide; transformers reads every "
                                     f"Qwen3 GGUF's as {QWEN3_GGUF_HEAD_DIM} (as all released Qwen3 have them)")
+    if architecture == "gemma3":
+        scalar = hidden // heads if count == GEMMA3_27B_BLOCKS else head_dim
+        if scalar != GEMMA3_GGUF_QUERY_SCALAR:
+            raise UnsupportedModelError(f"{path}: a Gemma 3 GGUF whose attention logits are scaled by "
+                                        f"1/sqrt({scalar}); transformers reads every Gemma 3 GGUF's as "
+                                        f"1/sqrt({GEMMA3_GGUF_QUERY_SCALAR})")
+        factor = field("rope.scaling.factor")
+        if factor not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"{path}: a Gemma 3 GGUF whose global RoPE is scaled "
+                                        f"({field('rope.scaling.type')}, factor {factor}: Gemma 3 4B on); "
+                                        "transformers reads it unscaled, a different model: use the model's "
+                                        "safetensors (its gemma3_text config)")
     expected = {"token_embd.weight": (hidden, vocab), "blk.0.attn_q.weight": (hidden, heads * head_dim),
                 "blk.0.attn_k.weight": (hidden, kv_heads * head_dim),
                 "blk.0.ffn_gate.weight": (hidden, field("feed_forward_length"))}

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ...model.families import GLOBAL, LOCAL, family_of, layer_is_local
 from ..math.noise import Noise, standard_normal
 
 
@@ -51,22 +52,37 @@ def chunk_positions(cur_len: int, add_token: int, train_len: int, local_window: 
 
 class NaiveLlama:
     """A Llama spelled out from its weights, in float64, one forward per call, K/V cached without RoPE; with the
-    q/k/v biases (Qwen2) and the per-head q/k RMSNorms before RoPE (Qwen3) where the weights hold them.
+    q/k/v biases (Qwen2) and the per-head q/k RMSNorms before RoPE (Qwen3, Gemma 3) where the weights hold them,
+    and what model/families.py declares of Gemma 3: local layers on their own rope within their window (the
+    methods' positions on the global layers only), logits scaled by query_pre_attn_scalar^-1/2, embeddings times
+    sqrt(hidden), RMSNorms by 1 + weight, the attention's and MLP's outputs normed, a GELU MLP.
 
-    Subclasses give the attention logits of one head: `logits(q (n, D), keys (T, D), first, layer, head)`, scaled
-    by 1/sqrt(d), for the queries of tokens first..first+n-1 over the keys of tokens 0..T-1; the causal mask,
-    softmax and the rest of the layer are here.
+    Subclasses give the attention logits of one head of a global layer: `logits(q (n, D), keys (T, D), first,
+    layer, head)`, scaled by `logit_scale` (1/sqrt(d) on a Llama), for the queries of tokens first..first+n-1 over
+    the keys of tokens 0..T-1; the causal mask, softmax and the rest of the layer are here.
     """
 
     def __init__(self, model, batch_index: int = 0):
         self.config = model.config
         self.weights = {name: tensor.detach().double() for name, tensor in model.state_dict().items()}
         self.weights["lm_head.weight"] = model.lm_head.weight.detach().double()
+        self.dtype = model.lm_head.weight.dtype
         rotary = model.model.rotary_emb
         # The rotary in use: a rescaled one (ntk, yarn), or the model's own behind a method's stand-in.
         rotary = getattr(rotary, "rescaled", None) or getattr(rotary, "rotary", rotary)
-        self.inv_freq = rotary.inv_freq.detach().double()
-        self.rope_scaling = float(rotary.attention_scaling)
+        self.family = family_of(self.config)
+        # Two kinds of layers (Gemma 3): the methods' positions on the global layers' rope; the local layers' own.
+        # (A config of one kind only has no rope of the other.)
+        prefix = f"{GLOBAL}_" if self.family.layer_kinds else ""
+        if hasattr(rotary, prefix + "inv_freq"):
+            self.inv_freq = getattr(rotary, prefix + "inv_freq").detach().double()
+            self.rope_scaling = float(getattr(rotary, prefix + "attention_scaling"))
+        if hasattr(rotary, f"{LOCAL}_inv_freq"):
+            self.local_inv_freq = getattr(rotary, f"{LOCAL}_inv_freq").detach().double()
+            self.local_rope_scaling = float(getattr(rotary, f"{LOCAL}_attention_scaling"))
+        # The logits' scale: Gemma's query_pre_attn_scalar^-1/2, a Llama's 1/sqrt(head_dim).
+        pre_scalar = getattr(self.config, "query_pre_attn_scalar", None)
+        self.pre_attn_scale = None if pre_scalar is None else pre_scalar ** -0.5
         self.batch_index = batch_index
         layers = self.config.num_hidden_layers
         self.keys: list[list[torch.Tensor]] = [[] for _ in range(layers)]
@@ -89,44 +105,84 @@ class NaiveLlama:
         return tokens, step_logits
 
     def forward(self, ids: list[int]) -> torch.Tensor:
-        w, cfg = self.weights, self.config
+        w, cfg, family = self.weights, self.config, self.family
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         first, new = self.length, len(ids)
         total = first + new
         x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+        if family.embedding_scale:  # Gemma: times sqrt(hidden), as the model's dtype holds it
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype).double()
         for layer in range(cfg.num_hidden_layers):
             p = f"model.layers.{layer}."
+            local = layer_is_local(cfg, layer)
             h = self._rms_norm(x, w[p + "input_layernorm.weight"])
             q = self._projection(h, p + "self_attn.q_proj").view(new, heads, head_dim)
             k = self._projection(h, p + "self_attn.k_proj").view(new, kv_heads, head_dim)
-            if p + "self_attn.q_norm.weight" in w:  # Qwen3: each head's q and k RMS-normed before RoPE
+            if p + "self_attn.q_norm.weight" in w:  # Qwen3, Gemma 3: each head's q and k RMS-normed before RoPE
                 q = self._rms_norm(q, w[p + "self_attn.q_norm.weight"])
                 k = self._rms_norm(k, w[p + "self_attn.k_norm.weight"])
             self.keys[layer].append(k)
             self.values[layer].append(self._projection(h, p + "self_attn.v_proj").view(new, kv_heads, head_dim))
             keys, values = torch.cat(self.keys[layer]), torch.cat(self.values[layer])
             heads_out = []
+            query_index = torch.arange(first, total).unsqueeze(1)
+            masked = torch.arange(total).unsqueeze(0) > query_index
+            if local:  # a local layer: its own rope at the true positions, keys within the window only
+                masked = masked | (query_index - torch.arange(total).unsqueeze(0) >= cfg.sliding_window)
             for head in range(heads):
                 kv = head // (heads // kv_heads)
-                logits = self.logits(q[:, head], keys[:, kv], first, layer, head)
-                query_index = torch.arange(first, total).unsqueeze(1)
-                logits = logits.masked_fill(torch.arange(total).unsqueeze(0) > query_index, float("-inf"))
+                if local:
+                    logits = self.local_logits(q[:, head], keys[:, kv], first)
+                else:
+                    logits = self.logits(q[:, head], keys[:, kv], first, layer, head)
+                logits = logits.masked_fill(masked, float("-inf"))
                 heads_out.append(torch.softmax(logits, dim=-1) @ values[:, kv])
-            x = x + torch.cat(heads_out, dim=-1) @ w[p + "self_attn.o_proj.weight"].T
-            h = self._rms_norm(x, w[p + "post_attention_layernorm.weight"])
-            gate = h @ w[p + "mlp.gate_proj.weight"].T
-            up = h @ w[p + "mlp.up_proj.weight"].T
-            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+            attention = torch.cat(heads_out, dim=-1) @ w[p + "self_attn.o_proj.weight"].T
+            if family.sandwich_norms:  # Gemma: the attention's output normed; the MLP between two norms of its own
+                x = x + self._rms_norm(attention, w[p + "post_attention_layernorm.weight"])
+                h = self._rms_norm(x, w[p + "pre_feedforward_layernorm.weight"])
+                x = x + self._rms_norm(self._mlp(h, p), w[p + "post_feedforward_layernorm.weight"])
+            else:
+                x = x + attention
+                h = self._rms_norm(x, w[p + "post_attention_layernorm.weight"])
+                x = x + self._mlp(h, p)
         self.length = total
-        return self._rms_norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+        logits = self._rms_norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        """The gated MLP, with the config's activation (a Llama's SiLU, Gemma's tanh-approximated GELU)."""
+        w = self.weights
+        gate = h @ w[p + "mlp.gate_proj.weight"].T
+        up = h @ w[p + "mlp.up_proj.weight"].T
+        activation = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", "silu")
+        if activation == "silu":
+            gate = torch.nn.functional.silu(gate)
+        elif activation in ("gelu_pytorch_tanh", "gelu_tanh"):
+            gate = torch.nn.functional.gelu(gate, approximate="tanh")
+        else:
+            raise ValueError(f"no restatement of the activation {activation!r}")
+        return (gate * up) @ w[p + "mlp.down_proj.weight"].T
+
+    def local_logits(self, query, keys, first):
+        """A local layer's logits: its own rope, at the true positions."""
+        positions = torch.arange(first, first + len(query)), torch.arange(len(keys))
+        rotated = [self.rope(x, at, self.local_inv_freq, self.local_rope_scaling) for x, at in zip((query, keys),
+                                                                                                 positions)]
+        return rotated[0] @ rotated[1].T * self.logit_scale(query)
+
+    def logit_scale(self, query: torch.Tensor) -> float:
+        """What a logit q.k is multiplied by: the config's query_pre_attn_scalar^-1/2 (Gemma), else 1/sqrt(d)."""
+        return self.pre_attn_scale if self.pre_attn_scale is not None else 1 / math.sqrt(query.shape[-1])
 
     def logits(self, query, keys, first, layer, head):
         raise NotImplementedError
 
     def rope_logits(self, query, keys, query_positions, key_positions) -> torch.Tensor:
         """f(q, P_q)^T f(k, P_k) / sqrt(d) for every query/key pair, positions as float tensors."""
-        return self.rope(query, query_positions) @ self.rope(keys, key_positions).T / math.sqrt(query.shape[-1])
+        return self.rope(query, query_positions) @ self.rope(keys, key_positions).T * self.logit_scale(query)
 
     def _projection(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x W^T, plus the bias where the model has one (Qwen2's q/k/v)."""
@@ -134,16 +190,22 @@ class NaiveLlama:
         return x @ self.weights[name + ".weight"].T + (0 if bias is None else bias)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight
+        """RMSNorm by the weight (a Llama's), or by offset + weight (Gemma's 1 + weight)."""
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * (
+            weight + self.family.norm_offset if self.family.norm_offset else weight)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x rotated at `positions`: (n,), or (n, D/2) for a position per frequency."""
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None = None,
+             scaling: float | None = None) -> torch.Tensor:
+        """x rotated at `positions`: (n,), or (n, D/2) for a position per frequency (by the methods' rope unless
+        `inv_freq` and `scaling` are given: a local layer's)."""
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        scaling = self.rope_scaling if scaling is None else scaling
         positions = positions.double()
-        angles = positions * self.inv_freq if positions.dim() == 2 else positions.unsqueeze(1) * self.inv_freq
+        angles = positions * inv_freq if positions.dim() == 2 else positions.unsqueeze(1) * inv_freq
         angles = torch.cat((angles, angles), dim=-1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * angles.cos() * self.rope_scaling + rotated * angles.sin() * self.rope_scaling
+        return x * angles.cos() * scaling + rotated * angles.sin() * scaling
 
 
 class NaiveRoPE(NaiveLlama):
@@ -285,7 +347,7 @@ class NaiveRelative(NaiveLlama):
         at_zero = self.rope(keys, torch.zeros(len(keys)))
         rows = [(self.rope(q.expand(len(keys), -1) * scale, positions) * at_zero).sum(-1)
                 for q, scale, positions in zip(query, self.query_scale(i), relative)]
-        return torch.stack(rows) / math.sqrt(query.shape[-1])
+        return torch.stack(rows) * self.logit_scale(query)
 
 
 class NaiveReRoPE(NaiveRelative):

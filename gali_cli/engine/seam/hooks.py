@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ...compat import warn_if_untested
 from ...errors import GaliError, UnsupportedModelError
-from ...model.families import family_of, why_no_methods
+from ...model.families import GLOBAL, LOCAL, family_of, layer_is_local, rope_parameters, why_no_methods
 from ..contract import Forward, Installed, PositionalAttention
 from . import cached_tokens, forward_arguments, seam_error
 
@@ -48,7 +48,12 @@ def install(model: PreTrainedModel, method: PositionalAttention) -> None:
         uninstall(model)
     AttentionInterface.register(method.name, _attention)
     AttentionMaskInterface.register(method.name, _no_mask)
-    installed = Installed(method, base.rotary_emb, model.config._attn_implementation, model.config)
+    rotary, local = base.rotary_emb, None
+    if family_of(model.config).layer_kinds:  # the methods rotate by the global layers' rope; local layers by theirs
+        rotary = KindRotary(base.rotary_emb, GLOBAL)
+        local = KindRotary(base.rotary_emb, LOCAL) if LOCAL in model.config.layer_types else None
+    installed = Installed(method, rotary, model.config._attn_implementation, model.config, module=base.rotary_emb,
+                          local_rotary=local)
     _replace_config(model, model.config, copy.deepcopy(model.config))
     base.rotary_emb = _UnrotatedQueriesAndKeys(base.rotary_emb, model.config)
     model.set_attn_implementation(method.name)
@@ -65,7 +70,7 @@ def uninstall(model: PreTrainedModel) -> None:
         raise GaliError("no position-remapping method is applied to this model")
     installed.hook.remove()
     installed.check.remove()
-    base.rotary_emb = installed.rotary
+    base.rotary_emb = installed.module
     _replace_config(model, model.config, installed.config)  # it still names the original attention
     del base._positional
 
@@ -90,6 +95,25 @@ def _replace_config(model: nn.Module, old: Any, new: Any) -> None:
             module.config = new
 
 
+class KindRotary:
+    """One kind's rope of a rotary that takes the layer kind (Gemma 3's): called with (x, positions) and holding
+    `inv_freq` and `attention_scaling`, as a Llama's rotary."""
+
+    def __init__(self, rotary: nn.Module, kind: str) -> None:
+        self.rotary, self.kind = rotary, kind
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return getattr(self.rotary, f"{self.kind}_inv_freq")
+
+    @property
+    def attention_scaling(self) -> float:
+        return getattr(self.rotary, f"{self.kind}_attention_scaling")
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(x, position_ids, self.kind)
+
+
 class _UnrotatedQueriesAndKeys(nn.Module):
     """Stands in for the model's rotary embedding: cos = 1, sin = 0, so attention receives q and k un-rotated."""
 
@@ -98,7 +122,7 @@ class _UnrotatedQueriesAndKeys(nn.Module):
         self.rotary = rotary  # kept as a child so that .to() and device maps still move it
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *kind) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (*position_ids.shape[:2], self.head_dim)
         return x.new_ones(1, 1, 1).expand(shape), x.new_zeros(1, 1, 1).expand(shape)
 
@@ -161,7 +185,10 @@ def _attention(
         raise GaliError("a custom 4D attention_mask is not supported: the method builds its own causal masks")
     _check_extent(rope_forward, module, query, key)
     method = rope_forward.installed.method
-    if rope_forward.stop <= method.exact_until:
+    if rope_forward.installed.local_rotary is not None and layer_is_local(module.config, module.layer_idx):
+        output = rope_forward.local_attention(module, query, key, value, module.config.sliding_window, scaling,
+                                              dropout, **kwargs)
+    elif rope_forward.stop <= method.exact_until:
         output = rope_forward.exact_attention(module, query, key, value, rope_forward.stop, scaling, dropout,
                                               **kwargs)
     else:
@@ -203,7 +230,7 @@ def llama_model(model: nn.Module) -> PreTrainedModel:
     base = model if hasattr(model, "rotary_emb") else getattr(model, "model", None)
     if not isinstance(base, PreTrainedModel) or not hasattr(base, "rotary_emb") or not hasattr(base, "layers"):
         raise UnsupportedModelError(f"no {family.name} decoder with a rotary embedding inside {type(model).__name__}")
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    rope_type = rope_parameters(config).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported: its frequencies depend on the sequence length "

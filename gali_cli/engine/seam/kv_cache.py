@@ -17,6 +17,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from ...model.families import has_layer_kinds
+
 _SPARE_MIN = 64  # rows of room added, at least, when a buffer must grow past what was reserved
 
 
@@ -95,8 +97,13 @@ class GrowingLayer(DynamicLayer):
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """An empty KV cache for `model` whose layers append in place (`GrowingLayer`)."""
+    """An empty KV cache for `model` whose layers append in place (`GrowingLayer`). A family with local layers
+    (model/families.py: Gemma 3) gets every layer's keys kept, as one length to cut, save and hand to the methods;
+    its local layers still attend within their window."""
     cache = DynamicCache(config=model.config)
+    if has_layer_kinds(model.config):
+        cache.layers = [GrowingLayer() for _ in cache.layers]
+        return cache
     if not all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding windows: not a Llama's
         return cache
     cache.layers = [GrowingLayer() for _ in cache.layers]

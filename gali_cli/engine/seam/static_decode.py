@@ -85,6 +85,8 @@ def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
     if type(model).__name__ != family.causal_lm or any(type(layer).__name__ != family.decoder_layer
                                                        for layer in base.layers):
         return f"{type(model).__name__} is not a plain {family.causal_lm}"
+    if family.no_static_step is not None:
+        return family.no_static_step
     devices = {parameter.device for parameter in model.parameters()}
     if len(devices) != 1:
         return "the model is spread over several devices"
