@@ -181,6 +181,41 @@ def test_the_commands_read_past_the_window_on_each_family(family_model_dir, tmp_
     assert json.loads(summary.stdout)["answer"] is not None
 
 
+def test_serve_and_batch_mode_read_past_the_window_on_each_family(family_model_dir, tmp_path):
+    """gali serve's worker (without HTTP) answers a second question about a document past the window from the first
+    one's state, as a fresh read would; batch mode writes one line per document."""
+    from test_server_worker import _fresh_answer, _job, _prompt
+    from typer.testing import CliRunner
+
+    from gali_cli import cli
+    from gali_cli.generate import TextPiece
+    from gali_cli.model.loading import load_model
+    from gali_cli.server.worker import Done, ModelWorker
+
+    loaded = load_model(str(family_model_dir), "none", "cpu", "float32")
+    worker = ModelWorker(loaded, "gali", MethodSettings(), None, 4)
+    document = "The lease runs for three years and the rent is due on the first of each month. " * 4
+    events_of = []
+    for question in ("When is the rent due?", "How long is the lease?"):
+        prompt = _prompt(loaded, f"{document}\n\n{question}")
+        job, events = _job(prompt)
+        worker._answer(job)
+        events_of.append(events)
+    done = events_of[-1][-1]
+    assert isinstance(done, Done) and done.cached_tokens > 32 and len(prompt.ids) > 32  # past the 32-token window
+    answer = "".join(event.text for event in events_of[-1] if isinstance(event, TextPiece))
+    assert answer == _fresh_answer(loaded, prompt)
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(document)
+    out = tmp_path / "answers.jsonl"
+    result = CliRunner().invoke(cli.app, ["ask", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "When is it due?",
+                                          "--out", str(out), "--max-new-tokens", "3", "-m", str(family_model_dir)])
+    assert result.exit_code == 0, result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 2 and all(line["status"] == "ok" and line["prompt_tokens"] > 32 for line in lines), lines
+
+
 @pytest.mark.parametrize("model_type, sizes", [("qwen2", {}), ("qwen3", {"head_dim": 128})])
 def test_a_gguf_of_the_family_loads_and_reads_past_its_window(model_type, sizes, tmp_path):
     """A GGUF written as llama.cpp lays out a Qwen (biases, q/k norms, heads wider than hidden / heads): its header
