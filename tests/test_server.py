@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from gali_cli import cli
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
+from gali_cli.engine.math import positions
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
 from gali_cli.model.loading import load_model
 from gali_cli.patching import apply_method, prefill_spans
@@ -472,7 +473,7 @@ def gali_serve(*options: str):
 def test_gali_serve_demo_streams_a_document_16_windows_long_to_six_clients_and_stops_on_sigterm():
     """The issue's done-when: the official client streams a chat over a document 16x the demo's window, six
     concurrent requests complete, bad requests get 4xx JSON while it keeps serving, SIGTERM ends it."""
-    document = Path(__file__).parents[1].joinpath("gali_cli", "engine", "positions.py").read_text() * 3
+    document = Path(positions.__file__).read_text() * 3
     with gali_serve() as (url, process, lines):
         server = SimpleNamespace(url=url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
