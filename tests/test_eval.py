@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from timing import scaled
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -146,7 +147,7 @@ def test_two_processes_under_torchrun_share_the_answers(tiny_model_dir, tmp_path
     command = [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", str(Path(sys.executable)
                .with_name("gali")), "eval", "niah_single_1", "--lengths", "512", "--samples", "2", "--out", str(out),
                "-m", str(tiny_model_dir), "--no-cache", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+    result = subprocess.run(command, capture_output=True, text=True, timeout=scaled(600),
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "[rank 0/2]" in result.stderr and "[rank 1/2]" in result.stderr

@@ -1,6 +1,7 @@
 import time
 
 import pytest
+from timing import scaled
 from transformers import AutoTokenizer
 
 from gali_cli import prompts
@@ -221,7 +222,7 @@ def test_a_hostile_chat_template_is_refused_within_bounds(tiny_model_dir, name):
     with pytest.raises(ModelLoadError, match="cannot use model 'hostile-model': the model's chat template") as error:
         prompt_ids(tokenizer, "A document.", "Summarize it.")
     assert message in str(error.value) and "\n" not in str(error.value)
-    assert time.monotonic() - started < MAX_SECONDS + 5
+    assert time.monotonic() - started < MAX_SECONDS + scaled(5)
 
 
 _VARIED = ("The lease ends in March.\n\nIt's 12345 days, isn't it?  Two spaces.\n  Indented line.\n\n  \n"
