@@ -19,7 +19,8 @@ import gali_cli.runs.evaluate as evaluate
 from gali_cli.evaluation import tasks
 from gali_cli.evaluation.sample import Request, Sample
 from gali_cli.evaluation.tasks import build_samples
-from gali_cli.runs.evaluate import prompt_ids
+from gali_cli.prompts import ASK_STYLE, ask_instruction
+from gali_cli.runs.evaluate import prompt_ids, styled
 
 TIMING = {"seconds", "prefill_tokens_per_second", "decode_tokens_per_second", "peak_memory_mib"}
 
@@ -105,6 +106,7 @@ def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, mon
     (["vt", "--lengths", "99999999999999999999999999k"], "is past 16384k tokens"),
     (["vt", "--lengths", "0"], "'0' is too short, a prompt needs at least 1 token"),
     (["vt", "--lengths", "-1"], "'-1' is too short, a prompt needs at least 1 token"),
+    (["vt", "--prompt-style", "chatty"], "--prompt-style must be one of task, plain, wrapped, brief; got 'chatty'"),
 ])
 def test_usage_errors_exit_2(gali, monkeypatch, args, message):
     def unscorable(name, request):
@@ -248,3 +250,19 @@ def test_the_papers_scores_are_shown_beside_ours_for_its_model():
     table = eval_table(found)
     assert table.caption and "GALI paper" in table.caption
     assert [str(cell) for cell in table.columns[2]._cells] == ["[bold]70.0[/] (77.0)", "[bold]90.0[/]", "[bold]80.0[/]"]
+
+
+def test_a_prompt_style_asks_the_question_as_gali_ask_does(tiny_model_dir):
+    """--prompt-style: the question alone in gali ask's wrapper, without the task's answer prefix; `task` and raw
+    prompts keep the task's wording."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    request = Request((512,), 1, 42, lambda sample: len(prompt_ids(tokenizer, sample)))
+    sample = build_samples(["niah_single_1"], request)[0]
+    assert sample.question.startswith("What is the special magic number for ") and sample.answer_prefix
+    asked = styled(sample, ASK_STYLE)
+    assert asked.question == ask_instruction(sample.query) and asked.question.endswith(sample.question)
+    assert asked.answer_prefix == "" and asked.context == sample.context and asked.references == sample.references
+    assert styled(sample, "plain").question == sample.question
+    assert styled(sample, "task") == sample
+    raw = replace(sample, chat=False)
+    assert styled(raw, "brief") == raw
