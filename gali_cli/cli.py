@@ -268,6 +268,10 @@ def eval_(
     system: Annotated[str | None, typer.Option(metavar="TEXT", help="A system message before each sample that "
                                                                    "goes through the chat template (the GALI "
                                                                    "authors' LongBench runs used one).")] = None,
+    prompt_style: Annotated[str, typer.Option(metavar="STYLE", help="task: each question in the task's own "
+                                                                    "words; plain, wrapped or brief: alone after "
+                                                                    "the document in that gali ask wrapper.")]
+    = "task",
     password: Password = None, allow_partial: AllowPartial = False,
     max_input_size: MaxInputSize = MAX_INPUT_BYTES,
     max_prompt_tokens: MaxPromptTokens = None,
@@ -301,12 +305,15 @@ def eval_(
     names = check_tasks(tasks)
     if truncation not in TRUNCATIONS:
         raise ConfigError(f"--truncation must be one of {', '.join(TRUNCATIONS)}; got {truncation!r}")
+    from .runs.evaluate import PROMPT_STYLES, Evaluation, evaluate
+
+    if prompt_style not in PROMPT_STYLES:
+        raise ConfigError(f"--prompt-style must be one of {', '.join(PROMPT_STYLES)}; got {prompt_style!r}")
     if haystack:
         _check_first(choice, haystack)
-    from .runs.evaluate import Evaluation, evaluate
 
     evaluate(choice, Evaluation(tuple(names), tuple(wanted), samples, seed, haystack, out, json_output, csv, plot,
-                                cache_dir, no_cache, longbench_data, truncation, system),
+                                cache_dir, no_cache, longbench_data, truncation, system, prompt_style),
              Reading(password, max_input_size, max_prompt_tokens, allow_partial))
 
 

@@ -18,7 +18,13 @@ from .errors import InputError, ModelLoadError
 from .model.chat_template import render_chat_template
 
 SUMMARIZE = "Summarize the document above."
-ASK = "Answer this question about the document above: {question}"
+# How `gali ask` puts its question after the document; `gali eval --prompt-style` measures each. "plain" is the
+# question alone, as a client of `gali serve` sends it. ASK_STYLE scored best on SmolLM2-135M
+# (docs/notes/2026-11-28-ask-wrappers.md). None holds a line break: gali serve also cuts a message after its last
+# one (question_starts), and the document state gali ask stores must be one it finds.
+ASK_STYLES = {"plain": "{question}", "wrapped": "Answer this question about the document above: {question}",
+              "brief": "Answer briefly from the document above. Question: {question}"}
+ASK_STYLE = "brief"
 _SLOT = "\x00gali-slot-{}\x00"  # stands for a message's text while the chat template is rendered
 PIECE_CHARACTERS = 2**20  # text tokenized at once, at most (pieces): the Rust tokenizer sets aside 16 bytes a byte
 _SEAM_CONTEXT = 256  # characters either side of a seam tokenized to check that cutting there changes no token
@@ -37,9 +43,9 @@ class Prompt(NamedTuple):
     question_start: int
 
 
-def ask_instruction(question: str) -> str:
-    """The instruction that follows the document for `gali ask`."""
-    return ASK.format(question=question.strip())
+def ask_instruction(question: str, style: str = ASK_STYLE) -> str:
+    """The instruction that follows the document for `gali ask`: `question` in one of ASK_STYLES."""
+    return ASK_STYLES[style].format(question=question.strip())
 
 
 def chat_messages(document: str, instruction: str, system: str | None = None) -> list[dict[str, str]]:

@@ -13,6 +13,9 @@ os.environ["GALI_CPU_BF16"] = "0"
 
 import pytest
 import torch
+
+# One SIGINT stops the run, also one started in the background by a script (tests/interrupts.py).
+from interrupts import pytest_configure  # noqa: F401
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 

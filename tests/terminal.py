@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pyte
+from timing import scaled
 
 
 def _as_at_a_terminal() -> None:
@@ -85,8 +86,8 @@ class Terminal:
     def wait_for(self, condition: Callable[["Terminal"], bool], *others: "Terminal", timeout: float = 240.0) -> None:
         """Read until `condition(self)` holds (drawing on `others` too: terminals its stderr goes to, which must be
         read or the process blocks once their buffer is full); AssertionError with the screen when it does not in
-        time."""
-        deadline = time.monotonic() + timeout
+        time (`timeout`, written for a quiet machine, scaled to this one's load)."""
+        deadline = time.monotonic() + scaled(timeout)
         while not condition(self):
             for other in others:
                 other.read(0)
@@ -103,7 +104,7 @@ class Terminal:
     def finish(self, *others: "Terminal", timeout: float = 240.0) -> int:
         """Read until the process exits and its output is drawn (on `others` too: terminals its stderr went to);
         its exit code."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while self.process.poll() is None:
             if time.monotonic() > deadline:
                 self.process.kill()
@@ -133,6 +134,6 @@ def gali_json(*args: str, cwd: Path | None = None) -> dict:
     import json
 
     result = subprocess.run([sys.executable, "-m", "gali_cli", *args, "--json"], capture_output=True, text=True,
-                            timeout=600, cwd=cwd)
+                            timeout=scaled(600), cwd=cwd)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timing import scaled
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
@@ -326,7 +327,7 @@ def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     command = [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", gali_command, "ppl",
                str(folder / "docs"), "--out", str(out), "-m", str(tiny_model_dir), "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scaled(300))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "[rank 0/2]" in result.stderr and "[rank 1/2]" in result.stderr
     assert sorted(Path(json.loads(line)["path"]).name for line in out.read_text().splitlines()) == \
@@ -335,7 +336,7 @@ def test_two_processes_under_torchrun_share_the_work(tiny_model_dir, folder):
     corpus = json.loads(result.stdout.strip().splitlines()[-1])["corpus"]  # rank 0 prints it, once merged
     assert corpus[0]["documents"] == 3
     (folder / "docs" / "broken.txt").write_bytes(b"\x00\x01\x02" * 100)  # 3rd of 4: rank 0's, and it fails
-    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scaled(300))
     assert again.returncode != 0  # every process knows a document failed, after the merge
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 4 and [line["status"] for line in lines].count("error") == 1
@@ -374,18 +375,18 @@ def test_a_second_run_on_the_same_results_file_refuses(tiny_model_dir, folder):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while not (out.exists() and out.read_text().count("\n") >= 1):  # the first is at work, lock held
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else ""
             time.sleep(0.05)
         first.send_signal(signal.SIGSTOP)
         assert first.poll() is None, "the first run ended before it could be paused"
         try:
-            second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+            second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scaled(120))
         finally:
             first.send_signal(signal.SIGCONT)
     finally:
-        _, errors = first.communicate(timeout=300)
+        _, errors = first.communicate(timeout=scaled(300))
     assert second.returncode == 2 and not second.stdout
     assert second.stderr.strip() == (f"gali: --out {out} is being written by gali run {first.pid} on "
                                      f"{socket.gethostname()}: wait for it to finish, or choose another --out")
@@ -393,7 +394,7 @@ def test_a_second_run_on_the_same_results_file_refuses(tiny_model_dir, folder):
     paths = [json.loads(line)["path"] for line in out.read_text().splitlines()]
     assert len(paths) == len(set(paths)) == 15
     assert not (folder / ".summaries.jsonl.lock").exists()
-    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scaled(120))
     assert again.returncode == 0 and "15 already done" in again.stderr  # the lock is free again
 
 

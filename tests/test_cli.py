@@ -14,6 +14,7 @@ import torch
 import transformers
 from rich.console import Console
 from test_documents import make_pdf
+from timing import scaled
 from transformers import Phi3Config, Phi3ForCausalLM
 from typer.testing import CliRunner
 
@@ -406,8 +407,8 @@ def test_quantized_on_cpu(gali, doc, bits):
 
 
 def subprocess_gali(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gali_cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})}, **kwargs)
+    return subprocess.run([sys.executable, "-m", "gali_cli", *args], capture_output=True, text=True,
+                          timeout=scaled(300), env={**os.environ, **(env or {})}, **kwargs)
 
 
 @pytest.mark.slow
@@ -430,7 +431,7 @@ def test_ctrl_c_while_streaming(tiny_model_dir, doc):
     )
     first = process.stdout.read(1)  # the answer has started
     process.send_signal(signal.SIGINT)
-    rest, stderr = process.communicate(timeout=60)
+    rest, stderr = process.communicate(timeout=scaled(60))
     assert process.returncode == 130, stderr
     assert first and (first + rest).endswith(b"\n")
 
@@ -445,7 +446,7 @@ def test_a_reader_that_stops_early_ends_it_quietly(tiny_model_dir, doc, words):
                                stderr=subprocess.PIPE)
     process.stdout.close()  # the reader is gone before gali writes its first byte
     stderr = process.stderr.read().decode()
-    assert process.wait(timeout=300) == 0, stderr
+    assert process.wait(timeout=scaled(300)) == 0, stderr
     assert "Broken" not in stderr and "Error" not in stderr and "unexpected" not in stderr
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import test_hostile_inputs
 import torch
+from timing import scaled
 
 import gali_cli.doc_cache as doc_cache
 import gali_cli.documents as documents
@@ -230,7 +231,8 @@ def live_writer(tmp_path):
 
 def test_a_killed_cache_writers_leftover_is_listed_and_cleared_a_live_ones_is_not(run, tmp_path, live_writer):
     states = tmp_path / "states"
-    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(states)], timeout=300, capture_output=True)
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(states)], timeout=scaled(300),
+                            capture_output=True)
     assert killed.returncode == -9, killed.stderr
     leftover, = (path for path in states.iterdir() if path.name.startswith(".partial-"))
     live = live_writer(states / ".partial-live", 5000)

@@ -8,6 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from timing import scaled
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
@@ -67,7 +68,7 @@ def test_gali_reads_past_the_window_better_than_the_unpatched_model():
 def test_console_script_runs_the_demo():
     module = held_out_file(3000)
     result = subprocess.run(["gali", "summarize", str(module), "-m", "demo", "--max-new-tokens", "32"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+                            capture_output=True, text=True, timeout=scaled(300), env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() and str(module) in result.stderr
     assert subprocess.run(["gali", "--version"], capture_output=True, text=True).stdout.startswith("gali ")

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from timing import scaled
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -18,7 +19,8 @@ import gali_cli.runs.evaluate as evaluate
 from gali_cli.evaluation import tasks
 from gali_cli.evaluation.sample import Request, Sample
 from gali_cli.evaluation.tasks import build_samples
-from gali_cli.runs.evaluate import prompt_ids
+from gali_cli.prompts import ASK_STYLE, ask_instruction
+from gali_cli.runs.evaluate import prompt_ids, styled
 
 TIMING = {"seconds", "prefill_tokens_per_second", "decode_tokens_per_second", "peak_memory_mib"}
 
@@ -107,6 +109,7 @@ def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, mon
     (["vt", "--lengths", "99999999999999999999999999k"], "is past 16384k tokens"),
     (["vt", "--lengths", "0"], "'0' is too short, a prompt needs at least 1 token"),
     (["vt", "--lengths", "-1"], "'-1' is too short, a prompt needs at least 1 token"),
+    (["vt", "--prompt-style", "chatty"], "--prompt-style must be one of task, plain, wrapped, brief; got 'chatty'"),
 ])
 def test_usage_errors_exit_2(gali, monkeypatch, args, message):
     def unscorable(name, request):
@@ -149,7 +152,7 @@ def test_two_processes_under_torchrun_share_the_answers(tiny_model_dir, tmp_path
     command = [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", str(Path(sys.executable)
                .with_name("gali")), "eval", "niah_single_1", "--lengths", "512", "--samples", "2", "--out", str(out),
                "-m", str(tiny_model_dir), "--no-cache", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+    result = subprocess.run(command, capture_output=True, text=True, timeout=scaled(600),
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "[rank 0/2]" in result.stderr and "[rank 1/2]" in result.stderr
@@ -263,3 +266,19 @@ def test_original_under_a_lowered_train_len_is_named_with_its_own_window():
     assert [column.header for column in eval_table(labelled).columns] == ["task", "length", "gali",
                                                                          "original (8k window)"]
     assert with_windows(rows, None, 8192) == rows == with_windows(rows, 8192, 8192)
+
+
+def test_a_prompt_style_asks_the_question_as_gali_ask_does(tiny_model_dir):
+    """--prompt-style: the question alone in gali ask's wrapper, without the task's answer prefix; `task` and raw
+    prompts keep the task's wording."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    request = Request((512,), 1, 42, lambda sample: len(prompt_ids(tokenizer, sample)))
+    sample = build_samples(["niah_single_1"], request)[0]
+    assert sample.question.startswith("What is the special magic number for ") and sample.answer_prefix
+    asked = styled(sample, ASK_STYLE)
+    assert asked.question == ask_instruction(sample.query) and asked.question.endswith(sample.question)
+    assert asked.answer_prefix == "" and asked.context == sample.context and asked.references == sample.references
+    assert styled(sample, "plain").question == sample.question
+    assert styled(sample, "task") == sample
+    raw = replace(sample, chat=False)
+    assert styled(raw, "brief") == raw

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from timing import scaled
 
 import gali_cli.cli as cli
 import gali_cli.runs.common as common
@@ -170,7 +171,7 @@ def test_a_model_that_would_take_all_memory_is_refused_within_bounds(config, fil
     folder = hostile_model(tiny_model_dir, tmp_path / "hostile", config, files)
     limit = 4 * 2**30
     result = subprocess.run([sys.executable, "-m", "gali_cli", "summarize", str(doc), "--max-new-tokens", "2", "-m",
-                             str(folder)], capture_output=True, text=True, timeout=300, check=False,
+                             str(folder)], capture_output=True, text=True, timeout=scaled(300), check=False,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     assert result.returncode == 4 and message in result.stderr and not result.stdout, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -186,7 +187,7 @@ def test_gali_info_checks_the_config_too(run, tiny_model_dir, tmp_path):
 def test_standard_input_from_dev_zero(tiny_model_dir):
     with open("/dev/zero", "rb") as zeros:
         result = subprocess.run([sys.executable, "-m", "gali_cli", "summarize", "-", "-m", str(tiny_model_dir)],
-                                stdin=zeros, capture_output=True, text=True, timeout=300)
+                                stdin=zeros, capture_output=True, text=True, timeout=scaled(300))
     assert result.returncode == 3 and not result.stdout
     assert result.stderr == "gali: <stdin> is larger than the input limit of 256M: raise it with --max-input-size " \
                             "(e.g. --max-input-size 1G)\n"

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from test_server import gali_serve
+from timing import scaled
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -31,7 +32,7 @@ def test_the_readme_llm_recipe_answers_through_gali_serve(tmp_path):
         port = urlsplit(url).port
         script = recipe().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=environment,
-                                capture_output=True, text=True, timeout=300, check=False)
+                                capture_output=True, text=True, timeout=scaled(300), check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip(), "llm printed no answer"
     assert "model_id: gali" in (tmp_path / "llm" / "extra-openai-models.yaml").read_text()

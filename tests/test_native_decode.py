@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_static_decode import prefilled, worst_step_difference
 from test_triton_decode import KERNEL_METHODS, expected_attention, offset_tables, tables
+from timing import scaled
 
 from gali_cli.engine.kernels import native_decode, native_noise
 from gali_cli.engine.kernels.native_decode import native_decode_attention
@@ -163,6 +164,6 @@ def test_a_built_wheel_carries_the_native_kernels_source(tmp_path):
     shutil.copytree(Path(__file__).resolve().parents[1], source, ignore=shutil.ignore_patterns(
         ".git", ".venv", ".whl", "build", "__pycache__", "*.egg-info", ".ruff_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
-                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=600)
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=scaled(600))
     (wheel,) = tmp_path.glob("*.whl")
     assert "gali_cli/engine/kernels/native_kernels.c" in zipfile.ZipFile(wheel).namelist()

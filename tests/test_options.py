@@ -8,6 +8,7 @@ from dataclasses import fields
 
 import pytest
 import typer
+from timing import scaled
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
@@ -61,7 +62,7 @@ def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_p
             f"ppl {tmp_path}/x -m demo": 3,
             "info -m no-such-org/no-such-model": 4}
     result = subprocess.run([sys.executable, "-c", script, "|".join(runs)], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            timeout=scaled(120), env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.stdout.strip().splitlines()[-1] == f"{list(runs.values())} []", result.stdout + result.stderr
     assert "train_len" in result.stdout and '"kv_heads": 2' in result.stdout
     assert "no-such-org/no-such-model" in result.stderr.splitlines()[-1]

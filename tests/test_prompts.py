@@ -1,12 +1,14 @@
 import time
 
 import pytest
+from timing import scaled
 from transformers import AutoTokenizer
 
 from gali_cli import prompts
 from gali_cli.errors import InputError, ModelLoadError
 from gali_cli.model.chat_template import MAX_SECONDS, render_chat_template
 from gali_cli.prompts import (
+    ASK_STYLES,
     SUMMARIZE,
     ask_instruction,
     chat_messages,
@@ -221,7 +223,7 @@ def test_a_hostile_chat_template_is_refused_within_bounds(tiny_model_dir, name):
     with pytest.raises(ModelLoadError, match="cannot use model 'hostile-model': the model's chat template") as error:
         prompt_ids(tokenizer, "A document.", "Summarize it.")
     assert message in str(error.value) and "\n" not in str(error.value)
-    assert time.monotonic() - started < MAX_SECONDS + 5
+    assert time.monotonic() - started < MAX_SECONDS + scaled(5)
 
 
 _VARIED = ("The lease ends in March.\n\nIt's 12345 days, isn't it?  Two spaces.\n  Indented line.\n\n  \n"
@@ -284,3 +286,9 @@ def test_a_text_too_long_for_the_memory_is_an_input_error(tiny_model_dir, monkey
         calls.clear()
         with pytest.raises(InputError, match=r"a text of 6,8\d\d characters is too long to tokenize in the memory"):
             tokenize()
+
+
+def test_no_ask_wrapper_holds_a_line_break():
+    """gali serve cuts a message after its last line break too: a wrapper with one would make the document state
+    gali ask stores end elsewhere than where gali serve looks for it."""
+    assert all("\n" not in ask_instruction("When?", style) for style in ASK_STYLES)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from terminal import Terminal, squeeze
+from timing import scaled
 
 pytest.importorskip("pyte")
 QUESTION = "What does this module do?"
@@ -106,7 +107,7 @@ def gali_answers(tmp_path: Path, args: list[str], questions: list[str]) -> list[
     import sys
 
     result = subprocess.run([sys.executable, "-m", "gali_cli", *args, "--json"], input="\n".join(questions) + "\n",
-                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                            capture_output=True, text=True, timeout=scaled(600), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     return [json.loads(line)["answer"] for line in result.stdout.splitlines()]
 

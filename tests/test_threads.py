@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from timing import scaled
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
@@ -46,6 +47,6 @@ def test_openmp_waits_without_spinning_unless_the_user_chose(tiny_model_dir, tmp
     env |= {"OMP_DISPLAY_ENV": "VERBOSE", **({"OMP_WAIT_POLICY": policy} if policy else {})}
     result = subprocess.run([sys.executable, "-m", "gali_cli", "ppl", str(doc), "-m", str(tiny_model_dir),
                              "--max-tokens", "40", "--threads", "2"], capture_output=True, text=True, env=env,
-                            timeout=300)
+                            timeout=scaled(300))
     assert result.returncode == 0, result.stderr
     assert f"GOMP_SPINCOUNT = '{spin_count}'" in result.stderr

@@ -149,7 +149,8 @@ def _sample(name: str, spec: Dataset, index: int, record: dict, tokenizer, budge
                     first_line=spec.first_line)
     return Sample(task=f"longbench/{name}", id=str(record.get("_id") or index), context=context, question=question,
                   references=references, score=score, max_new_tokens=spec.max_new_tokens,
-                  chat=spec.chat, stop=("\n",) if name.removesuffix("_e") == "samsum" else ())
+                  chat=spec.chat, stop=("\n",) if name.removesuffix("_e") == "samsum" else (),
+                  query=record["input"] if spec.chat else "")
 
 
 def read_records(data_dir: Path, name: str) -> list[dict]:

@@ -87,7 +87,7 @@ def _sample(task: str, length: int, index: int, max_new_tokens: int, document: s
     refs = tuple(references)
     return Sample(task=task, id=f"{length}-{index}", context=document, question=question, references=refs,
                   score=partial(string_match_all, references=refs), max_new_tokens=max_new_tokens,
-                  answer_prefix=prefix, length=length)
+                  answer_prefix=prefix, length=length, query=question.removeprefix("Question: "))
 
 
 def niah(config: Niah, task: str, request: Request, length: int, index: int, units: int) -> Sample:

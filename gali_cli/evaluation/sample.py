@@ -14,7 +14,8 @@ class Sample:
     are one user message through the model's chat template; without it (LongBench's trec, triviaqa, samsum, lsht,
     lcc, repobench-p) `context + question` is the raw prompt. `answer_prefix` is text the runner appends after the
     template's assistant turn (RULER's "Answer: The special magic number is"); `stop` ends generation early (LongBench
-    samsum stops at a newline).
+    samsum stops at a newline). `query` is the question without the task's wording around it, which `gali eval
+    --prompt-style` asks in one of `gali ask`'s wrappers instead.
     """
 
     task: str  # "niah_single_1", "longbench/qasper"
@@ -28,6 +29,7 @@ class Sample:
     answer_prefix: str = ""
     stop: tuple[str, ...] = ()
     length: int | None = None  # the target prompt length in tokens the sample was built for (RULER), else None
+    query: str = ""  # the question alone, as a user would ask it (`gali eval --prompt-style`); "" where there is none
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,14 @@ from ..evaluation.tasks import LONGBENCH, build_samples
 from ..generate import Finished, TextPiece, make_sampler
 from ..methods import kept_window
 from ..model.loading import LoadedModel
-from ..prompts import check_prompt_length, conversation_ids, text_ids
+from ..prompts import ASK_STYLES, ask_instruction, check_prompt_length, conversation_ids, text_ids
 from . import ModelChoice, Reading
 from .batch_files import Rank, ResultsFile, job_hash, latest_records
 from .batches import batch_job, held
 from .common import entry_point, finished_facts, load, prompt_limit, read, store, with_windows
+
+TASK_STYLE = "task"  # --prompt-style: each task's own wording (RULER's, LongBench's)
+PROMPT_STYLES = (TASK_STYLE, *ASK_STYLES)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,16 @@ class Evaluation:
     longbench_data: str | None = None  # --longbench-data DIR
     truncation: str = "official"
     system: str | None = None  # --system TEXT: a system message before each chat sample (not the raw ones)
+    prompt_style: str = TASK_STYLE  # --prompt-style: the task's own wording, or one of gali ask's (ASK_STYLES)
+
+
+def styled(sample: Sample, style: str) -> Sample:
+    """The sample as `gali ask` would ask it in `style` (one of ASK_STYLES): its question alone in that wrapper after
+    the document, without the task's answer prefix. TASK_STYLE, and samples with no question of their own (raw
+    LongBench prompts, cut questions), keep the task's wording."""
+    if style == TASK_STYLE or not sample.query or not sample.chat:
+        return sample
+    return replace(sample, question=ask_instruction(sample.query, style), answer_prefix="")
 
 
 def prompt_ids(tokenizer, sample: Sample, system: str | None = None) -> list[int]:
@@ -108,11 +121,14 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
                 lambda sample: len(prompt_ids(loaded.tokenizer, sample, evaluation.system)), haystack,
                 loaded.tokenizer,
                 evaluation.longbench_data, evaluation.truncation))
+        samples = [styled(sample, evaluation.prompt_style) for sample in samples]
         longbench = any(task.startswith(f"{LONGBENCH}/") for task in evaluation.tasks)
         jobs = {method: batch_job("eval", replace(choice, methods=(method,)), seed=evaluation.seed,
                                   haystack=haystack and hashlib.sha256(haystack.encode()).hexdigest(),
                                   decoding="greedy", **({"truncation": evaluation.truncation} if longbench else {}),
-                                  **({"system": evaluation.system} if evaluation.system else {}))
+                                  **({"system": evaluation.system} if evaluation.system else {}),
+                                  **({"prompt_style": evaluation.prompt_style}
+                                     if evaluation.prompt_style != TASK_STYLE else {}))
                 for method in choice.methods}
         records = _answer_all(loaded, choice, samples, jobs, results, rank, evaluation, limit)
         if collective is not None:
