@@ -370,10 +370,11 @@ def _print_whole(columns: tuple[str, ...], rows: list[tuple[str, ...]], right: s
 
 def _wrap_parts(text: str, width: int) -> list[str]:
     """`text`, a list of parts joined by ", ", on lines of at most `width` characters where the parts allow (a part
-    is never split: "last used 2026-11-28 10:55" stays whole), the first indented by two spaces, the rest by four."""
+    is never split: "last used 2026-11-28 10:55" stays whole, so one longer than the width stands alone), the first
+    indented by two spaces, the rest by four."""
     lines: list[str] = []
     for part in text.split(", "):
-        if lines and len(lines[-1]) + 2 + len(part) <= width:
+        if lines and len(lines[-1]) + 2 + len(part) + 1 <= width:  # + 1: the comma a next part would add
             lines[-1] += ", " + part
         else:
             if lines:

@@ -562,7 +562,8 @@ def test_cache_list_names_documents_by_absolute_path_and_never_cuts_them(gali, t
 def test_cache_list_into_a_pipe_keeps_to_columns_without_trailing_spaces(gali, doc, tmp_path, columns, width):
     """`gali cache list | less`: a table where it fits COLUMNS (80 without it), else a paragraph an entry, its details
     wrapped at that width; only a name (never cut) may be wider, and no line ends in spaces."""
-    env = {"GALI_CACHE_DIR": str(tmp_path / "states")}
+    # Both caches of this test's own: the user's model cache may hold entries whose long names are lines of their own.
+    env = {"GALI_CACHE_DIR": str(tmp_path / "states"), "GALI_MODEL_CACHE": str(tmp_path / "models")}
     assert gali("summarize", str(doc), "--max-new-tokens", "2", env=env).exit_code == 0
     listed = gali("cache", "list", env={**env, "COLUMNS": columns}, model=False)
     assert listed.exit_code == 0, listed.stderr
@@ -847,3 +848,13 @@ def test_the_default_prompt_bound_is_what_half_the_free_memory_holds(monkeypatch
 
     assert holdable_tokens(1000, 256, 10**9) == 500_000  # half of 1 GB, 1 kB a token
     assert holdable_tokens(1000, 256, 10**4) == 256  # never below the model's window
+
+
+def test_wrapped_parts_keep_their_commas_within_the_width():
+    from gali_cli.display import _wrap_parts
+
+    parts = ", ".join(["a" * 20, "b" * 33, "c" * 10, "last used 2026-11-28 10:55"])
+    for width in range(40, 70):
+        lines = _wrap_parts(parts, width)
+        assert all(len(line) <= width for line in lines), (width, lines)
+        assert ", ".join(line.strip().rstrip(",") for line in lines) == parts
