@@ -44,8 +44,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speed import build_model, check_choices, run_context
 
-from gali_cli.engine.seam.grid_weights import BLOCK, LayerProjections, Projections, module_projections, to_grid
+from gali_cli.engine.seam.grid_weights import BLOCK, to_grid
 from gali_cli.engine.seam.hooks import llama_model
+from gali_cli.engine.seam.projections import LayerProjections, Projections, module_projections
 
 KERNELS = ("grid", "int4", "int4-bf16", "int8", "int8-bf16", "bfloat16", "float32", "modules")
 GROUPS = ("qkv", "output", "gate_up", "down", "head")

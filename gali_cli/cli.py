@@ -39,6 +39,7 @@ from .options import (
     Out,
     Password,
     Seed,
+    ServedPromptTokens,
     System,
     Temperature,
     TopK,
@@ -46,6 +47,7 @@ from .options import (
     Verbose,
     with_model_options,
 )
+from .prechecks import check_batch, check_first, check_serving, read_first
 from .prompts import SUMMARIZE, ask_instruction
 from .runs import Answering, ModelChoice, Reading, Serving
 
@@ -63,8 +65,8 @@ def _guarded(command: Callable[..., None]) -> Callable[..., None]:
             command(*args, **kwargs)
         except typer.Exit:
             raise
-        except KeyboardInterrupt:
-            say("interrupted")
+        except KeyboardInterrupt as interrupt:  # a run may say what was kept (batch mode: what is safe in --out)
+            say(f"interrupted: {interrupt}" if str(interrupt) else "interrupted")
             raise typer.Exit(130) from None
         except BrokenPipeError:  # the reader of stdout went away (e.g. | head): it has what it wanted
             _silence_stdout()
@@ -145,28 +147,20 @@ def _answering(options: dict) -> Answering:
     return Answering(stream=not options["no_stream"], **{name: options[name] for name in names})
 
 
-def _check_first(choice: ModelChoice, source: str) -> None:
-    """The settings against the model's window, then the document's path, before the run (and torch) is imported:
-    a usage error or a typo in a path costs no wait."""
-    from .documents import check_source
-
-    choice.check()
-    check_source(source)
-
-
 def _answer(files: list[str], out: str | None, command: str, instruction: str, question: str | None,
             choice: ModelChoice, reading: Reading, answering: Answering) -> None:
     """One document streams its answer; several (or --out) make a batch, which exits 1 if any failed."""
     if out or len(files) > 1:
+        check_batch(files, out, choice)  # before the run imports torch, as read_first: a usage error costs no wait
         from .runs.batches import answer_batch
 
         if answer_batch(files, out, command, instruction, question, choice, reading, answering):
             raise typer.Exit(1)
     else:
-        _check_first(choice, files[0])
+        document = read_first(choice, files[0], reading)
         from .runs.answer import answer
 
-        answer(files[0], instruction, choice, reading, answering)
+        answer(document, instruction, choice, reading, answering)
 
 
 @app.command(cls=Command)
@@ -182,7 +176,7 @@ def ppl(
                                                                        "1k,2k,4k (k = 1024).")] = None,
     csv: Annotated[bool, typer.Option("--csv", metavar="", help="Print method,length,ppl rows as CSV.")] = False,
     plot: Annotated[str | None, typer.Option(metavar="FILE", help="Also save PPL against length as an image, e.g. "
-                                                                  "ppl.png (needs pip install 'gali-cli\\[plot]').")]
+                                                                  "ppl.png (needs pip install -e \".\\[plot]\").")]
     = None,
     json_output: JsonOutput = False, verbose: Verbose = False, choice: ModelChoice = None,
 ) -> None:
@@ -204,18 +198,18 @@ def ppl(
         if (out or len(files) > 1) and not wanted:
             raise ConfigError("--plot draws perplexity against length: with several documents it needs --lengths")
         display.check_plotting(plot)
+    reading = Reading(password, max_input_size, max_prompt_tokens, allow_partial)
     if out or len(files) > 1:
+        check_batch(files, out, choice)
         from .runs.batches import perplexity_batch
 
-        reading = Reading(password, max_input_size, max_prompt_tokens, allow_partial)
         if perplexity_batch(files, out, choice, reading, max_tokens, wanted, json_output, csv, plot, verbose):
             raise typer.Exit(1)
     else:
-        _check_first(choice, files[0])
+        document = read_first(choice, files[0], reading)
         from .runs.ppl import perplexity
 
-        perplexity(files[0], choice, Reading(password, max_input_size, max_prompt_tokens, allow_partial), max_tokens,
-                   wanted, json_output, csv, plot, verbose)
+        perplexity(document, choice, reading, max_tokens, wanted, json_output, csv, plot, verbose)
 
 
 def _parse_lengths(text: str | None, shortest: int = 2, why: str = "perplexity needs at least 2 tokens",
@@ -278,7 +272,7 @@ def eval_(
     csv: Annotated[bool, typer.Option("--csv", metavar="", help="Print task,length,method,score rows as CSV.")]
     = False,
     plot: Annotated[str | None, typer.Option(metavar="FILE", help="Also save score against length as an image "
-                                                                  "(needs pip install 'gali-cli\\[plot]').")] = None,
+                                                                  "(needs pip install -e \".\\[plot]\").")] = None,
     cache_dir: CacheDir = None, no_cache: NoCache = False, json_output: JsonOutput = False,
     choice: ModelChoice = None,
 ) -> None:
@@ -310,7 +304,7 @@ def eval_(
     if prompt_style not in PROMPT_STYLES:
         raise ConfigError(f"--prompt-style must be one of {', '.join(PROMPT_STYLES)}; got {prompt_style!r}")
     if haystack:
-        _check_first(choice, haystack)
+        check_first(choice, haystack)
 
     evaluate(choice, Evaluation(tuple(names), tuple(wanted), samples, seed, haystack, out, json_output, csv, plot,
                                 cache_dir, no_cache, longbench_data, truncation, system, prompt_style),
@@ -340,11 +334,12 @@ def chat(
     """
     if file == "-":
         raise ConfigError("gali chat reads its questions from standard input: give FILE as a path")
-    _check_first(choice, file)
+    answering = _answering(locals())
+    reading = Reading(password, max_input_size, max_prompt_tokens, allow_partial)
+    document = read_first(choice, file, reading)
     from .runs.answer import chat as run_chat
 
-    answering = _answering(locals())
-    run_chat(file, choice, Reading(password, max_input_size, max_prompt_tokens, allow_partial), answering)
+    run_chat(document, choice, reading, answering)
 
 
 def _web_origin(value: str) -> str:
@@ -375,9 +370,7 @@ def serve(
                                                                      "them, 429 with Retry-After.")] = 16,
     max_request_mib: Annotated[int, typer.Option(min=1, metavar="N", help="Largest request body, in MiB (413 "
                                                                           "past it).")] = 32,
-    max_prompt_tokens: Annotated[int | None, typer.Option(min=1, metavar="N", show_default=False, help=(
-        "Longest prompt, in tokens (400 context_length_exceeded past it). Default: what this machine can hold "
-        "(half its free memory for keys and values) and read in about 5 minutes."))] = None,
+    max_prompt_tokens: ServedPromptTokens = None,
     allow_host: Annotated[list[str] | None, typer.Option(metavar="NAME", show_default=False, help=(
         "Also answer requests whose Host header names NAME, any port (a proxy's or a DNS name; '*': any). By "
         "default only localhost, 127.0.0.1 and [::1] at the server's port, and on a non-loopback --host also its "
@@ -391,7 +384,7 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API that reads prompts longer than its window.
 
-    Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health. Needs pip install 'gali-cli\\[serve]'.
+    Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health. Needs pip install -e ".\\[serve]".
     One model, many clients: requests queue for it, and a client that disconnects stops its answer. A second question
     about a document starts from the document's prefilled state. --noise-seed seeds the noise; a request without a
     seed samples with a random one. SIGTERM or Ctrl-C stop it cleanly; access log lines go to stderr.
@@ -400,9 +393,7 @@ def serve(
 
     Example: gali serve --quantize 4bit --host 0.0.0.0 --api-key "$(openssl rand -hex 16)"
     """
-    from .server import require_extra
-
-    require_extra()  # before anything loads: one line saying what to install
+    check_serving(choice)  # before anything loads: what to install, then the settings
     from .runs.serve import serve as run_server
 
     run_server(choice, Serving(host, port, api_key, model_name, max_new_tokens, temperature, top_p, queue_size,
@@ -412,14 +403,14 @@ def serve(
 
 cache_app = typer.Typer(name="cache", cls=Group, no_args_is_help=True,
                         help="The document cache: prefilled states of documents asked about (GALI_CACHE_DIR, "
-                             "GALI_CACHE_LIMIT); and GGUF models dequantized once (GALI_MODEL_CACHE).")
+                             "GALI_CACHE_LIMIT); and the model cache: GGUF tokenizers read once (GALI_MODEL_CACHE).")
 app.add_typer(cache_app)
 
 
 @cache_app.command("list", cls=Command)
 @_guarded
 def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> None:
-    """List cached documents, then dequantized models, most recently used first.
+    """List cached documents, then the model cache's entries, most recently used first.
 
     Example: gali cache list
     """
@@ -432,7 +423,8 @@ def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> N
 @_guarded
 def cache_clear(cache_dir: CacheDir = None, models: Annotated[bool, typer.Option(
         "--models", metavar="",
-        help="Delete the dequantized models instead (the next load of a GGUF dequantizes it again).")] = False) -> None:
+        help="Delete the model cache's entries instead (a GGUF's next load reads its tokenizer again).")] = False,
+) -> None:
     """Delete every cached document state.
 
     Example: gali cache clear
@@ -445,8 +437,8 @@ def cache_clear(cache_dir: CacheDir = None, models: Annotated[bool, typer.Option
 @cache_app.command("prune", cls=Command)
 @_guarded
 def cache_prune() -> None:
-    """Delete the dequantized models this installation cannot use: written by another transformers release, or
-    from a GGUF that is gone or changed. (Unused for 30 days, they also go when a GGUF is next dequantized.)
+    """Delete the model cache's entries this installation cannot use: written by another transformers release or an
+    older gali (whole float copies), or from a GGUF gone or changed. (Unused 30 days, they go at the next build.)
 
     Example: gali cache prune
     """

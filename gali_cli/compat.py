@@ -17,7 +17,7 @@ from .errors import GaliWarning
 
 # Kept equal to the transformers requirement in pyproject.toml (tests/test_compat.py). Raise the upper bound only
 # after `python scripts/compat.py` has passed on the new release and its row is in docs/compatibility.md.
-TESTED_TRANSFORMERS = ">=5.6,<5.25"
+TESTED_TRANSFORMERS = ">=5.6,<5.26"
 
 _warned = False
 
@@ -45,6 +45,18 @@ def untested_release(version: str | None = None) -> str | None:
     return (f"transformers {version} is outside the releases gali is tested with ({TESTED_TRANSFORMERS}): "
             f"`gali info --check` tests the seam on this install; pip install 'transformers{TESTED_TRANSFORMERS}' "
             "gets a tested one")
+
+
+def no_hub_code_kwargs() -> dict[str, object]:
+    """What every `from_pretrained` of a model gali loads passes besides trust_remote_code=False, so that
+    transformers runs no code from the Hub: from 5.25 `use_kernels` defaults to on, and a CUDA machine with a network
+    then downloads RMSNorm, activation and rotary kernels from the Hub and runs them, code the user never asked for,
+    whose numbers differ between the unpatched model and gali's attention. Every release in the range knows
+    `use_kernels` (off by default before 5.25, so passing it changes nothing there); a release whose models do not
+    have it gets nothing, rather than a keyword it would pass on to the model's config."""
+    from transformers import PreTrainedModel
+
+    return {"use_kernels": False} if hasattr(PreTrainedModel, "set_use_kernels") else {}
 
 
 def warn_if_untested() -> None:

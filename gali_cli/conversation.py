@@ -30,7 +30,7 @@ from .generate import (
 from .methods import METHODS
 from .model.loading import LoadedModel
 from .patching import apply_method, prefill_spans
-from .prompts import Prompt, ask_instruction, check_prompt_length, conversation_ids, text_ids
+from .prompts import Prompt, ask_instruction, check_prompt_characters, check_prompt_length, conversation_ids, text_ids
 
 
 class Conversation:
@@ -69,6 +69,8 @@ class Conversation:
         kept, so that asking right after does not tokenize a long document again)."""
         turn = (instruction, len(self.questions))
         if self._last_prompt is None or self._last_prompt[0] != turn:
+            characters = len(self.document) + sum(map(len, self.questions)) + len(instruction)
+            check_prompt_characters(self.loaded.tokenizer, characters, self.max_prompt_tokens, self.document_name)
             self._last_prompt = turn, conversation_ids(self.loaded.tokenizer, self.document,
                                                        [*self.questions, instruction], self.answers, self.system,
                                                        self.chat)

@@ -27,6 +27,7 @@ from rich.text import Text
 
 from .errors import ConfigError, GaliError
 from .estimate import duration
+from .extras import install_hint
 from .printable import json_text, printable
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # never hard-wrap: one error, one line
@@ -317,19 +318,19 @@ def print_cache_entries(entries: list, directory, limit: int) -> None:
 
 
 def print_model_entries(entries: list, directory) -> None:
-    """`gali cache list`, second part: the dequantized models (on stdout when there are any) and their total on
+    """`gali cache list`, second part: the model cache's entries (on stdout when there are any) and their total on
     stderr, saying which this installation cannot use and how to delete those."""
     if not entries:
         return
     rows = [(printable(short_path(entry.gguf)), entry.dtype, printable(entry.transformers), f"{entry.size / 2**20:.1f}",
              datetime.fromtimestamp(entry.last_used).strftime("%Y-%m-%d %H:%M"),
              "yes" if entry.usable else f"no: {entry.reason_unusable}") for entry in entries]
-    _print_whole(("dequantized from", "dtype", "transformers", "MiB", "last used", "usable here"), rows, {"MiB"},
+    _print_whole(("read from", "holds", "transformers", "MiB", "last used", "usable here"), rows, {"MiB"},
                  lambda dtype, release, size, used, usable: f"{dtype}, transformers {release}, {size} MiB, "
                                                             f"last used {used}, usable here: {usable}")
     unusable = [entry for entry in entries if not entry.usable]
     total = sum(entry.size for entry in entries)
-    say(f"{len(entries)} dequantized model{'s' if len(entries) != 1 else ''}, {total / 2**30:.2f} GiB, in "
+    say(f"{len(entries)} model cache entr{'ies' if len(entries) != 1 else 'y'}, {total / 2**30:.2f} GiB, in "
         f"{short_path(str(directory))}" + (f"; {len(unusable)} not usable by this installation "
                                            f"({sum(e.size for e in unusable) / 2**30:.2f} GiB): gali cache prune"
                                            if unusable else ""), style="dim")
@@ -415,7 +416,7 @@ def check_plotting(path: str) -> None:
     try:
         from matplotlib.figure import Figure
     except ImportError as error:
-        raise ConfigError("--plot needs matplotlib: pip install 'gali-cli[plot]'") from error
+        raise ConfigError(f"--plot needs matplotlib: {install_hint('plot')}") from error
     formats = set(Figure().canvas.get_supported_filetypes()) - {"pgf"}  # pgf needs a LaTeX installation
     suffix = Path(path).suffix.lower().removeprefix(".")
     if suffix not in formats:

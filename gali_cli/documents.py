@@ -7,8 +7,10 @@ replaced bytes, PDF pages without text) come back as warnings on the `Document`.
 
 import errno
 import io
+import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,7 +98,7 @@ def _read_bytes(path: Path, name: str, max_bytes: int) -> bytes:
     _check_path(path, name)
     try:
         if path.stat().st_size > max_bytes:  # a regular file says its size; /dev/zero and pipes say 0
-            raise _too_large(name, max_bytes)
+            raise _too_large(name, max_bytes, endless=False, size=path.stat().st_size)
         with open(path, "rb") as file:
             return _read_limited(file, name, max_bytes)
     except OSError as error:
@@ -130,13 +132,41 @@ def _read_limited(stream: BinaryIO, name: str, max_bytes: int) -> bytes:
         pieces.append(piece)
         size += len(piece)
     if size > max_bytes:
-        raise _too_large(name, max_bytes)
+        raise _too_large(name, max_bytes, _is_device(stream))
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-def _too_large(name: str, max_bytes: int) -> InputError:
-    return InputError(f"{name} is larger than the input limit of {format_size(max_bytes)}: raise it with "
-                      f"--max-input-size (e.g. --max-input-size {format_size(4 * max_bytes)})")
+def _is_device(stream: BinaryIO) -> bool:
+    """Whether `stream` reads from a character device (/dev/zero, /dev/urandom; a terminal too, which no one types
+    256 MB into): past the limit, such a stream is taken to be endless."""
+    try:
+        return stat.S_ISCHR(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):  # an in-memory stream
+        return False
+
+
+def _too_large(name: str, max_bytes: int, endless: bool, size: int | None = None) -> InputError:
+    """The input limit reached: raising it is the advice for a file or a pipe, never for a device such as
+    /dev/zero, which would fill any limit (and the memory) without end. The value suggested is the file's `size`,
+    rounded up, where it is known (4 times the limit said nothing of what the file needs, and 0 for a limit of 0); a
+    pipe's is not known until it is read whole."""
+    limit = f"{name} is larger than the input limit of {format_size(max_bytes)}"
+    if endless:
+        return InputError(f"{limit}: it is a device, which may never end; save the document to a file and give "
+                          "that")
+    if size is None:
+        return InputError(f"{limit}: raise --max-input-size past its size (more than {format_size(max_bytes)}), or "
+                          "save it to a file and give that, whose size gali reads first")
+    return InputError(f"{limit}: it has {format_size(size)}; raise the limit with --max-input-size {_enough(size)}")
+
+
+def _enough(size: int) -> str:
+    """The shortest --max-input-size value, a tenth of a unit at most past `size`, that parse_size reads as at
+    least `size` bytes."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= scale:
+            return f"{math.ceil(size * 10 / scale) / 10:g}{unit}"
+    return str(size)
 
 
 def _decode(data: bytes, name: str) -> tuple[str, list[str]]:
@@ -215,13 +245,14 @@ def _read_pdf(
         raise InputError(f"{name} needs a decryption library: pip install 'pypdf[crypto]' ({error})") from error
     except (PyPdfError, ValueError, KeyError, TypeError) as error:
         raise InputError(f"{name} is not a readable PDF ({error})") from error
-    texts, empty, broken, causes = [], [], [], set()
+    texts, empty, broken, causes, failure = [], [], [], set(), ""
     for number in range(1, total + 1):
         try:
             text = pages[number - 1].extract_text() or ""
-        except Exception:  # pypdf raises many kinds on a damaged page; skip it, say so below
+        except Exception as error:  # pypdf raises many kinds on a damaged page; skip it, say so below
             text = ""
             broken.append(number)
+            failure = failure or " ".join(str(error).split())[:80] or type(error).__name__
         if text.strip():
             texts.append(text)
         elif number not in broken:
@@ -230,11 +261,17 @@ def _read_pdf(
         if progress:
             progress(number, total)
     cause = _causes_words(causes)
+    if not texts and broken:  # not blank: pages whose streams pypdf could not decode (damaged, or past its limits)
+        undecodable = (f"page{'s' if len(broken) > 1 else ''} {_page_list(broken)} could not be decoded ({failure})"
+                       f"{f', and {cause} on the others' if empty else ''}")
+        raise InputError(f"{name} has no text gali can read: {undecodable}: a damaged PDF, or one past pypdf's "
+                         "limits" + (" (OCR may read the others, e.g. ocrmypdf)" if empty else ""))
     if not texts:
         raise InputError(f"{name} has no extractable text ({cause}): run OCR on it first, e.g. ocrmypdf")
     if len(texts) < MIN_TEXT_SHARE * total and not allow_partial:
+        with_text = "the page" if len(texts) == 1 else f"the {len(texts)} pages"
         raise InputError(f"{name}: text on only {len(texts)} of {total} pages ({cause} on the others): run OCR on it "
-                         f"first, e.g. ocrmypdf, or give --allow-partial to read the {len(texts)} pages with text")
+                         f"first, e.g. ocrmypdf, or give --allow-partial to read {with_text} with text")
     warnings = []
     if empty:
         warnings.append(f"{name}: read text from {len(texts)} of {total} pages; none on page"

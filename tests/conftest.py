@@ -141,17 +141,45 @@ def _model_cache_directory(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _own_model_cache(_model_cache_directory, monkeypatch):
-    """No test reads or writes the user's cache of dequantized GGUF models (one directory per session, so the real
-    model is dequantized once)."""
+    """No test reads or writes the user's model cache (one directory per session, so the real model's tokenizer is
+    read once)."""
     monkeypatch.setenv("GALI_MODEL_CACHE", str(_model_cache_directory))
 
 
-def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, quantized: bool = True) -> Path:
+# K-quant blocks written at test time (the gguf package quantizes only the older types): random bytes with their
+# float16 scales set where the block keeps them, small enough that a weight stays within about 0.1.
+K_QUANT_SCALES = {"Q2_K": ((80, 82), 2e-3), "Q3_K": ((108,), 5e-4), "Q4_K": ((0, 2), 1e-4),
+                  "Q5_K": ((0, 2), 5e-5), "Q6_K": ((208,), 2e-5)}
+
+
+def quantized_tensor(array, quant: str, seed: int = 0):
+    """`array` (rows, columns) float32 as a GGUF tensor of type `quant` (its bytes, and the type): the gguf
+    package's own quantization where it has one, else (K-quants) random blocks of that type with sane scales, the
+    same shape."""
+    import gguf
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType[quant]
+    if quant not in K_QUANT_SCALES:
+        return gguf.quants.quantize(array, kind), kind
+    weights, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(array.size // weights, size), dtype=np.uint8)
+    offsets, scale = K_QUANT_SCALES[quant]
+    for offset in offsets:
+        halves = rng.uniform(0.5 * scale, scale, size=len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(array.shape[0], -1), kind
+
+
+def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, quantized: bool = True,
+               quant: str = "Q8_0", embedding: str | None = None) -> Path:
     """Write the model and tokenizer in `model_dir` as a GGUF the way llama.cpp's converter lays it out: a Llama's q
     and k rows permuted for its rotary layout (a Qwen's not), Qwen2's q/k/v biases, Qwen3's q/k norms and head
     width, Gemma 3's four norms a layer (stored as the 1 + weight they scale by), window and tied output, and (with
-    `quantized`) the projections in Q8_0 blocks. `architecture`: the one the header names (the model's model_type,
-    Gemma 3's "gemma3", unless given)."""
+    `quantized`) the projections and the output in blocks of type `quant` (a K-quant's blocks random:
+    `quantized_tensor`), the embedding in `embedding`'s (None: float32). `architecture`: the one the header names
+    (the model's model_type, Gemma 3's "gemma3", unless given)."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -205,9 +233,13 @@ def write_gguf(path: Path, model_dir: Path, architecture: str | None = None, qua
 
     def add(name, tensor, quantize=False):
         array = tensor.detach().float().numpy()
-        if quantize and quantized:
-            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = embedding if name == "token_embd.weight" else quant if quantize and quantized else None
+        if kind in ("F16", "BF16"):
+            data, raw = gguf.quants.quantize(array, gguf.GGMLQuantizationType[kind]), gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, data, raw_dtype=raw)
+        elif kind is not None:
+            data, raw = quantized_tensor(array, kind, seed=len(name) + sum(map(ord, name)))
+            writer.add_tensor(name, data, raw_dtype=raw)
         else:
             writer.add_tensor(name, array)
 

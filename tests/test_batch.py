@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from typer.testing import CliRunner
 
 import gali_cli.cli as cli
 import gali_cli.conversation as conversation
+from gali_cli import display
+from gali_cli.display import short_path
 from gali_cli.errors import ConfigError, InputError
 from gali_cli.runs.batch_files import Rank, ResultsFile, corpus_perplexities, expand_documents, job_hash, run_batch
 
@@ -281,6 +284,9 @@ def test_summarize_a_folder_then_resume(gali, folder):
     assert json.loads(again.stdout) == {"out": str(out), "documents": 3, "ok": 3, "failed": 0, "missing": 0}
     assert "3 already done" in again.stderr and len(out.read_text().splitlines()) == 3
     assert "3 documents: already done in" in again.stderr  # one line for the documents skipped, not one each
+    assert "3 documents: 0 done, 3 already done, 0 failed -> " in again.stderr  # no "(0 tokens/s)": none were read
+    one = gali("summarize", str(folder / "docs" / "a.txt"), "--out", str(folder / "one.jsonl"), "--max-new-tokens", "4")
+    assert "\n1 document: 1 done (" in one.stderr, one.stderr  # not "1 documents"
     single = gali("summarize", str(folder / "docs" / "a.txt"), "--max-new-tokens", "4")
     assert single.stdout.strip() == records[0]["output"]  # the same answer as one document alone
 
@@ -356,10 +362,43 @@ def test_a_killed_batch_leaves_a_line_per_finished_document(gali, folder, monkey
         yield from real(*args, **kwargs)
 
     monkeypatch.setattr(conversation, "stream_generate", interrupted_at_the_second)
-    result = gali("summarize", str(folder / "docs"), "--out", str(folder / "out.jsonl"), "--max-new-tokens", "2")
+    out = folder / "out.jsonl"
+    result = gali("summarize", str(folder / "docs"), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 130
     done = [line for line in result.stderr.splitlines() if line.startswith("[")]
     assert len(done) == 1 and done[0].startswith("[1/3] ") and "a.txt: " in done[0]
+    # Ctrl-C says what is safe and how to go on, not just "interrupted" (issue 50)
+    assert result.stderr.splitlines()[-1] == (f"interrupted: 1 of 3 documents done and kept in {short_path(str(out))}; "
+                                              "the same command resumes with the other 2")
+
+
+def test_the_bar_follows_a_long_document_as_it_is_read(gali, folder, monkeypatch):
+    """The bar moved only from one document to the next, nothing while a long one was read (issue 50): its line
+    now says how many of the document's tokens are read, forward by forward, in both kinds of batch."""
+    described: list[str] = []
+
+    class Bar:
+        def __call__(self, done: int, total: int) -> None:
+            pass
+
+        def describe(self, label: str) -> None:
+            described.append(label)
+
+    @contextmanager
+    def progress_bar(label: str):
+        yield Bar()
+
+    monkeypatch.setattr(display, "progress_bar", progress_bar)
+    (folder / "long").mkdir()
+    (folder / "long" / "a-long.txt").write_text(TEXT * 80)  # about 1,800 tokens: forwards of the ppl pass too
+    (folder / "long" / "b-short.txt").write_text(TEXT)
+    for command in ("summarize", "ppl"):
+        described.clear()
+        assert gali(command, str(folder / "long"), "--out", str(folder / f"{command}.jsonl")).exit_code == 0
+        reads = [label for label in described if label.startswith("documents: [1/2] ") and "tokens read" in label]
+        counts = [tuple(map(int, label.split(", ")[-1].split()[0].replace(",", "").split("/"))) for label in reads]
+        assert "long/a-long.txt, " in reads[0] and len(counts) >= 3, described  # several forwards, each said
+        assert counts[0][0] < counts[-1][0] == counts[-1][1], counts  # counting up to the whole document
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """The seam with transformers: the cache found whichever way it is handed over, a release that hands it over in a way
 gali does not know refused (never computed on), and a release outside the tested range said once."""
 
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,6 +11,7 @@ import pytest
 import tomllib
 import torch
 from conftest import VOCAB
+from timing import scaled
 from transformers import DynamicCache
 
 import gali_cli.compat as compat
@@ -36,8 +39,9 @@ def test_the_tested_range_is_the_one_pyproject_admits():
     assert compat.untested_release(compat.installed_transformers()) is None  # the suite runs on a tested release
 
 
-@pytest.mark.parametrize("version, tested", [("5.6.0", True), ("5.24.0", True), ("5.5.4", False), ("5.25.0", False),
-                                             ("6.0.0", False), ("5.25.0.dev0", False), ("not-a-version", False)])
+@pytest.mark.parametrize("version, tested", [("5.6.0", True), ("5.24.0", True), ("5.25.0", True), ("5.5.4", False),
+                                             ("5.26.0", False), ("6.0.0", False), ("5.26.0.dev0", False),
+                                             ("not-a-version", False)])
 def test_which_releases_are_tested(version, tested):
     message = compat.untested_release(version)
     assert (message is None) == tested
@@ -188,3 +192,14 @@ def test_a_model_built_before_the_check_is_unaffected_by_it(make_llama):
     torch.manual_seed(11)
     make_llama(train_len=16)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_gali_and_its_command_line_start_without_hub_kernels():
+    """transformers 5.25 depends on the `kernels` package, which fetches and runs code from the Hub. Importing gali,
+    and its command line up to a command that loads a model, imports neither it nor transformers (which imports it
+    wherever it is installed)."""
+    code = ("import sys, gali_cli, gali_cli.cli; gali_cli.cli.main(['--help']); "
+            "print(sorted({'kernels', 'transformers', 'torch'} & set(sys.modules)))")
+    started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120),
+                             check=True)
+    assert started.stdout.strip().splitlines()[-1] == "[]"

@@ -19,13 +19,13 @@ from timing import scaled
 
 import gali_cli.doc_cache as doc_cache
 import gali_cli.documents as documents
-import gali_cli.model.dequantized as dequantized
+import gali_cli.model.companions as companions
 from gali_cli.config import parse_size
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.documents import read_document
 from gali_cli.errors import GaliError, InputError
 from gali_cli.file_locks import left_behind
-from gali_cli.model.dequantized import DequantizedModels
+from gali_cli.model.companions import GgufCompanions
 from gali_cli.model.gguf import GgufFile
 from gali_cli.runs.batch_files import Rank, ResultsFile
 
@@ -266,7 +266,7 @@ def test_the_size_limit_counts_a_live_writers_temporary_and_drops_a_killed_ones(
 
 
 @pytest.mark.parametrize("command", ["clear", "prune"])
-def test_a_killed_dequantizations_leftover_is_listed_and_removed_a_live_ones_is_not(command, run, tmp_path,
+def test_a_killed_builds_leftover_is_listed_and_removed_a_live_ones_is_not(command, run, tmp_path,
                                                                                   live_writer, monkeypatch):
     models = tmp_path / "models"
     monkeypatch.setenv("GALI_MODEL_CACHE", str(models))
@@ -280,7 +280,7 @@ def test_a_killed_dequantizations_leftover_is_listed_and_removed_a_live_ones_is_
     assert listed["path"] == str(leftover) and listed["bytes"] == 2**20 and not listed["usable"]
     assert "unfinished" in listed["unusable_because"]
     removed = run("cache", command, *(["--models"] if command == "clear" else []))
-    assert removed.exit_code == 0 and "Removed 1 dequantized model (1.0 MiB)" in removed.stderr, removed.stderr
+    assert removed.exit_code == 0 and "Removed 1 model cache entry (1.0 MiB)" in removed.stderr, removed.stderr
     assert not leftover.exists() and live.exists()
 
 
@@ -300,7 +300,7 @@ def test_a_folder_of_models_used_as_the_model_cache_loses_nothing(command, run, 
     before = sorted(str(path.relative_to(models)) for path in models.rglob("*"))
     monkeypatch.setenv("GALI_MODEL_CACHE", str(models))
     removed = run("cache", command, *(["--models"] if command == "clear" else []))
-    assert removed.exit_code == 0 and "Removed 0 dequantized models" in removed.stderr, removed.stderr
+    assert removed.exit_code == 0 and "Removed 0 model cache entries" in removed.stderr, removed.stderr
     assert "which gali did not write" in removed.stderr and "demo" in removed.stderr
     assert sorted(str(path.relative_to(models)) for path in models.rglob("*")) == before
 
@@ -377,15 +377,15 @@ def test_a_document_cache_writer_holds_its_temporary_while_it_writes(tmp_path, m
     assert judged == [False] and [entry.path for entry in store.entries()] == [store.path("key")]
 
 
-def test_a_dequantization_holds_its_temporary_while_it_builds(tiny_gguf, tmp_path, monkeypatch):
-    real_build, judged = dequantized._dequantize_into, []
+def test_a_build_holds_its_temporary_while_it_builds(tiny_gguf, tmp_path, monkeypatch):
+    real_build, judged = companions._read_into, []
 
-    def watched(gguf, dtype, directory):
-        real_build(gguf, dtype, directory)
+    def watched(gguf, directory):
+        real_build(gguf, directory)
         backdate(directory)
         judged.append(left_behind(directory))
 
-    monkeypatch.setattr(dequantized, "_dequantize_into", watched)
-    models = DequantizedModels(tmp_path / "models")
-    entry = models.directory_for(GgufFile.at(tiny_gguf), torch.float32)
+    monkeypatch.setattr(companions, "_read_into", watched)
+    models = GgufCompanions(tmp_path / "models")
+    entry = models.directory_for(GgufFile.at(tiny_gguf))
     assert judged == [False] and [found.path for found in models.entries()] == [entry]

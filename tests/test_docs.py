@@ -48,6 +48,29 @@ def test_ci_runs_the_readme_blocks():
     assert "ci:begin" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_the_try_out_installs_the_cpu_build_of_torch():
+    """The README's first command is the one a CPU user runs, and CI runs it as written (issue 50: it installed
+    PyPI's default Linux torch, with a few GB of CUDA libraries, and the CPU index was in the paragraph under it).
+    torch is installed in a pip call of its own, with PyTorch's CPU index added to PyPI: pip ranks the index's
+    2.13.0+cpu above PyPI's 2.13.0, and where the index cannot be reached (CI) it takes torch from PyPI's side."""
+    readme = (ROOT / "README.md").read_text()
+    try_out = re.findall(r"<!-- ci:begin -->\n```bash\n(.*?)```\n<!-- ci:end -->", readme, flags=re.S)[0]
+    torch_installs = [call.split() for call in try_out.split("&&") if re.search(r"\bpip install\b.*\btorch==", call)]
+    assert len(torch_installs) == 1, try_out
+    words = torch_installs[0]
+    assert words[words.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu", words
+    assert [word for word in words[2:] if not word.startswith("-") and "://" not in word] == ["torch==2.13.0"]
+
+
+def test_install_hints_name_what_can_be_installed():
+    """No help text, error or doc tells a user to install `gali-cli[...]` from a package index, where no gali-cli is
+    published (issue 50): each says `pip install -e ".[extra]"`, which works in gali's clone."""
+    sources = [*ALL_DOCS, *sorted((ROOT / "gali_cli").rglob("*.py"))]
+    stale = [f"{path.relative_to(ROOT)}:{number}" for path in sources
+             for number, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"gali-cli\\?\[", line)]
+    assert not stale, stale
+
+
 # ---- every `gali` command line in a shell block parses ----
 
 def shell_blocks(markdown: str) -> list[str]:

@@ -1,10 +1,12 @@
 import io
+import zlib
 from pathlib import Path
 
 import pytest
 from fpdf import FPDF
 from PIL import Image
 
+from gali_cli.config import parse_size
 from gali_cli.documents import read_document
 from gali_cli.errors import InputError
 
@@ -103,8 +105,10 @@ def test_a_pdf_mostly_without_text_is_refused_unless_partial_reading_is_allowed(
     is refused (exit 3 on the command line), saying how many were read and why the others were not."""
     scanned = make_pdf(tmp_path / "scanned.pdf", ["A lease.", None, None, None])
     with pytest.raises(InputError, match=r"text on only 1 of 4 pages \(scanned images on the others\).*"
-                                         r"ocrmypdf, or give --allow-partial to read the 1 pages with text"):
+                                         r"ocrmypdf, or give --allow-partial to read the page with text$"):
         read_document(str(scanned))
+    with pytest.raises(InputError, match=r"give --allow-partial to read the 2 pages with text$"):
+        read_document(str(make_pdf(tmp_path / "two.pdf", ["One.", "Two.", None, None, None])))
     partial = read_document(str(scanned), allow_partial=True)
     assert partial.text.strip() == "A lease." and partial.warnings == (
         f"{scanned}: read text from 1 of 4 pages; none on pages 2, 3, 4 (scanned images)",)
@@ -116,6 +120,46 @@ def test_a_pdf_mostly_without_text_is_refused_unless_partial_reading_is_allowed(
                                                  "(scanned images)",)
     with pytest.raises(InputError, match=r"no extractable text \(scanned images\): run OCR"):
         read_document(str(make_pdf(tmp_path / "images.pdf", [None, None])), allow_partial=True)
+
+
+def raw_pdf(pages: list[bytes]) -> bytes:
+    """A PDF written by hand: one page per content stream given, each compressed with zlib (FlateDecode)."""
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
+               b"<< /Type /Pages /Kids [%s] /Count %d >>" % (b" ".join(b"%d 0 R" % (4 + 2 * i) for i in
+                                                                     range(len(pages))), len(pages)),
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    for index, content in enumerate(pages):
+        stream = zlib.compress(content, 9)
+        objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R /Resources << /Font "
+                       b"<< /F1 3 0 R >> >> >>" % (5 + 2 * index))
+        objects.append(b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(stream), stream))
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    table = b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    return out + (b"xref\n0 %d\n0000000000 65535 f \n%strailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n"
+                  % (len(objects) + 1, table, len(objects) + 1, len(out)))
+
+
+def test_a_page_that_cannot_be_decoded_is_not_called_blank(tmp_path):
+    """A PDF whose only page is a deflate bomb past pypdf's limit (75 MB) was blamed on "blank pages" and sent to
+    OCR, which cannot read it either."""
+    text = b"BT /F1 12 Tf 72 720 Td (Hello) Tj ET\n"
+    bomb = text + b" " * 80_000_000
+    (tmp_path / "bomb.pdf").write_bytes(raw_pdf([bomb]))
+    with pytest.raises(InputError) as error:
+        read_document(str(tmp_path / "bomb.pdf"))
+    said = str(error.value)
+    assert said.startswith(f"{tmp_path / 'bomb.pdf'} has no text gali can read: page 1 could not be decoded (Limit "
+                           "reached while decompressing")
+    assert said.endswith("a damaged PDF, or one past pypdf's limits") and "blank" not in said
+    (tmp_path / "two.pdf").write_bytes(raw_pdf([bomb, b"q Q\n"]))  # the other page blank: OCR may read it
+    with pytest.raises(InputError, match=r"page 1 could not be decoded \(.*\), and blank pages on the others: .* "
+                                         r"\(OCR may read the others, e\.g\. ocrmypdf\)$"):
+        read_document(str(tmp_path / "two.pdf"))
+    (tmp_path / "fine.pdf").write_bytes(raw_pdf([text]))
+    assert read_document(str(tmp_path / "fine.pdf")).text.strip() == "Hello"
 
 
 def test_encrypted_pdf(tmp_path):
@@ -202,13 +246,18 @@ def test_mostly_utf8_stays_utf8_with_the_bad_bytes_replaced(bad):
 
 
 def test_inputs_past_the_size_limit_are_refused_while_reading(tmp_path):
-    with pytest.raises(InputError, match=r"<stdin> is larger than the input limit of 1K: raise it with "
-                                         r"--max-input-size \(e\.g\. --max-input-size 4K\)"):
+    # a pipe's size is not known: the hint says so; a file's is, and the hint is what it needs (it was 4 times the
+    # limit, 0 for a limit of 0)
+    with pytest.raises(InputError, match=r"^<stdin> is larger than the input limit of 1K: raise --max-input-size "
+                                         r"past its size \(more than 1K\), or save it to a file and give that"):
         read_document("-", stdin=io.BytesIO(b"x" * 1025), max_bytes=1024)
     assert read_document("-", stdin=io.BytesIO(b"x" * 1024), max_bytes=1024).text == "x" * 1024
     big = write(tmp_path, "big.txt", b"words " * 1000)
-    with pytest.raises(InputError, match=r"big.txt is larger than the input limit of 5K"):
-        read_document(str(big), max_bytes=5 * 1024)
+    for limit, hint in ((5 * 1024, "5K"), (0, "0")):
+        with pytest.raises(InputError, match=rf"big.txt is larger than the input limit of {hint}: it has 5.859K; "
+                                             r"raise the limit with --max-input-size 5.9K$"):
+            read_document(str(big), max_bytes=limit)
+    assert read_document(str(big), max_bytes=parse_size("5.9K", "--max-input-size")).text.startswith("words")
 
     class Endless(io.RawIOBase):  # /dev/zero or `yes |`: never ends, so only the limit stops it
         def readable(self) -> bool:
@@ -220,6 +269,9 @@ def test_inputs_past_the_size_limit_are_refused_while_reading(tmp_path):
 
     with pytest.raises(InputError, match="larger than the input limit of 2M"):
         read_document("-", stdin=io.BufferedReader(Endless()), max_bytes=2 * 2**20)
-    if Path("/dev/zero").exists():
-        with pytest.raises(InputError, match="/dev/zero is larger than the input limit of 1M"):
+    if Path("/dev/zero").exists():  # an endless device: raising the limit would only fill more memory (issue 50)
+        with pytest.raises(InputError, match=r"^/dev/zero is larger than the input limit of 1M: it is a device, "
+                                             r"which may never end; save the document to a file and give that$"):
             read_document("/dev/zero", max_bytes=2**20)
+        with open("/dev/zero", "rb") as zeros, pytest.raises(InputError, match=r"<stdin> .* it is a device"):
+            read_document("-", stdin=zeros, max_bytes=2**20)

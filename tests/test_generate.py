@@ -5,6 +5,7 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
 from gali_cli import ConfigError, GaliConfig, apply_gali
+from gali_cli.config import MethodSettings
 from gali_cli.engine.math.positions import chunk_plan
 from gali_cli.engine.seam.kv_cache import new_cache
 from gali_cli.generate import (
@@ -18,7 +19,7 @@ from gali_cli.generate import (
     stop_token_ids,
     stream_generate,
 )
-from gali_cli.patching import forward_ends
+from gali_cli.patching import apply_method, forward_ends, prefill_spans
 
 
 @pytest.fixture
@@ -132,6 +133,46 @@ def test_detokenizer_holds_back_partial_characters(tiny):
     whole = [cut.add(token) for token in tokenizer("東", add_special_tokens=False).input_ids]
     partial = [cut.add(token) for token in tokenizer("京", add_special_tokens=False).input_ids[:-1]]
     assert "".join(whole) == "東" and partial == [""] * len(partial) and cut.finish() == ""
+
+
+def test_the_detokenizer_decodes_a_few_tokens_at_a_time(tiny):
+    """However long a line, each token decodes only the tokens not shown yet and those of the last piece (decoding
+    the whole line again for each token cost SmolLM2's tokenizer 1.2 ms a token over a line of 2,048 tokens); the
+    pieces join to the answer decoded as a whole."""
+    _, tokenizer = tiny
+    ids = tokenizer("東京 café, naïve: the lease ends in March. " * 40, add_special_tokens=False).input_ids
+    lengths = []
+
+    class Counting:
+        def decode(self, tokens, **kwargs):
+            lengths.append(len(tokens))
+            return tokenizer.decode(tokens, **kwargs)
+
+    detokenizer = _Detokenizer(Counting())
+    pieces = [detokenizer.add(token) for token in ids] + [detokenizer.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids) and len(ids) > 400 and max(lengths) <= 8
+
+
+@pytest.mark.parametrize("method", ["original", "gali", "self-extend", "chunk-llama"])
+def test_the_static_step_gives_eager_decodings_tokens_and_runs_no_forward_to_be_checked(tiny, method, monkeypatch):
+    """The CLI's path (stream_generate) decodes greedily through the static step the tokens that the model's own
+    forward gives, token for token; the step is held to the prefill's logits of the prompt's last token, so the
+    model's forward runs for the prefill alone (a forward to check it against cost 2-4 steps' time per answer)."""
+    model, tokenizer = tiny
+    prompt = tokenizer("The lease ends in March. " * 12).input_ids  # past the 32-token window
+    answers = {}
+    for choice in ("eager", "static"):
+        monkeypatch.setenv("GALI_DECODE", choice)
+        apply_method(model, method, MethodSettings(train_len=32), len(prompt) + 24)
+        spans, forwards = prefill_spans(model, method, 0, len(prompt)), []
+        hook = model.register_forward_hook(lambda *_, forwards=forwards: forwards.append(1))
+        *pieces, finished = stream_generate(model, tokenizer, prompt, make_sampler(), 24, set(), spans)
+        hook.remove()
+        answers[choice] = finished.answer_ids
+        assert "".join(piece.text for piece in pieces) == tokenizer.decode(finished.answer_ids)
+        assert len(forwards) == len(spans) + (23 if choice == "eager" else 0)
+        assert finished.decode_path == "eager" if choice == "eager" else finished.decode_path.startswith("static")
+    assert answers["static"] == answers["eager"] and len(answers["eager"]) == 24
 
 
 def test_only_the_generator_runs_in_inference_mode(tiny):

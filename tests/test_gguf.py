@@ -1,5 +1,6 @@
-"""GGUF files: read as transformers reads them, dequantized once into the user cache, damaged ones refused in one
-line. The GGUFs are written at test time with the gguf package's own writer (conftest.write_gguf)."""
+"""GGUF files: read as transformers reads them (weights in their blocks: tests/test_gguf_weights.py), the config and
+tokenizer read once into the user cache, damaged ones refused in one line. The GGUFs are written at test time with
+the gguf package's own writer (conftest.write_gguf)."""
 
 import importlib.util
 import json
@@ -18,11 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gali_cli.cli import main
 from gali_cli.errors import GaliWarning, ModelLoadError, UnsupportedModelError
-from gali_cli.model import dequantized as model_cache
+from gali_cli.model import companions as model_cache
 from gali_cli.model.gguf import read_header
 from gali_cli.model.loading import load_config, load_model, resolve_source
 
 IDS = torch.tensor([[0, 274, 269, 284, 73, 304, 283, 309, 307, 297, 18, 5, 9, 11]])
+TOLERANCE = 1e-5  # relative: the same float32 weights, their products tiled differently
 
 
 def transformers_own(path: Path):
@@ -59,10 +61,12 @@ def test_header_is_read_without_transformers(tiny_gguf):
     assert max(header.data_start + t.offset + t.nbytes for t in header.tensors) <= tiny_gguf.stat().st_size
 
 
-def test_gguf_loads_as_transformers_loads_it(tiny_gguf, tiny_model_dir, fresh_cache):
+def test_gguf_loads_as_transformers_loads_it(tiny_gguf, tiny_model_dir, fresh_cache, dequantizations):
     loaded = load_model(str(tiny_gguf), device="cpu")
+    assert not dequantizations  # read into grids, never a float copy through the gguf package
     reference = transformers_own(tiny_gguf)
-    assert torch.equal(loaded.model(IDS).logits, reference(IDS).logits)
+    ours, theirs = loaded.model(IDS).logits, reference(IDS).logits
+    assert (ours - theirs).abs().max() <= TOLERANCE * theirs.abs().max()
     source = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # what was written, before Q8_0 blocks
     assert torch.allclose(loaded.model(IDS).logits, source(IDS).logits, atol=0.1)
     theirs = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
@@ -73,41 +77,44 @@ def test_gguf_loads_as_transformers_loads_it(tiny_gguf, tiny_model_dir, fresh_ca
     assert "quantization_config" not in loaded.model.config.to_dict()
 
 
-def test_the_second_load_uses_the_cached_weights(tiny_gguf, fresh_cache, dequantizations):
-    first = load_model(str(tiny_gguf), device="cpu")
-    built = len(dequantizations)
-    assert built > 0 and len(list(fresh_cache.iterdir())) == 1
-    second = load_model(str(tiny_gguf), device="cpu")
-    assert len(dequantizations) == built  # nothing dequantized again
+def test_the_second_load_reads_the_tokenizer_from_the_cache(tiny_gguf, fresh_cache):
+    notices = []
+    first = load_model(str(tiny_gguf), device="cpu", notice=notices.append)
+    assert len(notices) == 1 and "tokenizer once" in notices[0]
+    (entry,) = fresh_cache.iterdir()
+    assert not list(entry.glob("*.safetensors"))  # no weights in the cache: they come from the GGUF itself
+    assert sum(path.stat().st_size for path in entry.iterdir()) < tiny_gguf.stat().st_size
+    second = load_model(str(tiny_gguf), device="cpu", notice=notices.append)
+    assert len(notices) == 1  # nothing read again
     assert torch.equal(first.model(IDS).logits, second.model(IDS).logits)
     assert load_config(str(tiny_gguf)).max_position_embeddings == 32
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "truncated weights", "no manifest", "manifest of another file"])
-def test_a_damaged_entry_is_rebuilt(tiny_gguf, fresh_cache, dequantizations, damage):
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated tokenizer", "no manifest", "manifest of another file"])
+def test_a_damaged_entry_is_rebuilt(tiny_gguf, fresh_cache, damage):
     expected = load_model(str(tiny_gguf), device="cpu").model(IDS).logits
     (entry,) = fresh_cache.iterdir()
-    weights = entry / model_cache.WEIGHTS
+    tokenizer = entry / "tokenizer.json"
     if damage == "flipped byte":
-        data = bytearray(weights.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        weights.write_bytes(bytes(data))
-    elif damage == "truncated weights":
-        weights.write_bytes(weights.read_bytes()[:-100])
+        data = bytearray(tokenizer.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        tokenizer.write_bytes(bytes(data))
+    elif damage == "truncated tokenizer":
+        tokenizer.write_bytes(tokenizer.read_bytes()[:-100])
     elif damage == "no manifest":
         (entry / model_cache.MANIFEST).unlink()
     else:
         text = (entry / model_cache.MANIFEST).read_text()
         (entry / model_cache.MANIFEST).write_text(text.replace('"key": "', '"key": "0'))
-    built = len(dequantizations)
-    with pytest.warns(GaliWarning, match="damaged.*rebuilding"):
-        again = load_model(str(tiny_gguf), device="cpu")
-    assert len(dequantizations) == 2 * built
+    notices = []
+    with pytest.warns(GaliWarning, match="damaged.*reading it again"):
+        again = load_model(str(tiny_gguf), device="cpu", notice=notices.append)
+    assert len(notices) == 1
     assert torch.equal(again.model(IDS).logits, expected)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_model(str(tiny_gguf), device="cpu")  # rebuilt: sound again
-    assert len(dequantizations) == 2 * built
+        load_model(str(tiny_gguf), device="cpu", notice=notices.append)  # rebuilt: sound again
+    assert len(notices) == 1
 
 
 def test_a_replaced_gguf_gets_a_new_entry_and_the_old_one_goes(tiny_gguf, tmp_path, fresh_cache):
@@ -120,13 +127,12 @@ def test_a_replaced_gguf_gets_a_new_entry_and_the_old_one_goes(tiny_gguf, tmp_pa
     assert new != old
 
 
-def test_quantize_and_dtype_apply_after_dequantization(tiny_gguf, fresh_cache):
-    loaded = load_model(str(tiny_gguf), device="cpu", quantize="8bit")
-    assert type(loaded.model.model.layers[0].self_attn.q_proj).__name__ == "Linear8bitLt"
+def test_another_dtype_dequantizes_as_it_loads(tiny_gguf, fresh_cache):
     half = load_model(str(tiny_gguf), device="cpu", dtype="bfloat16")
     assert half.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert half.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert half.identity["dtype"] == "torch.bfloat16"
-    assert sorted(path.name.split(".")[-4] for path in fresh_cache.iterdir()) == ["bfloat16", "float32"]
+    assert len(list(fresh_cache.iterdir())) == 1  # one entry whatever the dtype: the tokenizer's
 
 
 def _truncated(path: Path, good: Path) -> None:
@@ -290,7 +296,7 @@ def test_copies_another_release_wrote_are_listed_kept_a_while_then_pruned(tiny_g
     (ours,) = fresh_cache.iterdir()
     recent = _as_if_written_by(ours, "5.0.0", days_ago=2)
     old = _as_if_written_by(ours, "4.99.0", days_ago=model_cache.UNUSED_DAYS + 1)
-    cache = model_cache.DequantizedModels()
+    cache = model_cache.GgufCompanions()
     entries = {entry.path: entry for entry in cache.entries()}
     assert entries[ours].usable and entries[ours].reason_unusable is None
     assert entries[recent].reason_unusable == "written by transformers 5.0.0" and not entries[old].usable
@@ -299,17 +305,35 @@ def test_copies_another_release_wrote_are_listed_kept_a_while_then_pruned(tiny_g
     os.utime(ours, (used_before - 100, used_before - 100))
     load_model(str(copy), device="cpu")
     assert ours.stat().st_mtime > used_before - 100  # a load marks the copy used
-    load_model(str(copy), device="cpu", dtype="bfloat16")  # a build, which prunes what is unused for 30 days
+    other = shutil.copy(tiny_gguf, tmp_path / "other.gguf")
+    load_model(str(other), device="cpu")  # a build, which prunes what is unused for 30 days
     left = {path.name for path in fresh_cache.iterdir()}
     assert {ours.name, recent.name} < left and old.name not in left and len(left) == 3
     removed, kept = cache.prune()  # now: everything this installation cannot use
     assert [entry.path for entry in removed] == [recent] and kept == []
     assert [entry.usable for entry in cache.entries()] == [True, True]
-    Path(copy).unlink()  # the GGUF is gone: its copies are of no use to anyone
-    assert {entry.reason_unusable for entry in cache.entries()} == {"its GGUF file is gone or changed"}
+    Path(copy).unlink()  # the GGUF is gone: its entry is of no use to anyone
+    assert {entry.reason_unusable for entry in cache.entries()} == {"its GGUF file is gone or changed", None}
 
 
-def test_gali_cache_lists_prunes_and_clears_dequantized_models(tiny_gguf, tmp_path, fresh_cache, capsys):
+def test_float_copies_an_older_gali_wrote_are_listed_and_pruned(tiny_gguf, tmp_path, fresh_cache, capsys):
+    load_model(str(tiny_gguf), device="cpu")
+    (ours,) = fresh_cache.iterdir()
+    older = fresh_cache / ours.name.replace(".tokenizer.", ".float32.")
+    shutil.copytree(ours, older)
+    manifest = json.loads((older / model_cache.MANIFEST).read_text())
+    (older / "model.safetensors").write_bytes(b"\0" * 4096)
+    manifest.update(format="1", dtype="float32")
+    (older / model_cache.MANIFEST).write_text(json.dumps(manifest))
+    entries = {entry.path: entry for entry in model_cache.GgufCompanions().entries()}
+    assert entries[older].reason_unusable.startswith("written by an older gali: a float copy of the whole model")
+    assert entries[older].dtype == "float32 copy" and entries[ours].usable
+    assert main(["cache", "prune"]) == 0
+    assert "Removed 1 model cache entry (" in capsys.readouterr().err
+    assert list(fresh_cache.iterdir()) == [ours]
+
+
+def test_gali_cache_lists_prunes_and_clears_the_model_cache(tiny_gguf, tmp_path, fresh_cache, capsys):
     copy = shutil.copy(tiny_gguf, tmp_path / "model.gguf")
     load_model(str(copy), device="cpu")
     (ours,) = fresh_cache.iterdir()
@@ -323,14 +347,14 @@ def test_gali_cache_lists_prunes_and_clears_dequantized_models(tiny_gguf, tmp_pa
 
     code, out, err = gali("cache", "list", *states)
     assert code == 0 and "5.0.0" in out and "written by transformers 5.0.0" in out
-    assert "2 dequantized models" in err and "1 not usable by this installation" in err and "gali cache prune" in err
+    assert "2 model cache entries" in err and "1 not usable by this installation" in err and "gali cache prune" in err
     facts = json.loads(gali("cache", "list", "--json", *states)[1])
     assert [model["usable"] for model in facts["models"]] == [True, False]
     assert facts["models"][1]["unusable_because"] == "written by transformers 5.0.0"
     code, out, err = gali("cache", "prune")
-    assert code == 0 and err.startswith("Removed 1 dequantized model (") and list(fresh_cache.iterdir()) == [ours]
+    assert code == 0 and err.startswith("Removed 1 model cache entry (") and list(fresh_cache.iterdir()) == [ours]
     code, out, err = gali("cache", "clear", "--models")
-    assert code == 0 and err.startswith("Removed 1 dequantized model (") and list(fresh_cache.iterdir()) == []
+    assert code == 0 and err.startswith("Removed 1 model cache entry (") and list(fresh_cache.iterdir()) == []
 
 
 def test_a_model_cache_that_is_a_file_is_refused_before_loading(tiny_gguf, tmp_path, monkeypatch, dequantizations,
@@ -345,12 +369,10 @@ def test_a_model_cache_that_is_a_file_is_refused_before_loading(tiny_gguf, tmp_p
 
 
 def test_a_full_disk_under_the_model_cache_is_a_one_line_error(tiny_gguf, fresh_cache, monkeypatch, capsys):
-    """safetensors reports a full disk as a SafetensorError, which has no strerror."""
     def full(*args, **kwargs):
-        raise model_cache.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                                          'message: "No space left on device" })')
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(model_cache, "save_file", full)
+    monkeypatch.setattr(model_cache.GenerationConfig, "save_pretrained", full)
     (fresh_cache.parent / "doc.txt").write_text("The roof leaks. " * 10)
     assert main(["ppl", str(fresh_cache.parent / "doc.txt"), "-m", str(tiny_gguf)]) == 4
     error = capsys.readouterr().err.strip().splitlines()[-1]

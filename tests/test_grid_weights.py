@@ -14,8 +14,9 @@ from test_static_decode import prefilled, worst_step_difference
 from test_triton_decode import KERNEL_METHODS
 
 from gali_cli.engine.kernels import native_noise
-from gali_cli.engine.seam import grid_weights, with_cache
-from gali_cli.engine.seam.grid_weights import BLOCK, GridWeight, grid_projections, to_grid
+from gali_cli.engine.seam import grid_weights, projections, with_cache
+from gali_cli.engine.seam.grid_weights import BLOCK, GridWeight, to_grid
+from gali_cli.engine.seam.projections import grid_projections
 from gali_cli.engine.seam.static_decode import StaticDecoder
 from gali_cli.errors import GaliWarning
 from gali_cli.model.loading import load_model, smollm2_gguf
@@ -201,7 +202,7 @@ def test_what_the_step_does_not_know_stays_with_the_modules(monkeypatch):
     assert grid_projections(model).grid_share() == 0.0
     model = gridded_llama()
     kernel = native_noise.load_kernel()
-    monkeypatch.setattr(grid_weights, "load_kernel", lambda: dataclasses.replace(kernel, grid_vectorised=False))
+    monkeypatch.setattr(projections, "load_kernel", lambda: dataclasses.replace(kernel, grid_vectorised=False))
     assert grid_projections(model).grid_share() == 0.0
     monkeypatch.undo()
     model = gridded_llama()
@@ -210,20 +211,20 @@ def test_what_the_step_does_not_know_stays_with_the_modules(monkeypatch):
 
 
 def test_grids_that_would_crowd_the_memory_are_not_made(monkeypatch):
-    free = grid_weights.available_memory()
+    free = projections.available_memory()
     assert free is None if sys.platform != "linux" else free > 0  # Linux says, in /proc/meminfo
     model = gridded_llama()
     needed = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * 5 // 4
-    monkeypatch.setattr(grid_weights, "available_memory", lambda: 2 * needed - 2)
+    monkeypatch.setattr(projections, "available_memory", lambda: 2 * needed - 2)
     with pytest.warns(GaliWarning, match="not enough free memory to hold the projections as bytes"):
         assert grid_projections(model).grid_share() == 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert grid_projections(model).grid_share() == 0.0  # the model's next answer: decided, said once
     model = gridded_llama()
-    monkeypatch.setattr(grid_weights, "available_memory", lambda: 2 * needed)
+    monkeypatch.setattr(projections, "available_memory", lambda: 2 * needed)
     assert grid_projections(model).grid_share() == 1.0
-    monkeypatch.setattr(grid_weights, "available_memory", lambda: None)  # a system that does not say
+    monkeypatch.setattr(projections, "available_memory", lambda: None)  # a system that does not say
     assert grid_projections(gridded_llama()).grid_share() == 1.0
 
 

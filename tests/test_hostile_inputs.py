@@ -65,7 +65,8 @@ def broken_model(tiny_model_dir: Path, folder: Path, damage: str) -> Path:
 
 
 CASES = {  # name: (arguments after the command's name, exit code, what stderr says)
-    "/dev/zero": (["summarize", "/dev/zero"], 3, "/dev/zero is larger than the input limit of 256M"),
+    "/dev/zero": (["summarize", "/dev/zero"], 3, "/dev/zero is larger than the input limit of 256M: it is a device, "
+                                              "which may never end"),
     "past --max-input-size": (["summarize", "{doc}", "--max-input-size", "1K"], 3, "larger than the input limit of 1K"),
     "bad --max-input-size": (["summarize", "{doc}", "--max-input-size", "lots"], 2, "must be a size such as 20G"),
     "truncated safetensors": (["summarize", "{doc}", "-m", "{truncated}"], 4,
@@ -189,8 +190,8 @@ def test_standard_input_from_dev_zero(tiny_model_dir):
         result = subprocess.run([sys.executable, "-m", "gali_cli", "summarize", "-", "-m", str(tiny_model_dir)],
                                 stdin=zeros, capture_output=True, text=True, timeout=scaled(300))
     assert result.returncode == 3 and not result.stdout
-    assert result.stderr == "gali: <stdin> is larger than the input limit of 256M: raise it with --max-input-size " \
-                            "(e.g. --max-input-size 1G)\n"
+    assert result.stderr == "gali: <stdin> is larger than the input limit of 256M: it is a device, which may never " \
+                            "end; save the document to a file and give that\n"
 
 
 @pytest.mark.parametrize("damage", ["overwrite 4 KiB", "scale a layer"])

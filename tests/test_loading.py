@@ -188,3 +188,47 @@ def test_broken_model_folders_are_refused_by_name(tiny_model_dir, tmp_path, dama
     with pytest.raises(ModelLoadError, match=re.escape(message)) as error:
         load_model(str(folder), device="cpu")
     assert "\n" not in str(error.value) and not (folder / "unpickled.txt").exists()
+
+
+@pytest.fixture
+def from_pretrained_calls(monkeypatch) -> list[dict]:
+    """The keyword arguments of every AutoModelForCausalLM.from_pretrained call, the call itself made as asked."""
+    from transformers import AutoModelForCausalLM
+
+    original, calls = AutoModelForCausalLM.from_pretrained.__func__, []
+
+    def recording(cls, *args, **kwargs):
+        calls.append(kwargs)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
+    return calls
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_every_model_is_loaded_without_hub_code(tiny_model_dir, tiny_gguf, from_pretrained_calls, source):
+    """transformers 5.25 turned `use_kernels` on by default: on a CUDA machine with a network, loading a model
+    downloads kernels from the Hub and runs them. gali passes compat.no_hub_code_kwargs() (use_kernels=False on every
+    release that knows it: all of gali's range) and trust_remote_code=False to every model it loads."""
+    from transformers import PreTrainedModel
+
+    from gali_cli.compat import no_hub_code_kwargs
+
+    assert no_hub_code_kwargs() == ({"use_kernels": False} if hasattr(PreTrainedModel, "set_use_kernels") else {})
+    loaded = load_model(str(tiny_model_dir if source == "folder" else tiny_gguf), device="cpu")
+    if source == "folder":
+        assert from_pretrained_calls, "the folder's model was not loaded by from_pretrained"
+    for kwargs in from_pretrained_calls:
+        assert kwargs.get("trust_remote_code") is False
+        assert {key: kwargs.get(key) for key in no_hub_code_kwargs()} == no_hub_code_kwargs(), sorted(kwargs)
+    assert not getattr(loaded.model, "use_kernels", False)
+
+
+def test_a_release_without_hub_kernels_gets_no_keyword(monkeypatch):
+    """A release whose models have no `set_use_kernels` would hand an unknown keyword on to the model's config."""
+    import transformers
+
+    from gali_cli.compat import no_hub_code_kwargs
+
+    monkeypatch.setattr(transformers, "PreTrainedModel", type("PreTrainedModel", (), {}))
+    assert no_hub_code_kwargs() == {}

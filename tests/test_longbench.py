@@ -143,6 +143,25 @@ def test_truncation_keeps_the_first_and_last_halves_of_the_budget(tmp_path, trun
     assert len(tokenizer(longbench.prompt(sample))["input_ids"]) == budget
 
 
+def test_a_huge_record_has_only_its_ends_tokenized(tmp_path, monkeypatch):
+    """A 300 MB LongBench record made the Rust tokenizer abort gali eval (exit 134, 5.9 GB): a prompt past what the
+    budget's tokens can span in characters is cut by characters first, with the same result."""
+    tokenizer = byte_tokenizer()
+    context = "".join(f"{i:06d}." for i in range(20_000))  # 140,000 characters, one token each
+    (tmp_path / "qasper.jsonl").write_text(json.dumps({"input": "Why?", "context": context, "answers": ["x"]}))
+    longest, tokenized = type(tokenizer).__call__, []
+
+    def counting(self, text, *args, **kwargs):
+        tokenized.append(len(text))
+        return longest(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", counting)
+    sample = longbench.samples(tmp_path, "qasper", tokenizer, 300)[0]
+    whole = longbench.DATASETS["qasper"].template.format(context=context, input="Why?")
+    assert longbench.prompt(sample) == whole[:149] + whole[-150:]  # as test_truncation_keeps_... works it out
+    assert max(tokenized) <= 150 * 3 + 4096  # half the budget times the longest token ("<s>"), and the margin
+
+
 def test_a_question_cut_by_truncation_leaves_the_whole_prompt_as_the_document(tmp_path):
     (tmp_path / "qasper.jsonl").write_text(json.dumps({"input": "Why?", "context": "x" * 500, "answers": ["x"]}))
     sample = longbench.samples(tmp_path, "qasper", byte_tokenizer(), 100)[0]
@@ -170,7 +189,7 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
     (tmp_path / "qasper" / "0000.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ConfigError, match=r"needs pyarrow: pip install 'gali-cli\[eval\]'"):
+    with pytest.raises(ConfigError, match=r'needs pyarrow: pip install -e "\.\[eval\]" in '):
         longbench.samples(tmp_path, "qasper", tiny_tokenizer(), 1000)
 
 
@@ -199,6 +218,19 @@ def test_longbench_e_names_use_their_datasets_prompts(tmp_path):
      "names no paragraph: it cannot be scored"),
     ('{"input": "q", "context": "c", "answers": ["City"]}\n', "trec", ConfigError, "without all_classes"),
     ("\udcff", "qasper", InputError, "is not UTF-8 text"),
+    # all_classes of a wrong type or a string (which was split into one-letter classes, silently), JSON nested past
+    # the parser's depth and lone surrogates were "unexpected" errors
+    ('{"input": "q", "context": "c", "answers": ["City"], "all_classes": "City"}\n', "trec", InputError,
+     r"trec.jsonl:1: a LongBench record's all_classes is a list of class names \(or null\), got str"),
+    ('{"input": "q", "context": "c", "answers": ["City"], "all_classes": 5}\n', "trec", InputError, "got int"),
+    ('{"input": "q", "context": "c", "answers": ["City"], "all_classes": ["City", 5]}\n', "trec", InputError,
+     "got a list holding non-text"),
+    ("[" * 100_000 + "]" * 100_000 + "\n", "qasper", InputError, r"qasper.jsonl:1 is JSON nested deeper than Python "
+                                                                 "reads"),
+    ('{"input": "q", "context": "a \\ud800 b", "answers": ["a"]}\n', "qasper", InputError,
+     r"qasper.jsonl:1: a LongBench record's context holds a lone surrogate"),
+    ('{"input": "q", "context": "c", "answers": ["\\udfff"]}\n', "qasper", InputError,
+     "answers holds a lone surrogate"),
     ("", "dureader", ConfigError, "jieba's Chinese word segmentation"),
     ("", "vcsum", ConfigError, "jieba"),
     ("", "squad", ConfigError, "unknown LongBench dataset 'squad'"),

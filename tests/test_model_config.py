@@ -64,15 +64,22 @@ def test_what_cannot_be_read(tmp_path):
 
 
 def test_a_gguf_header_reads_as_transformers_reads_the_file(tiny_gguf):
-    """gali info reads a GGUF's header; loading takes the config transformers makes of the same file."""
-    from gali_cli.model.loading import load_config
+    """gali info reads a GGUF's header; loading takes the config transformers makes of the same file, and holds
+    its weights in the bytes gali info names."""
+    from gali_cli.engine.seam.packed_modules import PackedLinear
+    from gali_cli.model.loading import load_config, load_model
 
     config = load_config(str(tiny_gguf))
+    model = load_model(str(tiny_gguf), device="cpu").model
+    held = {id(m.group): m.group for m in model.modules() if isinstance(m, PackedLinear)}
+    held[id(model.get_input_embeddings().grid)] = model.get_input_embeddings().grid
+    weights = sum(w.nbytes() if hasattr(w, "nbytes") and callable(w.nbytes) else w.numel() * w.element_size()
+                  for w in held.values()) + sum(p.numel() * 4 for p in model.parameters())
     expected = {"architecture": (config.architectures or ["LlamaForCausalLM"])[0],
                 "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                 "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                 "vocab_size": config.vocab_size, "train_len": config.max_position_embeddings,
-                "rope": dict(config.rope_parameters or {}), **LLAMA}
+                "rope": dict(config.rope_parameters or {}), **LLAMA, "weights_mib": round(weights / 2**20, 1)}
     assert read_model_config(str(tiny_gguf)).facts() == expected
 
 
@@ -107,3 +114,39 @@ def test_an_insane_config_is_refused_naming_the_field(tmp_path, config, message)
     with pytest.raises(ModelLoadError, match=re.escape(message)) as error:
         read_model_config(str(tmp_path))
     assert f"cannot load model {str(tmp_path)!r}: its config's" in str(error.value)
+
+
+GEMMA3 = {"model_type": "gemma3_text", "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+          "query_pre_attn_scalar": 256, "final_logit_softcapping": None, "sliding_window": 512}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"layer_types": "full_attention"}, "layer_types is 'full_attention': not a list of one kind per layer (2)"),
+    ({"layer_types": ["full_attention"]}, "layer_types is ['full_attention']: not a list of one kind per layer (2)"),
+    ({"layer_types": ["full_attention", "global"]},
+     "layer_types is 'global': a layer's kind is 'full_attention' or 'sliding_attention'"),
+    ({"layer_types": [None, {}]}, "layer_types is None: a layer's kind is"),
+    ({"query_pre_attn_scalar": "256"}, "query_pre_attn_scalar is '256': not a number"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar is 0: it must be positive"),
+    ({"final_logit_softcapping": 0}, "final_logit_softcapping is 0: it must be positive"),
+    ({"final_logit_softcapping": -30.0}, "final_logit_softcapping is -30.0: it must be positive"),
+    ({"attn_implementation": "kernels-community/flash-attn2"},
+     "attn_implementation is 'kernels-community/flash-attn2': not an attention transformers has; a kernel from the "
+     "Hub is code gali never runs"),
+    ({"_attn_implementation": {"": "org/kernel@v1:attention"}}, "_attn_implementation is 'org/kernel@v1:attention'"),
+], ids=["layer_types a string", "too few layer kinds", "an unknown kind", "a kind not a string", "scalar a string",
+        "zero scalar", "zero softcap", "negative softcap", "a hub kernel", "a hub kernel per sub-config"])
+def test_a_malformed_gemma3_config_is_refused_naming_the_field(tmp_path, config, message):
+    """Gemma 3's layer kinds, query scaling and logit soft-cap went unchecked: a malformed one was an "unexpected"
+    error (exit 1), a final_logit_softcapping of 0 or less an empty answer with exit 0. An attention naming a Hub
+    kernel would have transformers download and run it."""
+    (tmp_path / "config.json").write_text(json.dumps({**GEMMA3, **config}))
+    with pytest.raises(ModelLoadError, match=re.escape(message)) as error:
+        read_model_config(str(tmp_path))
+    assert f"cannot load model {str(tmp_path)!r}: its config's" in str(error.value)
+
+
+def test_a_sound_gemma3_config_passes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**GEMMA3, "final_logit_softcapping": 30.0,
+                                                      "attn_implementation": "sdpa"}))
+    assert read_model_config(str(tmp_path)).family == "Gemma 3"

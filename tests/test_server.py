@@ -31,6 +31,7 @@ from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_ge
 from gali_cli.model.loading import load_model
 from gali_cli.patching import apply_method, prefill_spans
 from gali_cli.prompts import ServedPrompt, ask_instruction, raw_prompt, served_parts, served_prompt
+from gali_cli.server import worker as worker_module
 from gali_cli.server.app import ServerSettings
 from gali_cli.server.guard import Reach
 from gali_cli.server.reuse import States
@@ -157,6 +158,43 @@ def test_a_prompt_past_max_prompt_tokens_is_a_400_at_once(loaded, content):
         assert ask(client, "Still there?", 2).usage.completion_tokens == 2
 
 
+def test_a_long_count_neither_blocks_a_short_prompt_nor_outlives_its_client(loaded, monkeypatch):
+    """Counting a huge prompt (--max-prompt-tokens raised) ran whole under the one counting lock: a 2-token request
+    waited behind it, memory peaked at 5 GB, and neither the client leaving nor SIGTERM stopped it. It is counted a
+    piece at a time with a copy of its own, and stops when `gone` says so; the count is the whole text's."""
+    from gali_cli.server.app import _PromptBound
+    from gali_cli.server.schemas import APIError
+
+    bound = _PromptBound(loaded.tokenizer, 10**6)
+    text = "The cat sat on the mat.\n" * 20_000  # 480,000 characters: several pieces
+    whole = len(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    with bound.counters[1][1]:  # a long count holds its copy: a short prompt is still counted at once
+        checked = threading.Thread(target=bound.check, args=(["Hi there"],))
+        checked.start()
+        checked.join(scaled(10))
+        assert not checked.is_alive(), "a short prompt waited behind a long count"
+    _PromptBound(loaded.tokenizer, whole).check([text])  # the count in pieces is the whole text's
+    with pytest.raises(APIError, match=f"at least {whole + 1}|at least {whole}"):
+        _PromptBound(loaded.tokenizer, whole - 1).check([text])
+    tokenized, calls = [], []
+    tokenizer_call = type(loaded.tokenizer).__call__
+
+    def recording(self, piece, *args, **kwargs):
+        tokenized.append(len(piece))
+        return tokenizer_call(self, piece, *args, **kwargs)
+
+    monkeypatch.setattr(type(loaded.tokenizer), "__call__", recording)
+
+    def gone() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise APIError(499, "the client went away while its prompt was counted")
+
+    with pytest.raises(APIError, match="went away"):
+        bound.check([text], gone)
+    assert max(tokenized) <= 2 * bound.PIECE and sum(tokenized) < len(text) // 2  # stopped early, in pieces
+
+
 def test_the_worker_refuses_a_templated_prompt_past_the_limit_before_any_forward(loaded):
     """The chat template adds tokens the early count does not see: the exact count is checked before reading."""
     with serving(loaded, max_prompt_tokens=40) as server:
@@ -220,13 +258,15 @@ def test_a_second_question_starts_from_the_documents_state(served, loaded):
     assert "cached" in served.log[-1]
 
 
-@pytest.mark.parametrize("ending", ["\n", "\r\n  \n\n", ""])
+@pytest.mark.parametrize("start, ending", [("", "\n"), ("", "\r\n  \n\n"), ("", ""), (" " * 20, "\n"),
+                                           ("\n \t\n", "")])
 def test_a_document_sent_as_read_from_its_file_is_served_from_gali_asks_state(loaded, tiny_model_dir, tmp_path,
-                                                                              ending):
-    """open(path).read() keeps the file's final line break (and whatever blank space ends it): the server serves
-    the state `gali ask` stored all the same."""
+                                                                              start, ending):
+    """open(path).read() keeps the file's final line break (and whatever blank space ends it), and whatever blank
+    space starts it (the GPL begins with 20 spaces: issue 50 read it twice): the server serves the state `gali ask`
+    stored all the same."""
     document = tmp_path / "lease.txt"
-    document.write_bytes((DOCUMENT.strip() + ending).encode())
+    document.write_bytes((start + DOCUMENT.strip() + ending).encode())
     stored = CliRunner().invoke(cli.app, ["ask", str(document), "Who pays the rent?", "-m", str(tiny_model_dir),
                                           "--max-new-tokens", "2", "--cache-dir", str(tmp_path / "cache")])
     assert stored.exit_code == 0, stored.stderr
@@ -235,6 +275,34 @@ def test_a_document_sent_as_read_from_its_file_is_served_from_gali_asks_state(lo
         text = document.read_text()  # as open(path).read() gives it
         answer = ask(client_for(server), f"{text}\n\n{ask_instruction('When does the lease end?')}", 2)
     assert answer.usage.prompt_tokens_details.cached_tokens == entry.tokens
+
+
+def test_a_chat_answer_never_ends_before_its_first_token(loaded, monkeypatch):
+    """Issue 50: after 81 s of reading, the model's first token was its stop token, and the openai client got an
+    empty answer ("stop", 1 token) without a word. A chat answer now goes on with the model's next best token, and
+    the log says so; a raw completion may still end at once (its text may be complete)."""
+    stops = stop_token_ids(loaded.model, loaded.tokenizer)
+
+    def ends_at_once(*args):  # a model whose every pick is a stop token where it may be
+        def sample(logits):
+            allowed = [token for token in sorted(stops) if logits[token] > float("-inf")]
+            return allowed[0] if allowed else int(logits.argmax())
+
+        return sample
+
+    monkeypatch.setattr(worker_module, "make_sampler", ends_at_once)
+    messages = [{"role": "user", "content": f"{DOCUMENT}\n\nWhat are the action items?"}]
+    with serving(loaded) as server:
+        client = client_for(server)
+        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+        completion = client.completions.create(model="tiny", prompt="The end.", max_tokens=8)
+    monkeypatch.undo()
+    assert chat.choices[0].message.content == direct(loaded, messages, 1)[0]  # the best token that is no stop
+    assert chat.usage.completion_tokens == 2 and chat.choices[0].finish_reason == "stop"
+    chat_line, completion_line = [line for line in server.log if '"POST /v1/' in line]
+    assert chat_line.endswith("stop (the model's first pick ended the answer at once: its next best went on)")
+    assert completion.choices[0].text == "" and completion.usage.completion_tokens == 1
+    assert completion_line.endswith(", stop")
 
 
 def test_completions_from_text_and_from_token_ids(served, loaded):
@@ -448,11 +516,14 @@ def test_stopping_waits_for_a_document_cache_write_to_finish(loaded, tmp_path, m
 
 
 @contextmanager
-def gali_serve(*options: str):
-    """`gali serve -m demo --port 0` as a process; yields (base URL, process, its stderr lines so far)."""
+def gali_serve(*options: str, sigint_ignored: bool = False, env: dict | None = None):
+    """`gali serve -m demo --port 0` as a process; yields (base URL, process, its stderr lines so far).
+    `sigint_ignored`: started as a shell without job control starts `gali serve &`."""
     process = subprocess.Popen([sys.executable, "-m", "gali_cli", "serve", "-m", "demo", "--port", "0", *options],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                               preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored
+                               else None)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
     try:
@@ -543,6 +614,33 @@ def test_gali_serve_takes_its_port_before_loading_and_ctrl_c_stops_it(tmp_path):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         process.send_signal(signal.SIGINT)
         assert process.wait(scaled(60)) == 130
+
+
+@pytest.mark.parametrize("sig, ending", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
+def test_a_signal_ignored_at_start_still_ends_the_server_as_it_says(monkeypatch, sig, ending):
+    """`gali serve &` from a shell without job control starts with SIGINT ignored: uvicorn stopped on it, restored
+    SIG_IGN and raised it again into nothing, and gali exited 0, not 130 (docs/serve.md)."""
+    server = Server.__new__(Server)  # only what capture_signals needs: no worker, no app
+    server._captured_signals, server.should_exit, server.force_exit = [], False, False
+    before = signal.signal(sig, signal.SIG_IGN)
+    try:
+        with pytest.raises(ending) as stopped, server.capture_signals():
+            uvicorn_exit = super(Server, server).handle_exit
+            uvicorn_exit(sig, None)  # as uvicorn's handler does when the signal comes
+        assert signal.getsignal(sig) is signal.SIG_IGN  # left as it was found
+        if ending is SystemExit:
+            assert stopped.value.code == 143
+    finally:
+        signal.signal(sig, before)
+
+
+@pytest.mark.slow
+def test_gali_serve_started_with_sigint_ignored_exits_130_on_it():
+    with gali_serve(sigint_ignored=True) as (url, process, lines):
+        assert urlopen(f"{url}/health", timeout=scaled(60)).status == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(scaled(60)) == 130
+    assert "stopped" in "".join(lines) and "Traceback" not in "".join(lines)
 
 
 def test_the_access_log_escapes_the_clients_path(served):

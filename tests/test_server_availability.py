@@ -281,25 +281,55 @@ def test_a_connection_that_sends_its_body_slowly_is_closed(loaded):
         assert answer.usage.completion_tokens == 40
 
 
-def test_connections_past_the_limit_are_refused_until_others_close(loaded):
+def busy(server) -> socket.socket:
+    """A connection with a request under way: its headers sent and read by the server, its body not yet."""
+    watched = server.server.connections.connections
+    under_way = sum(connection.idle_since is None for connection in watched)
+    connection = connect(server)
+    connection.sendall(head(server, "/v1/chat/completions") + b"Content-Length: 1000\r\n\r\n{")
+    assert wait_until(lambda: sum(connection.idle_since is None for connection in watched) > under_way, 3)
+    return connection
+
+
+def test_connections_past_the_limit_are_refused_while_each_has_a_request_under_way(loaded):
     with serving(loaded, connections=ConnectionLimits(max_connections=3)) as server:
-        held = [connect(server) for _ in range(3)]
+        held = [busy(server) for _ in range(3)]
         assert wait_until(lambda: raw_status(server) == 503, 3)
         for connection in held:
             connection.close()
         assert wait_until(lambda: raw_status(server) == 200, 3)
 
 
-def test_one_address_holding_idle_connections_leaves_room_for_the_others(loaded):
-    """Idle connections from one address fill that address's share only: a client on another address (127.0.0.2 is
+def test_one_address_holding_busy_connections_leaves_room_for_the_others(loaded):
+    """Connections from one address fill that address's share only: a client on another address (127.0.0.2 is
     loopback too on Linux) is still served."""
     with serving(loaded, connections=ConnectionLimits(max_connections=8, max_per_address=3)) as server:
-        held = [connect(server) for _ in range(3)]
+        held = [busy(server) for _ in range(3)]
         assert wait_until(lambda: raw_status(server) == 503, 3)
         assert raw_status(server, source="127.0.0.2") == 200
         for connection in held:
             connection.close()
         assert wait_until(lambda: raw_status(server) == 200, 3)
+
+
+@pytest.mark.parametrize("limits", [ConnectionLimits(max_connections=8, max_per_address=3),
+                                    ConnectionLimits(max_connections=3)], ids=["one address's", "the server's"])
+def test_idle_connections_at_the_limit_are_shed_oldest_first_not_the_new_client(loaded, limits):
+    """64 idle sockets from 127.0.0.1 refused every local client for 10 s at a time, renewable (on a loopback server
+    every client has that address): at a limit, the connection idle the longest is closed to make room, and a
+    client with its request under way is never shed (docs/serve.md, "Limits")."""
+    with serving(loaded, connections=limits) as server:
+        watched = server.server.connections.connections
+        working = busy(server)
+        idle = [connect(server) for _ in range(2)]
+        for _ in range(3):  # renewed as soon as shed: each new client still gets in, shedding the oldest idle one
+            assert wait_until(lambda: len(watched) == 3, 3)
+            assert raw_status(server) == 200
+            assert closed_by_server(idle.pop(0), 2)
+            idle.append(connect(server))
+        assert not closed_by_server(idle[0], 0.5) and not closed_by_server(working, 0.5)
+        working.sendall(b" " * 999)  # its body, complete: a 400 (not a chat request), not a closed connection
+        assert working.recv(65536).startswith(b"HTTP/1.1 400 ")
 
 
 @pytest.mark.parametrize("size, pieces", [(17_000, 1), (100_000, 1), (17_000, 200)])

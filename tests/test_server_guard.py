@@ -94,6 +94,15 @@ def test_an_api_key_no_client_could_send_is_refused_at_start(key, tiny_model_dir
     assert ("GALI_API_KEY=''" in error) == (key == "")
 
 
+def test_a_bad_gali_api_key_is_named_as_the_variable(tiny_model_dir, monkeypatch, capsys):
+    """A key from GALI_API_KEY that no client could send was reported as --api-key, which the user never gave."""
+    monkeypatch.setattr(serve_run, "load", lambda choice: pytest.fail("loaded a model for a bad key"))
+    monkeypatch.setenv("GALI_API_KEY", " sekret")
+    assert cli.main(["serve", "-m", str(tiny_model_dir), "--port", "0"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("gali: GALI_API_KEY: a key must be printable ASCII") and "--api-key" not in error
+
+
 def test_an_empty_gali_api_key_means_no_key(tiny_model_dir, monkeypatch):
     served = []
     monkeypatch.setattr(serve_run, "run_server", lambda worker, settings, listener, log: served.append(settings))

@@ -20,6 +20,20 @@ def test_content_parts_are_joined_by_line_breaks_and_each_starts_a_forward():
     assert message.text == "The document.\nWhen?" and message.cuts() == [len("The document.\n")]
 
 
+@pytest.mark.parametrize("content, text", [
+    (" " * 20 + "GNU GPL\n\nPreamble.\n\n\nWho may copy it?", "GNU GPL\n\nPreamble.\n\nWho may copy it?"),
+    ([{"type": "text", "text": "\n  Doc.\n"}, {"type": "text", "text": "\nWhen?"}], "Doc.\n\nWhen?"),
+    ("    def read(path):\n        return path", "    def read(path):\n        return path"),  # no question: as sent
+])
+def test_blank_space_around_a_document_is_dropped_as_gali_ask_drops_it(content, text):
+    """gali ask strips its document; a client sends the file as read. The message is served as gali ask's prompt
+    has it (issue 50: a document starting with spaces was read again), and its question still starts a forward."""
+    message = Message.model_validate({"role": "user", "content": content})
+    assert message.text == text
+    if "\n\n" in text:
+        assert [text[cut:] for cut in message.cuts()] == [text.rsplit("\n\n", 1)[1]]
+
+
 @pytest.mark.parametrize("prompt, expected", [("Hi", "Hi"), (["Hi"], "Hi"), ([1, 2], [1, 2]), ([[1, 2]], [1, 2])])
 def test_a_completion_prompt_is_one_text_or_one_list_of_token_ids(prompt, expected):
     assert parse(CompletionRequest, {"model": "m", "prompt": prompt}).prompt == expected

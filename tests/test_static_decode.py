@@ -25,6 +25,12 @@ SETTINGS = {"gali-noise": MethodSettings(train_len=32, noise=True), "gali-window
 def prefilled(make_llama, method: str, prompt: int, answer: int, dtype=torch.float32, **llama):
     """A tiny Llama with `method` applied, a cache holding `prompt` random tokens with room for `answer` more,
     and the tokens to decode."""
+    model, cache, ids, _ = read_prompt(make_llama, method, prompt, answer, dtype, **llama)
+    return model, cache, ids[prompt:]
+
+
+def read_prompt(make_llama, method: str, prompt: int, answer: int, dtype=torch.float32, **llama):
+    """`prefilled`, with all the tokens (the prompt's, then those to decode) and the prefill's logits."""
     torch.manual_seed(0)
     model = make_llama(train_len=32, **llama).to(dtype)
     name = method.split("-noise")[0].split("-window")[0]
@@ -34,8 +40,8 @@ def prefilled(make_llama, method: str, prompt: int, answer: int, dtype=torch.flo
     from gali_cli.engine.seam.kv_cache import reserve
 
     reserve(cache, prompt + answer)
-    prefill(model, ids[:, :prompt], cache, prefill_spans(model, name, 0, prompt, step=24))
-    return model, cache, ids[0, prompt:].tolist()
+    logits = prefill(model, ids[:, :prompt], cache, prefill_spans(model, name, 0, prompt, step=24))
+    return model, cache, ids[0].tolist(), logits
 
 
 def worst_step_difference(decoder: StaticDecoder, model, cache, tokens: list[int], start: int) -> float:
@@ -114,10 +120,13 @@ def test_steps_hold_when_attention_parts_come_back_transposed(make_llama, method
     test_every_step_equals_the_models_own_forward(make_llama, method)
 
 
+@pytest.mark.parametrize("last_token", [None, 5])
 @pytest.mark.parametrize("method", ["gali", "self-extend", "original"])
-def test_decode_takes_the_static_step_and_leaves_the_cache_as_eager_decoding_does(make_llama, method, monkeypatch):
-    """GALI_DECODE=static: `decode` checks the first step against the model's forward, then steps statically; the
-    tokens, and the cache afterwards (its length, keys and values), are those of eager decoding."""
+def test_decode_takes_the_static_step_and_leaves_the_cache_as_eager_decoding_does(make_llama, method, last_token,
+                                                                                 monkeypatch):
+    """GALI_DECODE=static: `decode` checks the step against the model's forward (given the token whose logits it
+    starts from, those logits; else a forward of the first token decoded), then steps statically; the tokens, and
+    the cache afterwards (its length, keys and values), are those of eager decoding."""
     runs = {}
     for choice in ("eager", "static"):
         monkeypatch.setenv("GALI_DECODE", choice)
@@ -127,20 +136,43 @@ def test_decode_takes_the_static_step_and_leaves_the_cache_as_eager_decoding_doe
             model.register_forward_hook(lambda *_, calls=calls: calls.append(1))
             logits = model(input_ids=torch.tensor([[5]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
             how = DecodePath()
-            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 25, set(), how))
+            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 25, set(), how, last_token))
         runs[choice] = tokens, cache, len(calls)
         assert how.description == "eager" if choice == "eager" else how.description.startswith("static step, ")
     (eager_tokens, eager_cache, eager_calls), (tokens, cache, calls) = runs["eager"], runs["static"]
     assert tokens == eager_tokens and cache.get_seq_length() == eager_cache.get_seq_length() == 40 + 1 + 24
-    assert eager_calls == 25 and calls == 2  # the one forward before decoding, and the checked first step
+    assert eager_calls == 25  # the one forward before decoding, then one a token
+    assert calls == (2 if last_token is None else 1)  # and a forward to check the step against, or none
     for layer, eager_layer in zip(cache.layers, eager_cache.layers, strict=True):
         torch.testing.assert_close(layer.keys, eager_layer.keys)
         torch.testing.assert_close(layer.values, eager_layer.values)
 
 
-def test_a_step_that_differs_from_the_forward_warns_and_decodes_eagerly(make_llama, monkeypatch):
-    """A static step placing keys wrongly is caught by the first-step check: a warning, then eager decoding with
-    the same tokens as eager decoding from the start."""
+@pytest.mark.parametrize("method", [*STATIC, "gali-noise", "gali-window-0", "gali-native", "self-extend-native"])
+def test_the_step_is_held_to_the_prefills_logits_and_leaves_its_rows_as_they_were(make_llama, method):
+    """`check` at the prompt's last token, against the logits the prefill returned for it (a forward of many
+    tokens, cut at the method's chunks), as generate.decode holds the step: every method's step agrees with them;
+    the row the check wrote is the prefill's again afterwards, bit for bit; the steps after it equal the forward.
+    "-native": heads of 16, which the native kernel attends."""
+    sizes = {"heads": 4, "kv_heads": 2, "hidden": 64} if method.endswith("-native") else {}
+    with torch.inference_mode():
+        model, cache, ids, logits = read_prompt(make_llama, method.removesuffix("-native"), 40, 20, **sizes)
+        rows = [[buffer[:, :, :40].clone() for buffer in layer.storage()] for layer in cache.layers]
+        decoder = StaticDecoder(model, cache)
+        assert decoder.check(ids[39], 39, logits) and decoder.difference < 1e-5, decoder.difference
+        assert sizes == {} or decoder.route == "native"
+        assert cache.get_seq_length() == 40
+        for layer, before in zip(cache.layers, rows, strict=True):
+            assert all(torch.equal(buffer[:, :, :40], row) for buffer, row in zip(layer.storage(), before))
+        worst = worst_step_difference(decoder, model, cache, ids[40:], 40)
+    assert worst < 2e-5, worst
+
+
+@pytest.mark.parametrize("last_token", [None, 5])
+def test_a_step_that_differs_from_the_forward_warns_and_decodes_eagerly(make_llama, last_token, monkeypatch):
+    """A static step placing keys wrongly is caught by the check (against a forward of the first token decoded, or
+    the logits decoding starts from): a warning, then eager decoding with the same tokens as eager decoding from
+    the start."""
     monkeypatch.setenv("GALI_DECODE", "static")
     with torch.inference_mode():
         model, cache, _ = prefilled(make_llama, "self-extend", 40, 20)
@@ -150,7 +182,8 @@ def test_a_step_that_differs_from_the_forward_warns_and_decodes_eagerly(make_lla
         logits = model(input_ids=torch.tensor([[5]]), **with_cache(model, cache), use_cache=True).logits[0, -1]
         how = DecodePath()
         with pytest.warns(GaliWarning, match="differs from the model's own forward"):
-            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 10, set(), how))
+            tokens = list(decode(model, cache, logits.float(), lambda x: int(x.argmax()), 10, set(), how,
+                                 last_token))
         assert how.description == "eager"
         monkeypatch.undo()
         model2, cache2, _ = prefilled(make_llama, "self-extend", 40, 20)

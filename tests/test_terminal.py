@@ -235,8 +235,10 @@ def test_chat_reads_the_document_before_it_prompts(code, tmp_path):
             assert len(list(states.glob("*.safetensors"))) == 1, terminal.text()
             before_prompt = terminal.text()
             assert ("document state from the cache" in before_prompt) == (run == "second"), before_prompt
+            assert "Ctrl-D leaves." in before_prompt, before_prompt  # said once, before the bare "> " (issue 50)
             terminal.type(QUESTION + "\r")
             terminal.wait_for(lambda t: prompts(t) == 2)
             terminal.type("\x04")
             assert terminal.finish() == 0
             assert terminal.text().count("document state from the cache") == (run == "second")
+            assert terminal.text().count("Ctrl-D leaves") == 1

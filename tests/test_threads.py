@@ -50,3 +50,23 @@ def test_openmp_waits_without_spinning_unless_the_user_chose(tiny_model_dir, tmp
                             timeout=scaled(300))
     assert result.returncode == 0, result.stderr
     assert f"GOMP_SPINCOUNT = '{spin_count}'" in result.stderr
+
+
+@pytest.mark.parametrize("how", ["--threads", "GALI_THREADS"])
+def test_a_thread_count_past_four_per_cpu_is_a_usage_error_before_anything_loads(monkeypatch, capsys, how):
+    """--threads 100000 started that many OpenMP threads, then torch failed and segfaulted (exit 139): now the
+    count is refused when parsed, from the flag and from the environment alike."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: pytest.fail("threads were set"))
+    arguments = ["summarize", "missing.txt", "-m", "demo"]
+    if how == "--threads":
+        arguments += ["--threads", "100000"]
+    else:
+        monkeypatch.setenv("GALI_THREADS", "100000")
+    assert cli.main(arguments) == 2
+    error = capsys.readouterr().err
+    assert "'--threads' (env var: 'GALI_THREADS'): 100000 threads is more than 4 per CPU (8 on this machine's 2 " \
+           "CPUs)" in error
+    assert len(error.strip().splitlines()) == 1
+    monkeypatch.delenv("GALI_THREADS", raising=False)
+    assert cli.main(["summarize", "missing.txt", "-m", "demo", "--threads", "8"]) == 3  # 8 passes: the file is next

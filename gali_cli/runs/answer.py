@@ -18,7 +18,6 @@ from .common import (
     finished_facts,
     load,
     prompt_limit,
-    read,
     say_input,
     say_threads,
     store,
@@ -26,9 +25,10 @@ from .common import (
 
 
 @entry_point
-def answer(file: str, instruction: str, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
-    """Answer `instruction` about `file` (summarize, ask)."""
-    sampler, loaded, document, talk = _start(file, choice, reading, answering)
+def answer(document: Document, instruction: str, choice: ModelChoice, reading: Reading, answering: Answering
+           ) -> None:
+    """Answer `instruction` about `document` (summarize, ask), read by the command line before torch loaded."""
+    sampler, loaded, talk = _start(document, choice, reading, answering)
     say_input(loaded, choice.method, document, len(talk.prompt(instruction).ids), choice.settings.train_len)
     text, finished = _stream_answer(talk, instruction, sampler, answering)
     if answering.json_output:
@@ -39,9 +39,10 @@ def answer(file: str, instruction: str, choice: ModelChoice, reading: Reading, a
 
 
 @entry_point
-def chat(file: str, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
-    """Read `file` once, then answer each question from stdin in turn, keeping the conversation."""
-    sampler, loaded, document, talk = _start(file, choice, reading, answering)
+def chat(document: Document, choice: ModelChoice, reading: Reading, answering: Answering) -> None:
+    """Read `document` into the model once, then answer each question from stdin in turn, keeping the
+    conversation."""
+    sampler, loaded, talk = _start(document, choice, reading, answering)
     say_input(loaded, choice.method, document, talk.prompt(ask_instruction("?")).document_end,
               choice.settings.train_len)
     with display.progress_bar("Reading") as bar:  # the document first, then the prompt: the wait is not after asking
@@ -49,6 +50,8 @@ def chat(file: str, choice: ModelChoice, reading: Reading, answering: Answering)
         talk.read(reading)
         reading.over()
     interactive = sys.stdin.isatty()
+    if interactive:  # once, before the first bare "> " (issue 50: a newcomer was not told how to leave)
+        say("Ask at the > prompt; Ctrl-C stops an answer, Ctrl-D leaves.", style="dim")
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # a stray byte in a piped question is not worth a crash
     while True:
@@ -70,17 +73,16 @@ def chat(file: str, choice: ModelChoice, reading: Reading, answering: Answering)
             _say_stats(finished)
 
 
-def _start(file: str, choice: ModelChoice, reading: Reading, answering: Answering
-           ) -> tuple[Sampler, LoadedModel, Document, Conversation]:
-    """The sampler, model, document and conversation, checked in the order that fails soonest: settings, the
-    cache directory and the document before the model loads."""
+def _start(document: Document, choice: ModelChoice, reading: Reading, answering: Answering
+           ) -> tuple[Sampler, LoadedModel, Conversation]:
+    """The sampler, model and conversation, checked in the order that fails soonest: settings and the cache
+    directory before the model loads (the command line checked the settings and read the document already)."""
     sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
     choice.check()
     cache = None if answering.no_cache else store(answering.cache_dir)
-    document = read(file, reading)
     loaded = load(choice)
-    return sampler, loaded, document, conversation(loaded, choice, document, answering.system, cache,
-                                                   prompt_limit(loaded, reading))
+    return sampler, loaded, conversation(loaded, choice, document, answering.system, cache,
+                                         prompt_limit(loaded, reading))
 
 
 def _read_question(interactive: bool) -> str | None:

@@ -10,10 +10,11 @@ from pathlib import Path
 from .. import display
 from ..display import print_json, say
 from ..documents import read_document
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError
 from ..generate import TextPiece, make_sampler
 from ..methods import kept_window
 from ..model.loading import resolve_device, resolve_dtype
+from ..prechecks import batch_documents
 from . import Answering, ModelChoice, Reading
 from .batch_files import (
     Collective,
@@ -23,11 +24,12 @@ from .batch_files import (
     Step,
     batch_summary,
     corpus_perplexities,
-    expand_documents,
     run_batch,
 )
 from .common import conversation, entry_point, finished_facts, load, prompt_limit, store, with_windows
 from .ppl import method_perplexities, ppl_ids, print_rows
+
+Within = Callable[[int, int], None]  # how far the document under way is read: (tokens done, tokens)
 
 
 @entry_point
@@ -42,12 +44,12 @@ def answer_batch(specs: list[str], out: str | None, command: str, instruction: s
         loaded = load(choice, batch.rank)
         limit = prompt_limit(loaded, reading)
 
-        def work(path: Path) -> list[dict]:
+        def work(path: Path, within: Within) -> list[dict]:
             document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes,
                                      allow_partial=reading.allow_partial)
             talk = conversation(loaded, choice, document, answering.system, cache, limit)
             sampler = make_sampler(answering.temperature, answering.top_p, answering.top_k, answering.seed)
-            events = list(talk.ask(instruction, sampler, answering.max_new_tokens))
+            events = list(talk.ask(instruction, sampler, answering.max_new_tokens, within))
             answer = "".join(event.text for event in events if isinstance(event, TextPiece)).strip()
             return [{"output": answer, "settings": talk.resolved, "tokens": events[-1].prompt_tokens,
                      "warnings": [*document.warnings], **finished_facts(events[-1])}]
@@ -70,7 +72,7 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
         loaded = load(choice, batch.rank)
         bound = prompt_limit(loaded, reading)
 
-        def work(path: Path) -> list[dict]:
+        def work(path: Path, within: Within) -> list[dict]:
             document = read_document(str(path), password=reading.password, max_bytes=reading.max_bytes,
                                      allow_partial=reading.allow_partial)
             ids, _ = ppl_ids(loaded, document, lengths[-1] if lengths else max_tokens, bound)
@@ -78,7 +80,8 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
             records = []
             for method in choice.methods:
                 settings, found = (method_perplexities(loaded, ids, method, choice, reachable, verbose,
-                                                       show_progress=False)  # the batch has its own bar
+                                                       show_progress=False,  # the batch has its own bar
+                                                       progress=lambda done, total, ppl: within(done, total))
                                    if reachable else ({}, []))
                 records.append({"method": method, "settings": settings, "tokens": len(ids),
                                 "results": [asdict(result) for result in found], "warnings": [*document.warnings]
@@ -118,16 +121,9 @@ class _Batch:
 def _setup(specs: list[str], out: str | None, choice: ModelChoice) -> Iterator[_Batch]:
     """Everything checked before the model loads: the documents, the results file (held by this run until it is
     done: a second run on it refuses), the launcher's processes."""
-    if not out:
-        raise ConfigError("several documents need --out FILE.jsonl for their results")
-    choice.check()
-    rank = Rank.from_environment()
-    results = ResultsFile(Path(out), rank)
-    documents = [document for document in expand_documents(specs) if not results.is_output(document)]
-    if not documents:
-        raise InputError(f"no documents in {' '.join(specs)} besides --out")
+    documents, results = batch_documents(specs, out, choice)  # as the command line checked them before torch loaded
     with held(results) as collective:
-        yield _Batch(documents, results, rank, collective)
+        yield _Batch(documents, results, results.rank, collective)
 
 
 @contextmanager
@@ -157,36 +153,21 @@ def batch_job(command: str, choice: ModelChoice, **details) -> dict:
             "method": ",".join(choice.methods), "settings": asdict(choice.settings), **details}
 
 
-def _run(batch: _Batch, job: dict, work: Callable[[Path], list[dict]], describe: Callable[[tuple[dict, ...]], str]
-         ) -> int:
-    """Run this process's share, a line on stderr per finished document (`describe` says what its records hold),
-    under a bar with tokens/s; then merge on rank 0. Returns how many documents failed in all processes."""
-    rank, label = batch.rank, f"[rank {batch.rank.rank}/{batch.rank.world}] " if batch.rank.distributed else ""
-    started, skipped = time.perf_counter(), []
+def _run(batch: _Batch, job: dict, work: Callable[[Path, Within], list[dict]],
+         describe: Callable[[tuple[dict, ...]], str]) -> int:
+    """Run this process's share under a bar (`work` tells it how far a document's reading has come), a line on
+    stderr per finished document (`describe` says what its records hold); then merge on rank 0. Returns how many
+    documents failed in all processes. Ctrl-C ends it saying how many documents are safe in the file."""
+    rank, started = batch.rank, time.perf_counter()
     with display.progress_bar("documents") as bar:
-        def progress(outcome: Outcome, step: Step) -> None:
-            finished = outcome.done + outcome.skipped + outcome.failed
-            if step.status == "skipped":
-                skipped.append(step.path)
-                return
-            if step.status == "started":
-                bar(finished, outcome.documents)
-                bar.describe(f"documents ({outcome.tokens / (time.perf_counter() - started):.0f} tokens/s)")
-                return
-            if skipped:
-                _say_skipped(label, skipped, batch.results.path)
-            where = f"{label}[{finished}/{outcome.documents}] {display.short_path(str(step.path))}"
-            if step.status == "error":
-                say(f"{where}: failed: {step.error}", style="red")
-            else:
-                say(f"{where}: {describe(step.records)}, {step.seconds:.1f} s")
-
-        outcome = run_batch(batch.documents, batch.results, job, work, rank, progress)
-        if skipped:
-            _say_skipped(label, skipped, batch.results.path)
-    seconds = time.perf_counter() - started
-    say(f"{label}{outcome.documents} documents: {outcome.done} done ({outcome.tokens / seconds:.0f} tokens/s), "
-        f"{outcome.skipped} already done, {outcome.failed} failed -> {batch.results.part}")
+        watch = _Watch(bar, batch, describe)
+        try:
+            outcome = run_batch(batch.documents, batch.results, job, lambda path: work(path, watch.reading), rank,
+                                watch.step)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(watch.interrupted()) from None
+        watch.say_skipped()
+    say(f"{watch.label}{summary(outcome, time.perf_counter() - started)} -> {batch.results.part}")
     if batch.collective is None:
         return outcome.failed
     failed = batch.collective.total(outcome.failed)  # every process is done
@@ -196,6 +177,64 @@ def _run(batch: _Batch, job: dict, work: Callable[[Path], list[dict]], describe:
     if rank.rank == 0:
         say(f"merged the {rank.world} parts into {batch.results.path}")
     return failed
+
+
+class _Watch:
+    """What a batch shows as it goes: on the bar, the document under way (its place, its name, how many of its tokens
+    are read: a long document moves the bar's line too, issue 50) and the pace; a line per finished document, one for
+    a run of skipped ones; and, for Ctrl-C, how many documents are safe in the results file."""
+
+    def __init__(self, bar: display.Bar, batch: _Batch, describe: Callable[[tuple[dict, ...]], str]) -> None:
+        self.bar, self.batch, self.describe = bar, batch, describe
+        self.label = f"[rank {batch.rank.rank}/{batch.rank.world}] " if batch.rank.distributed else ""
+        self.outcome = Outcome(documents=len(batch.rank.shard(batch.documents)))
+        self.skipped: list[Path] = []
+        self.started, self.current = time.perf_counter(), "documents"
+
+    def step(self, outcome: Outcome, step: Step) -> None:
+        """run_batch's report on a document: started, skipped, done or failed."""
+        self.outcome = outcome
+        finished = outcome.done + outcome.skipped + outcome.failed
+        if step.status == "skipped":
+            self.skipped.append(step.path)
+            return
+        if step.status == "started":
+            seconds = time.perf_counter() - self.started
+            pace = f" ({outcome.tokens / seconds:.0f} tokens/s)" if outcome.tokens and seconds > 0 else ""
+            self.current = f"documents{pace}: [{finished + 1}/{outcome.documents}] {display.short_path(str(step.path))}"
+            self.bar(finished, outcome.documents)
+            self.bar.describe(self.current)
+            return
+        self.say_skipped()
+        where = f"{self.label}[{finished}/{outcome.documents}] {display.short_path(str(step.path))}"
+        if step.status == "error":
+            say(f"{where}: failed: {step.error}", style="red")
+        else:
+            say(f"{where}: {self.describe(step.records)}, {step.seconds:.1f} s")
+
+    def reading(self, done: int, total: int, *_: float) -> None:
+        """How far the document under way is read (a prefill's, or a perplexity pass's, (done, total))."""
+        self.bar.describe(f"{self.current}, {done:,}/{total:,} tokens read")
+
+    def say_skipped(self) -> None:
+        if self.skipped:
+            _say_skipped(self.label, self.skipped, self.batch.results.path)
+
+    def interrupted(self) -> str:
+        """Ctrl-C's line: how many documents are done in the results file (this run's and earlier runs'), and that
+        the same command goes on with the others; a document stopped midway left nothing there."""
+        outcome, part = self.outcome, display.short_path(str(self.batch.results.part))
+        safe = outcome.done + outcome.skipped
+        return (f"{self.label}{safe} of {outcome.documents} documents done and kept in {part}; the same command "
+                f"resumes with the other {outcome.documents - safe}")
+
+
+def summary(outcome: Outcome, seconds: float) -> str:
+    """A batch's last line, before its file: "3 documents: 2 done (512 tokens/s), 1 already done, 0 failed"; the
+    rate only where something was read (a rerun that skips everything read nothing, at no rate)."""
+    rate = f" ({outcome.tokens / seconds:.0f} tokens/s)" if outcome.done and outcome.tokens and seconds > 0 else ""
+    return (f"{outcome.documents} document{'s' if outcome.documents != 1 else ''}: {outcome.done} done{rate}, "
+            f"{outcome.skipped} already done, {outcome.failed} failed")
 
 
 def _say_skipped(label: str, skipped: list[Path], results: Path) -> None:

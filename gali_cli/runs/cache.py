@@ -1,16 +1,17 @@
-"""gali cache list / clear / prune: the document cache's entries and the dequantized models, and emptying them."""
+"""gali cache list / clear / prune: the document cache's entries and the model cache's (GGUF tokenizers, and the
+float copies older gali versions wrote), and emptying them."""
 
 from .. import display
 from ..display import print_json, say
 from ..errors import GaliError
-from ..model.dequantized import DequantizedModels, ModelEntry
+from ..model.companions import GgufCompanions, ModelEntry
 from .common import entry_point, store
 
 
 @entry_point
 def list_cache(cache_dir: str | None, json_output: bool) -> None:
-    """The cached document states, then the dequantized models, most recently used first."""
-    cache, models = store(cache_dir), DequantizedModels()
+    """The cached document states, then the model cache's entries, most recently used first."""
+    cache, models = store(cache_dir), GgufCompanions()
     entries, copies = cache.entries(), models.entries()
     cache.warn_about_foreign_files()
     models.warn_about_foreign_files()
@@ -32,10 +33,10 @@ def list_cache(cache_dir: str | None, json_output: bool) -> None:
 
 @entry_point
 def clear_cache(cache_dir: str | None, models: bool = False) -> None:
-    """Delete every cached document state (with `models`, every dequantized model instead), and say how much that
+    """Delete every cached document state (with `models`, every model cache entry instead), and say how much that
     freed; GaliError if some could not be deleted."""
     if models:
-        copies = DequantizedModels()
+        copies = GgufCompanions()
         _say_removed(copies.clear(), copies)
         return
     cache = store(cache_dir)
@@ -54,16 +55,16 @@ def clear_cache(cache_dir: str | None, models: bool = False) -> None:
 
 @entry_point
 def prune_cache() -> None:
-    """Delete the dequantized models this installation cannot use: written by another transformers release, or from
-    a GGUF file that is gone or changed since (another environment with that release dequantizes it again)."""
-    copies = DequantizedModels()
+    """Delete the model cache entries this installation cannot use: written by another transformers release or an
+    older gali (float copies of whole models), or from a GGUF file that is gone or changed since."""
+    copies = GgufCompanions()
     _say_removed(copies.prune(), copies)
 
 
-def _say_removed(removal: tuple[list[ModelEntry], list[ModelEntry]], copies: DequantizedModels) -> None:
+def _say_removed(removal: tuple[list[ModelEntry], list[ModelEntry]], copies: GgufCompanions) -> None:
     """One line on what was freed; GaliError naming what could not be deleted."""
     removed, kept = removal
-    freed = (f"{len(removed)} dequantized model{'s' if len(removed) != 1 else ''} "
+    freed = (f"{len(removed)} model cache entr{'ies' if len(removed) != 1 else 'y'} "
              f"({sum(entry.size for entry in removed) / 2**20:.1f} MiB)")
     where = display.short_path(str(copies.directory))
     if kept:

@@ -20,7 +20,7 @@ from ..config import expand_home
 from ..conversation import Conversation
 from ..display import say, warn
 from ..doc_cache import DocumentCache, default_directory, default_limit
-from ..documents import Document, read_document
+from ..documents import Document
 from ..engine.kernels.kernel_choice import kernel_choice
 from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration, free_memory, holdable_tokens, kv_bytes_per_token
@@ -47,8 +47,21 @@ def entry_point(run: Callable[Params, Result]) -> Callable[Params, Result]:
                 return run(*args, **kwargs)
             except torch.cuda.OutOfMemoryError:
                 raise ModelLoadError("CUDA ran out of memory: try --quantize 4bit or a smaller --chunk-size") from None
+            except (MemoryError, RuntimeError) as error:  # the CPU's: exit 4 as documented, not "unexpected" (1)
+                if not out_of_memory(error):
+                    raise
+                raise ModelLoadError("ran out of memory (RAM): try a smaller --chunk-size, or a shorter input "
+                                     "(--max-prompt-tokens bounds it before reading)") from None
 
     return quietly
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the CPU running out of memory: Python's MemoryError, or the RuntimeError torch's CPU
+    allocator raises ("DefaultCPUAllocator: can't allocate memory", "... not enough memory" on Windows)."""
+    said = str(error)
+    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and "DefaultCPUAllocator" in said
+                                              and ("allocate memory" in said or "not enough memory" in said))
 
 
 @contextmanager
@@ -83,16 +96,6 @@ def _quiet_libraries() -> Iterator[None]:
                 logger.setLevel(level)
 
 
-def read(file: str, reading: Reading) -> Document:
-    """The document, with a bar over its pages and its warnings on stderr."""
-    with display.progress_bar("Pages") as bar:
-        document = read_document(file, password=reading.password, progress=bar, max_bytes=reading.max_bytes,
-                                 allow_partial=reading.allow_partial)
-    for warning in document.warnings:
-        warn(warning)
-    return document
-
-
 def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
     """The model; under a launcher, on this process's own GPU (local rank, modulo the GPUs it can see)."""
     gpu = rank.local_rank % max(1, torch.cuda.device_count()) if rank and rank.distributed else None
@@ -108,9 +111,12 @@ def store(directory: str | None) -> DocumentCache:
     path = expand_home(directory, setting) if directory else default_directory()
     try:
         if path.exists() and not path.is_dir():
-            raise ConfigError(f"--cache-dir {path}: not a directory")
+            raise ConfigError(f"{setting} {path}: not a directory")
+        above = next((folder for folder in path.parents if folder.exists()), None)  # where it would be made
+        if above is not None and not above.is_dir():
+            raise ConfigError(f"{setting} {path}: {above} is not a directory")
     except OSError as error:  # e.g. a folder on the way that gali may not enter
-        raise ConfigError(f"--cache-dir {path}: {error.strerror or error}") from None
+        raise ConfigError(f"{setting} {path}: {error.strerror or error}") from None
     return DocumentCache(path, default_limit(), warn)
 
 

@@ -20,11 +20,12 @@ from ..evaluation.tasks import LONGBENCH, build_samples
 from ..generate import Finished, TextPiece, make_sampler
 from ..methods import kept_window
 from ..model.loading import LoadedModel
+from ..prechecks import read
 from ..prompts import ASK_STYLES, ask_instruction, check_prompt_length, conversation_ids, text_ids
 from . import ModelChoice, Reading
 from .batch_files import Rank, ResultsFile, job_hash, latest_records
 from .batches import batch_job, held
-from .common import entry_point, finished_facts, load, prompt_limit, read, store, with_windows
+from .common import entry_point, finished_facts, load, prompt_limit, store, with_windows
 
 TASK_STYLE = "task"  # --prompt-style: each task's own wording (RULER's, LongBench's)
 PROMPT_STYLES = (TASK_STYLE, *ASK_STYLES)

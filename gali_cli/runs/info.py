@@ -40,8 +40,9 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbo
             raise
         config = None
     if config is not None:
-        facts |= {**config.facts(), "gali": choice.settings.gali().resolved(config.train_len).facts(),
-                  **_previews(choice), "max_prompt_tokens": _holdable(config, facts)}
+        facts |= {**config.facts(), "kv_mib_per_1k_tokens": round(1000 * _token_bytes(config, facts) / 2**20, 1),
+                  "gali": choice.settings.gali().resolved(config.train_len).facts(), **_previews(choice),
+                  "max_prompt_tokens": _holdable(config, facts)}
     if not check:
         display.print_facts(facts, json_output)
         return
@@ -93,18 +94,25 @@ def run_self_check(device, json_output: bool) -> list:
     return checks
 
 
+def _token_bytes(config: ModelConfig, facts: dict) -> int:
+    """One token's keys and values in every layer, in the dtype the model computes in here."""
+    from ..estimate import kv_bytes
+
+    return kv_bytes(config.layers, config.kv_heads, config.head_dim, 4 if facts["dtype"] == "float32" else 2)
+
+
 def _holdable(config: ModelConfig, facts: dict) -> int | None:
-    """The prompt length the answering commands read at most by default here (runs/common.prompt_limit), or None
-    on a GPU, whose free memory only torch can tell (gali info answers without it)."""
+    """The prompt length the answering commands read at most by default here (runs/common.prompt_limit, which
+    measures the free memory with the model loaded: here its weights, where known, are taken from it), or None on a
+    GPU, whose free memory only torch can tell (gali info answers without it)."""
     from types import SimpleNamespace
 
-    from ..estimate import free_memory, holdable_tokens, kv_bytes
+    from ..estimate import free_memory, holdable_tokens
 
     if facts["device"] != "cpu":
         return None
-    element_bytes = 4 if facts["dtype"] == "float32" else 2
-    token_bytes = kv_bytes(config.layers, config.kv_heads, config.head_dim, element_bytes)
-    return holdable_tokens(token_bytes, config.train_len, free_memory(SimpleNamespace(type="cpu")))
+    free = free_memory(SimpleNamespace(type="cpu")) - (config.weights_bytes or 0)
+    return holdable_tokens(_token_bytes(config, facts), config.train_len, max(free, 0))
 
 
 def _previews(choice: ModelChoice) -> dict:

@@ -2,6 +2,7 @@
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -15,7 +16,7 @@ from ..methods import kept_window
 from ..model.loading import LoadedModel
 from ..patching import apply_method, forward_ends, prefill_spans
 from ..perplexity import Perplexity, perplexities
-from ..prompts import check_prompt_length, text_ids
+from ..prompts import check_prompt_characters, check_prompt_length, text_ids
 from . import ModelChoice, Reading
 from .common import (
     announcing,
@@ -24,7 +25,6 @@ from .common import (
     load,
     own_window,
     prompt_limit,
-    read,
     say_input,
     say_threads,
     with_windows,
@@ -32,11 +32,11 @@ from .common import (
 
 
 @entry_point
-def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int | None, lengths: list[int],
-               json_output: bool, csv: bool, plot: str | None, verbose: bool) -> None:
-    """Print the perplexity of `file` (a number, a table, CSV or JSON), and plot it against length if asked."""
+def perplexity(document: Document, choice: ModelChoice, reading: Reading, max_tokens: int | None,
+               lengths: list[int], json_output: bool, csv: bool, plot: str | None, verbose: bool) -> None:
+    """Print the perplexity of `document` (a number, a table, CSV or JSON), and plot it against length if asked;
+    the command line read the document before torch loaded."""
     choice.check()
-    document = read(file, reading)
     loaded = load(choice)
     limit = lengths[-1] if lengths else max_tokens
     ids, total = ppl_ids(loaded, document, limit, prompt_limit(loaded, reading))
@@ -71,7 +71,10 @@ def perplexity(file: str, choice: ModelChoice, reading: Reading, max_tokens: int
 def ppl_ids(loaded: LoadedModel, document: Document, limit: int | None, bound: int | None = None
             ) -> tuple[list[int], int]:
     """The document's first `limit` tokens (the tokenizer's default special tokens), and how many it has; an
-    InputError when those passes `bound` (--max-prompt-tokens)."""
+    InputError when those passes `bound` (--max-prompt-tokens): before tokenizing, where the text's characters alone
+    pass it and no --max-tokens below the bound keeps fewer."""
+    if limit is None or (bound is not None and limit > bound):
+        check_prompt_characters(loaded.tokenizer, len(document.text), bound, document.name)
     ids = text_ids(loaded.tokenizer, document.text, add_special_tokens=True)
     if len(ids) < 2:
         raise InputError(f"{document.name} has {len(ids)} token(s); perplexity needs at least 2")
@@ -81,11 +84,12 @@ def ppl_ids(loaded: LoadedModel, document: Document, limit: int | None, bound: i
 
 
 def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice: ModelChoice, lengths: list[int],
-                        verbose: bool, show_progress: bool = True, clock: JobClock | None = None
-                        ) -> tuple[dict, list[Perplexity]]:
+                        verbose: bool, show_progress: bool = True, clock: JobClock | None = None,
+                        progress: Callable[[int, int, float], None] | None = None) -> tuple[dict, list[Perplexity]]:
     """Apply `method` for these tokens and measure PPL at `lengths` in one pass; returns its settings and results.
     `clock`: the run's methods, this one the next of them: the bar and a line when it is done say "k/N" and how
-    long the rest should take."""
+    long the rest should take. Without `show_progress`, `progress` hears (done, total, ppl) instead of a bar of its
+    own (batch mode's bar shows the document's)."""
     device = loaded.model.get_input_embeddings().weight.device
     settings = apply_method(loaded.model, method, choice.settings, len(ids))
     spans = prefill_spans(loaded.model, method, 0, len(ids))
@@ -97,7 +101,7 @@ def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice
     left = (lambda done, total: clock.seconds_left(done / total)) if clock else None
     with display.progress_bar(step + label) as bar:
         results = perplexities(loaded.model, torch.tensor([ids], device=device), lengths, spans,
-                               announcing(bar.with_figure("ppl", left), loaded) if show_progress else None,
+                               announcing(bar.with_figure("ppl", left), loaded) if show_progress else progress,
                                boundaries)
     seconds = time.perf_counter() - started
     if clock:

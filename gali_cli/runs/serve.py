@@ -1,5 +1,6 @@
 """gali serve: the model behind the OpenAI API until SIGTERM or Ctrl-C (gali_cli.server does the serving)."""
 
+import os
 from datetime import datetime
 
 from ..display import say, warn
@@ -21,7 +22,8 @@ def serve(choice: ModelChoice, serving: Serving) -> None:
     """Check the settings and take the port before the model loads (each fails at once), then serve."""
     method = choice.method
     choice.check()
-    check_api_key(serving.api_key)
+    from_environment = serving.api_key is not None and serving.api_key == os.environ.get("GALI_API_KEY")
+    check_api_key(serving.api_key, "GALI_API_KEY" if from_environment else "--api-key")  # the one the user set
     cache = None if serving.no_cache else store(serving.cache_dir)
     listener = bind(serving.host, serving.port)
     try:

@@ -12,8 +12,9 @@ install it.
 """
 
 from ..errors import ConfigError
+from ..extras import install_hint
 
-EXTRA_HINT = "gali serve needs the server extra: pip install 'gali-cli[serve]'"
+EXTRA_HINT = f"gali serve needs the server extra: {install_hint('serve')}"
 
 
 def require_extra() -> None:

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import ConfigError
 from ..generate import TextPiece
 from ..printable import printable
-from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt
+from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt, text_pieces
 from .connections import ConnectionLimits
 from .guard import Guard, Reach
 from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, check_size, parse, read_json
@@ -60,7 +60,7 @@ class ServerSettings:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def check_api_key(key: str | None) -> None:
+def check_api_key(key: str | None, setting: str = "--api-key") -> None:
     """A ConfigError for a key no client can send as meant: an empty one would let in anyone sending an empty Bearer
     token, and one with blank space around it or non-ASCII characters could never match (HTTP headers are ASCII;
     clients strip the blank space)."""
@@ -70,7 +70,7 @@ def check_api_key(key: str | None) -> None:
         raise ConfigError("--api-key '' would let in anyone sending an empty key: leave --api-key out to serve "
                           "without one (GALI_API_KEY='' also means no key)")
     if key != key.strip() or not key.isascii() or not key.isprintable():
-        raise ConfigError("--api-key: a key must be printable ASCII without blank space around it (clients send "
+        raise ConfigError(f"{setting}: a key must be printable ASCII without blank space around it (clients send "
                           "it in an HTTP header, which could never match this one)")
 
 
@@ -91,25 +91,39 @@ def create_app(worker: ModelWorker, settings: ServerSettings, log: Callable[[str
 class _PromptBound:
     """Refuses a prompt longer than `limit` tokens before it queues, with work bounded by the limit whatever the
     prompt's size: first by characters (no token is longer than the vocabulary's longest, so past limit * that many
-    characters the prompt is surely over), then by counting tokens text by text with a copy of the tokenizer (the
-    worker's is not thread-safe), stopping as soon as the count passes the limit. The worker checks the exact count
-    of the prompt as templated (worker.PromptTooLong)."""
+    characters the prompt is surely over), then by counting tokens text by text, a piece at a time (text_pieces: the
+    same count), stopping as soon as the count passes the limit or `gone` raises (the client left, the server
+    stops). Copies of the tokenizer count (the worker's is not thread-safe): one for short prompts and one for long
+    ones, so that a 2-token request never waits behind a long count, and a long count holds its copy one piece at a
+    time (a 300 MB prompt counted whole held the lock for minutes, 5 GB, and SIGTERM's 30 s). The worker checks the
+    exact count of the prompt as templated (worker.PromptTooLong)."""
+
+    SHORT = 2**16  # characters: prompts up to this long are counted with the short prompts' copy
+    PIECE = 2**16  # characters tokenized at a time: a piece takes milliseconds
 
     def __init__(self, tokenizer, limit: int | None) -> None:
         self.limit = limit
         if limit is not None:
-            self.tokenizer, self.lock = copy.deepcopy(tokenizer), threading.Lock()
+            self.counters = [(copy.deepcopy(tokenizer), threading.Lock()) for _ in range(2)]  # short, long
             self.chars_per_token = max(len(token) for token in tokenizer.get_vocab())
 
-    def check(self, texts: list[str]) -> None:
+    def check(self, texts: list[str], gone: Callable[[], None] = lambda: None) -> None:
         if self.limit is None:
             return
-        if sum(map(len, texts)) > self.limit * self.chars_per_token:
+        characters = sum(map(len, texts))
+        if characters > self.limit * self.chars_per_token:
             raise too_long(f"more than {self.limit}", self.limit)
+        tokenizer, lock = self.counters[characters > self.SHORT]
         count = 0
-        with self.lock:
-            for text in texts:
-                count += len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        for text in texts:
+            pieces = text_pieces(tokenizer, text, size=self.PIECE)  # it tokenizes too: resumed under the lock
+            while True:
+                gone()
+                with lock:
+                    piece = next(pieces, None)
+                    if piece is None:
+                        break
+                    count += len(tokenizer(piece, add_special_tokens=False)["input_ids"])
                 if count > self.limit:
                     raise too_long(f"at least {count}", self.limit)
 
@@ -161,10 +175,28 @@ class _API:
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         async with self._received(request) as body:
-            chat, tokenize, label = await run_in_threadpool(self._chat, body)
+            chat, tokenize, label = await self._prepared(request, self._chat, body)
         return await self._answer(request, chat, Reply(True, self.settings.name), tokenize, label)
 
-    def _chat(self, body: bytes) -> tuple[ChatRequest, Callable[..., ServedPrompt], str]:
+    async def _prepared(self, request: Request, prepare: Callable, body: bytes):
+        """`prepare(body, gone)` on a thread, where `gone()` raises once the client has left or the server stops,
+        so that the prompt's count (_PromptBound) ends with them."""
+        left = threading.Event()
+        listening = asyncio.ensure_future(_gone(request))
+        listening.add_done_callback(lambda task: task.cancelled() or left.set())
+
+        def gone() -> None:
+            if left.is_set():
+                raise APIError(499, "the client went away while its prompt was counted", "invalid_request_error")
+            if self.worker.stopping:
+                raise APIError(503, "the server is stopping", "server_error")
+
+        try:
+            return await run_in_threadpool(prepare, body, gone)
+        finally:
+            listening.cancel()
+
+    def _chat(self, body: bytes, gone: Callable[[], None]) -> tuple[ChatRequest, Callable[..., ServedPrompt], str]:
         """The chat request in `body`, how to tokenize its prompt, and its label (on a thread: it grows with the
         request, bounded by the limits)."""
         data = read_json(body)
@@ -172,7 +204,7 @@ class _API:
         chat = parse(ChatRequest, data)
         self._check_model(chat.model)
         chat.check_supported()
-        self.bound.check([message.text for message in chat.messages])
+        self.bound.check([message.text for message in chat.messages], gone)
         roles = ["system" if message.role == "developer" else message.role for message in chat.messages]
         try:
             parts, bos = served_parts(self.worker.loaded.tokenizer, roles)
@@ -188,10 +220,11 @@ class _API:
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
         async with self._received(request) as body:
-            completion, tokenize, label = await run_in_threadpool(self._completion, body)
+            completion, tokenize, label = await self._prepared(request, self._completion, body)
         return await self._answer(request, completion, Reply(False, self.settings.name), tokenize, label)
 
-    def _completion(self, body: bytes) -> tuple[CompletionRequest, Callable[..., ServedPrompt], str]:
+    def _completion(self, body: bytes, gone: Callable[[], None]
+                    ) -> tuple[CompletionRequest, Callable[..., ServedPrompt], str]:
         """The completion request in `body`, how to tokenize its prompt, and its label (on a thread, as _chat)."""
         completion = parse(CompletionRequest, read_json(body))
         self._check_model(completion.model)
@@ -199,7 +232,7 @@ class _API:
         prompt = completion.prompt
         limit = self.settings.max_prompt_tokens
         if isinstance(prompt, str):
-            self.bound.check([prompt])
+            self.bound.check([prompt], gone)
             return completion, (lambda tokenizer, check: raw_prompt(tokenizer, prompt)), prompt
         vocabulary = self.worker.loaded.model.config.vocab_size
         if not all(0 <= token < vocabulary for token in prompt):
@@ -269,7 +302,8 @@ class _API:
         top_p = settings.top_p if generation.top_p is None else generation.top_p
         seed = secrets.randbits(63) if generation.seed is None else generation.seed
         return Sampling(generation.max_new_tokens or settings.max_new_tokens, temperature if top_p > 0 else 0.0,
-                        top_p if top_p > 0 else 1.0, seed, tuple(generation.stop or ()))
+                        top_p if top_p > 0 else 1.0, seed, tuple(generation.stop or ()),
+                        no_empty_answer=isinstance(generation, ChatRequest))
 
     def _queueing(self, step: Callable[[], None]) -> None:
         """`step` (a look at the queue, or a job put in it), its refusal as the client's error: 429 or 503."""
@@ -382,7 +416,8 @@ def _usage(done: Done) -> Usage:
 
 def _note(done: Done) -> str:
     return (f"prompt {done.prompt_tokens} tokens ({done.cached_tokens} cached, read in {done.prefill_seconds:.2f} "
-            f"s), {done.completion_tokens} generated in {done.decode_seconds:.2f} s, {done.reason}")
+            f"s), {done.completion_tokens} generated in {done.decode_seconds:.2f} s, {done.reason}"
+            + (f" ({done.note})" if done.note else ""))
 
 
 def _data(document: dict) -> bytes:

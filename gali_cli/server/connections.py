@@ -7,9 +7,16 @@ restarts its keep-alive clock. So each connection is uvicorn's own protocol insi
 deadline when the connection opens and when each response ends (its next request's headers must arrive within
 `header_seconds`), moves it when the request reaches the application (its body must then arrive within
 `body_seconds`), and stops it once the body is in: from then on the application decides (a request may wait for the
-model as long as it likes). Past its deadline the connection is closed. Past `max_connections` open at once, or
-`max_per_address` from the client's address, a new one gets a 503 and is closed: one client holding many idle
-connections fills its own share, not everyone's.
+model as long as it likes). Past its deadline the connection is closed.
+
+At `max_connections` open at once, or `max_per_address` from the client's address, a new connection first sheds
+an idle one (`OpenConnections.make_room`): of the connections that count against the limit reached, the one that
+has waited longest for its next request's headers (opened and silent, or between two requests) is closed. Only
+when every one of them has a request under way (its body coming, or its answer) does the new one get a 503 and
+close. Idle connections cost a client nothing to open, and on a loopback server every client has the same address:
+64 idle sockets from 127.0.0.1 refused every local client for 10 s at a time, renewable. Shedding the oldest idle
+one first leaves them no hold on the server, while a client that has just connected, and sends its request at
+once, is the last to be shed.
 
 The application learns which connection a request came on from the state uvicorn copies into each request's scope
 (the `app_state` a protocol is made with): watch_requests is the middleware that tells the connection.
@@ -17,6 +24,7 @@ The application learns which connection a request came on from the state uvicorn
 
 import asyncio
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -44,13 +52,27 @@ class OpenConnections:
     connections: set = field(default_factory=set)
     per_address: Counter = field(default_factory=Counter)
 
-    def refusal(self, address: str, limits: ConnectionLimits) -> str | None:
-        """Why a new connection from `address` is refused (None: it is not)."""
-        if len(self.connections) >= limits.max_connections:
-            return f"the server has {limits.max_connections} connections open, its limit"
-        if self.per_address[address] >= limits.max_per_address:
-            return f"{limits.max_per_address} connections from {address} are open, the limit for one address"
+    def make_room(self, address: str, limits: ConnectionLimits) -> str | None:
+        """Room for a new connection from `address` under both limits, made by closing the idle connection that has
+        waited longest where one is at its limit (see the module's docstring); why it is refused where none can be
+        closed (None: it is not)."""
+        if len(self.connections) >= limits.max_connections and not self._shed(self.connections):
+            return f"the server has {limits.max_connections} connections open, each with a request under way"
+        if self.per_address[address] >= limits.max_per_address and not self._shed(
+                [connection for connection in self.connections if connection.address == address]):
+            return (f"{limits.max_per_address} connections from {address} are open, the limit for one address, each "
+                    "with a request under way")
         return None
+
+    def _shed(self, among) -> bool:
+        """Close the connection of `among` idle the longest; whether there was one."""
+        idle = [connection for connection in among if connection.idle_since is not None]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda connection: connection.idle_since)
+        self.discard(oldest)  # counted out now: its transport reports the loss later
+        oldest.close()
+        return True
 
     def add(self, connection: "Watched") -> None:
         self.connections.add(connection)
@@ -79,12 +101,13 @@ class Watched(asyncio.Protocol):
         self.deadline: asyncio.TimerHandle | None = None
         self.refused = False
         self.address = ""
+        self.idle_since: float | None = None  # waiting for a request's headers since then (None: a request is on)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        refusal = self.open.refusal(self.address, self.limits)
+        refusal = self.open.make_room(self.address, self.limits)
         if refusal is not None:
             self.refused = True
             transport.write(_busy(refusal))
@@ -92,7 +115,20 @@ class Watched(asyncio.Protocol):
             return
         self.open.add(self)
         self.inner.connection_made(transport)
-        self.expect(self.limits.header_seconds)
+        self.waiting(True)
+
+    def waiting(self, idle: bool) -> None:
+        """The connection waits for a request's headers (`idle`: under the header deadline, and sheddable), or has
+        a request under way (its body's deadline, or none, is the caller's)."""
+        self.idle_since = time.monotonic() if idle else None
+        if idle:
+            self.expect(self.limits.header_seconds)
+
+    def close(self) -> None:
+        """Close the connection (shed: see the module's docstring)."""
+        self.expect(None)
+        if self.transport is not None:
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.expect(None)
@@ -133,6 +169,7 @@ def watch_requests(app: ASGIApp) -> ASGIApp:
             return
         headers = dict(scope["headers"])
         has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        connection.waiting(False)
         connection.expect(connection.limits.body_seconds if has_body else None)
 
         async def receive_and_watch() -> Message:
@@ -144,7 +181,7 @@ def watch_requests(app: ASGIApp) -> ASGIApp:
         try:
             await app(scope, receive_and_watch, send)
         finally:
-            connection.expect(connection.limits.header_seconds)
+            connection.waiting(True)
 
     return watched
 

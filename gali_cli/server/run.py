@@ -5,8 +5,10 @@ write finished, then the process ends as the signal says (143 for SIGTERM, 130 f
 watched (connections.py): how many are open, and how long a client takes to send a request, are bounded."""
 
 import asyncio
+import contextlib
+import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import uvicorn
@@ -60,9 +62,10 @@ class Server(uvicorn.Server):
     instead of holding the shutdown, and at the end, waiting for the worker's last forward."""
 
     def __init__(self, worker: ModelWorker, settings: ServerSettings, log: Callable[[str], None]) -> None:
+        self.connections = OpenConnections()
         super().__init__(uvicorn.Config(watch_requests(create_app(worker, settings, log)), log_config=None,
                                         log_level="warning", access_log=False, lifespan="off", ws="none",
-                                        http=partial(Watched, settings.connections, OpenConnections(), JsonErrors),
+                                        http=partial(Watched, settings.connections, self.connections, JsonErrors),
                                         timeout_graceful_shutdown=GRACEFUL_SECONDS))
         self.worker, self.log = worker, log
 
@@ -71,6 +74,21 @@ class Server(uvicorn.Server):
             self.log("stopping: ending the requests in flight")
         self.worker.stop()
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, and then the process still ends as the signal it stopped on says (130 for SIGINT, 143 for
+        SIGTERM) where that signal was ignored when it started: uvicorn restores the handler it found and raises the
+        signal again, which SIG_IGN drops. `gali serve &` from a shell without job control starts with SIGINT
+        ignored, and exited 0 after a SIGINT stopped it."""
+        ignored = {sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is signal.SIG_IGN}
+        with super().capture_signals():
+            yield
+        stopped_by = [sig for sig in getattr(self, "_captured_signals", []) if sig in ignored]
+        if signal.SIGINT in stopped_by:
+            raise KeyboardInterrupt  # the command line's Ctrl-C: "interrupted", exit 130
+        if stopped_by:
+            raise SystemExit(128 + signal.SIGTERM)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.worker.stop()

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -159,35 +159,52 @@ class Message(_Strict):
 
     @property
     def text(self) -> str:
-        """The parts joined by line breaks, with blank space at the end of a document before its question dropped
-        (see _tidied)."""
-        return _tidied("\n".join(self.content))[0]
+        """The parts joined by line breaks, with blank space around a document before its question dropped (see
+        _tidied)."""
+        return _tidied("\n".join(self.content)).text
 
     def cuts(self) -> list[int]:
         """Character offsets where the prefill ends a forward: the last part's start (a client's question after
         its document), and where a question may follow a document (prompts.question_starts). A few at most: each
         is tokenized again (prompts.served_prompt), so one per part would make a many-part message quadratic."""
         joined = "\n".join(self.content)
-        text, dropped_at, dropped = _tidied(joined)
-        last = len(joined) - len(self.content[-1])
-        last -= dropped if last >= dropped_at + dropped else 0
-        return sorted(({last} - {0}) | set(question_starts(text)))
+        tidied = _tidied(joined)
+        last = tidied.offset(len(joined) - len(self.content[-1]))
+        return sorted(({last} - {0}) | set(question_starts(tidied.text)))
 
 
-def _tidied(text: str) -> tuple[str, int, int]:
-    """`text` with a document's trailing blank space before its question made one blank line, as `gali ask` sets
-    them ("document\n\nquestion"), so that a file sent as read (with its final line break) shares the state gali
-    ask stored; and where, and how many, characters were dropped."""
+class _Tidied(NamedTuple):
+    """A message's text as served, and what was dropped of the text as sent: `lead` characters of blank space
+    before its document, and `dropped` after it, from `dropped_at` (an offset in the text as sent)."""
+
+    text: str
+    lead: int = 0
+    dropped_at: int = 0
+    dropped: int = 0
+
+    def offset(self, sent: int) -> int:
+        """Where the offset `sent` of the text as sent falls in the text as served; within the blank space after the
+        document, at the question's start (a cut inside it would end a forward where gali ask's prompt ends none)."""
+        if self.dropped_at and sent > self.dropped_at:
+            sent = max(sent - self.dropped, self.dropped_at + 2)
+        return max(0, sent - self.lead)
+
+
+def _tidied(text: str) -> _Tidied:
+    """`text` with the blank space around a document before its question dropped, and the blank space between
+    them made one blank line, as `gali ask` sets them (its document stripped, then "\n\nquestion"): a file sent
+    as read, with its final line break and whatever blank space it starts with (the GPL's 20 spaces, issue 50),
+    shares the state gali ask stored. A message without a blank line before its last words is left as it is."""
     stripped = text.rstrip()
     blank = stripped.rfind("\n\n")
     if blank <= 0:
-        return text, 0, 0
-    document = text[:blank].rstrip()
-    if not document:
-        return text, 0, 0
+        return _Tidied(text)
+    end = len(text[:blank].rstrip())  # the document's end
+    lead = end - len(text[:end].lstrip())
+    if lead == end:  # blank space alone before the blank line: no document
+        return _Tidied(text)
     question_start = blank + 2  # the last blank line's end: "doc\n\n\nq" ends its blank space at q
-    dropped = question_start - (len(document) + 2)
-    return document + "\n\n" + text[question_start:], len(document), dropped
+    return _Tidied(text[lead:end] + "\n\n" + text[question_start:], lead, end, question_start - (end + 2))
 
 
 class ChatRequest(_Generation):

@@ -38,6 +38,10 @@ class Sampling:
     top_p: float
     seed: int
     stop: tuple[str, ...] = ()
+    # A chat answer never ends before its first token: where the model's first pick is a stop token, its best other
+    # token is taken (issue 50: after 81 s of reading, a 1-token empty answer reached the client without a word). A
+    # raw completion may end at once: its text may be complete.
+    no_empty_answer: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Done:
     completion_tokens: int
     prefill_seconds: float  # from the job's start (tokenizing, finding a state, reading) to its first token
     decode_seconds: float
+    note: str = ""  # for the access log: what the worker did that the client was not told
 
 
 @dataclass(frozen=True)
@@ -289,7 +294,8 @@ class ModelWorker:
             resolved = apply_method(loaded.model, self.method, self.settings, len(prompt.ids))
             cache, reused = self.states.start(prompt, resolved, job.check)
             counts.reused = counts.read = reused
-            events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, counts.counted(sampler),
+            sampler = counts.counted(sampler, self.stop_ids if sampling.no_empty_answer else set())
+            events = stream_generate(loaded.model, loaded.tokenizer, prompt.ids, sampler,
                                      sampling.max_new_tokens, self.stop_ids,
                                      prefill_spans(loaded.model, self.method, reused, len(prompt.ids), prompt.cuts),
                                      counts.progress, cache)
@@ -304,7 +310,7 @@ class ModelWorker:
             return
         prefilled = counts.prefilled or time.perf_counter()
         job.emit(Done(reason, len(prompt.ids), reused, counts.generated, prefilled - counts.started,
-                      time.perf_counter() - prefilled))
+                      time.perf_counter() - prefilled, counts.note))
         if not self.stopping:
             self.states.store_shared(prompt, resolved, reused, job.label)
 
@@ -316,18 +322,25 @@ class _Counts:
     def __init__(self, job: Job) -> None:
         self.job, self.reused, self.read, self.generated = job, 0, 0, 0
         self.started, self.prefilled = time.perf_counter(), None
+        self.note = ""
 
     def progress(self, done: int, total: int) -> None:
         self.read = self.reused + done  # the prefill started after the reused tokens
         self.job.check()
 
-    def counted(self, sampler: Sampler) -> Sampler:
-        """`sampler`, counting its tokens; the first one marks the end of the prefill."""
+    def counted(self, sampler: Sampler, not_first: set[int]) -> Sampler:
+        """`sampler`, counting its tokens; the first one marks the end of the prefill, and is sampled again without
+        the `not_first` tokens (the stop tokens of a chat answer: Sampling.no_empty_answer) if it is one of them."""
 
         def sample(logits: torch.Tensor) -> int:
             self.prefilled = self.prefilled or time.perf_counter()
             self.generated += 1
-            return sampler(logits)
+            token = sampler(logits)
+            if self.generated == 1 and token in not_first:
+                self.note = "the model's first pick ended the answer at once: its next best went on"
+                banned = torch.tensor(sorted(not_first), device=logits.device)
+                token = sampler(logits.index_fill(0, banned, float("-inf")))
+            return token
 
         return sample
 

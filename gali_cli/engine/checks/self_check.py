@@ -84,6 +84,8 @@ def self_check(device: torch.device, triton_interpreted: bool = False) -> Iterat
             yield _decode_check(device, torch.float32, head_dim, heads, kv_heads, NATIVE_DECODE_KEYS, "native")
         for rows, columns, gated in GRID_SHAPES:
             yield _grid_check(rows, columns, gated)
+        for batch in (1, 64):  # a decoding step's product over the bytes; a prefill's over unpacked tiles
+            yield _gguf_check(batch)
 
 
 def _noisy_kernels(device: torch.device, triton_interpreted: bool) -> dict[str, Callable]:
@@ -289,6 +291,37 @@ def _grid_check(rows: int, columns: int, gated: bool) -> Check:
             weight.double().T)
         gate, up = product.chunk(2, dim=-1)
         expected = torch.nn.functional.silu(gate) * up if gated else product
+    return Check(name, _difference(got, expected), _tolerance(torch.float32, expected), {"bytes": fast})
+
+
+def _gguf_check(batch: int, rows: int = 1024, columns: int = 1024) -> Check:
+    """A GGUF Q6_K matrix (sub-blocks of 16 weights, each a scale times codes 0..63 less 32; random blocks) read as
+    a GGUF file's loading reads it (model/gguf_blocks.py) and multiplied as a loaded model multiplies it
+    (PackedLinear: `batch` rows), against the gguf package's own dequantization in float64."""
+    import gguf
+    import numpy as np
+
+    from ...model.gguf_blocks import Q6_K, read_grid
+    from ..seam.grid_weights import GridWeight
+    from ..seam.packed_modules import PackedLinear
+
+    name = f"a GGUF Q6_K matrix read into bytes vs float64: {rows} x {columns}, {batch} row{'s' * (batch > 1)}"
+    random = np.random.default_rng(batch)
+    blocks = random.integers(0, 256, size=(rows * columns // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = random.uniform(1e-5, 2e-5, size=len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw = blocks.reshape(rows, -1)
+    x = torch.randn(batch, columns, generator=torch.Generator().manual_seed(batch))
+    with torch.inference_mode():
+        try:
+            arrays = read_grid(raw, Q6_K, columns)
+            layer = PackedLinear(GridWeight(*(torch.from_numpy(part) for part in (arrays.codes, arrays.step,
+                                                                                    arrays.base)), arrays.block))
+            got, fast = _timed(layer, (x,), torch.device("cpu"))
+        except Exception as error:  # a build failure or a wrong read is this check's finding
+            return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:160]})", float("nan"),
+                         0.0, {})
+        weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K)).double()
+        expected = x.double() @ weight.T
     return Check(name, _difference(got, expected), _tolerance(torch.float32, expected), {"bytes": fast})
 
 

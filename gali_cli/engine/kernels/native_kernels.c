@@ -519,45 +519,55 @@ static inline floats load_codes(const uint8_t *p) {
     return __builtin_convertvector(wide, floats);
 }
 
-/* codes . x over one block, in lanes */
-static inline floats block_products(const uint8_t *restrict c, const float *restrict x) {
+/* codes . x over one block of `block` weights (16 or 32, a multiple of VECTOR), in lanes */
+static inline __attribute__((always_inline)) floats block_products(const uint8_t *restrict c, const float *restrict x,
+                                                                   const int block) {
     floats sum = load_codes(c) * load_floats(x);
-    for (int part = VECTOR; part < GRID_BLOCK; part += VECTOR) sum += load_codes(c + part) * load_floats(x + part);
+    for (int part = VECTOR; part < block; part += VECTOR) sum += load_codes(c + part) * load_floats(x + part);
     return sum;
 }
 
 /* One row of a packed matrix times x: the sum over blocks of step * (codes . x) + base * (the block's sum of x),
  * `block_sums` holding the latter sums. Two accumulators each, alternate blocks: each block's multiply-add would
- * otherwise wait on the previous one's. */
-static inline float grid_row(const uint8_t *restrict codes, const float *restrict step, const float *restrict base,
-                             const float *restrict x, const float *restrict block_sums, int64_t blocks) {
+ * otherwise wait on the previous one's. Inlined with `block` a constant (grid_row_of), so its loops unroll. */
+static inline __attribute__((always_inline)) float grid_row_sized(
+    const uint8_t *restrict codes, const float *restrict step, const float *restrict base, const float *restrict x,
+    const float *restrict block_sums, int64_t blocks, const int block) {
     floats even = {0}, odd = {0};
     float even_offsets = 0.0f, odd_offsets = 0.0f;
     int64_t k = 0;
     for (; k + 1 < blocks; k += 2) {
-        even += step[k] * block_products(codes + k * GRID_BLOCK, x + k * GRID_BLOCK);
-        odd += step[k + 1] * block_products(codes + (k + 1) * GRID_BLOCK, x + (k + 1) * GRID_BLOCK);
+        even += step[k] * block_products(codes + k * block, x + k * block, block);
+        odd += step[k + 1] * block_products(codes + (k + 1) * block, x + (k + 1) * block, block);
         even_offsets += base[k] * block_sums[k];
         odd_offsets += base[k + 1] * block_sums[k + 1];
     }
     if (k < blocks) {
-        even += step[k] * block_products(codes + k * GRID_BLOCK, x + k * GRID_BLOCK);
+        even += step[k] * block_products(codes + k * block, x + k * block, block);
         even_offsets += base[k] * block_sums[k];
     }
     return lanes_sum(even + odd) + (even_offsets + odd_offsets);
 }
 
-/* out (batch, outputs) = x (batch, columns) times the packed matrix (gali_grid_pack's codes, step, base; `rows`
- * rows), for output rows [row_begin, row_end). `norm` (NULL: none): x is first RMS-normalised as a Llama's RMSNorm
+static inline float grid_row(const uint8_t *restrict codes, const float *restrict step, const float *restrict base,
+                             const float *restrict x, const float *restrict block_sums, int64_t blocks, int block) {
+    if (block == 16) return grid_row_sized(codes, step, base, x, block_sums, blocks, 16);
+    return grid_row_sized(codes, step, base, x, block_sums, blocks, GRID_BLOCK);
+}
+
+/* out (batch, outputs) = x (batch, columns) times the packed matrix (codes, and a step and a base per block of
+ * `block` weights, 16 or 32, as gali_grid_pack writes them or a GGUF's blocks read; `rows` rows), for output rows [row_begin, row_end). `norm` (NULL: none): x is first RMS-normalised as a Llama's RMSNorm
  * does it (x / sqrt(mean(x^2) + epsilon) * norm, each row of x). `gated`: the matrix holds a gated MLP's gate rows
  * then its up rows (outputs = rows / 2), and the result is silu(gate) * up, as a Llama MLP feeds its down
  * projection. `accumulate`: the result is added to out (a residual stream) instead of written. Each row of the
  * matrix is read from memory once, whatever the batch. Rows are shared among `threads` threads (OpenMP), else the
- * caller splits them. Returns 0, or -1 when its scratch memory could not be allocated (nothing written). */
+ * caller splits them. Returns 0, -1 when its scratch memory could not be allocated, -2 for another block size
+ * (nothing written). */
 int gali_grid_matvec(const float *x, int64_t batch, int64_t columns, const float *norm, float epsilon,
-                     const uint8_t *codes, const float *step, const float *base, int64_t rows, int gated,
-                     int accumulate, int64_t row_begin, int64_t row_end, float *out, int threads) {
-    int64_t blocks = columns / GRID_BLOCK, outputs = gated ? rows / 2 : rows;
+                     const uint8_t *codes, const float *step, const float *base, int64_t block, int64_t rows,
+                     int gated, int accumulate, int64_t row_begin, int64_t row_end, float *out, int threads) {
+    if (block != 16 && block != GRID_BLOCK) return -2;
+    int64_t blocks = columns / block, outputs = gated ? rows / 2 : rows;
     float *scratch = malloc(sizeof(float) * (size_t)(batch * (blocks + (norm ? columns : 0))));
     if (!scratch) return -1;
     float *block_sums = scratch, *normed = scratch + batch * blocks;
@@ -574,7 +584,7 @@ int gali_grid_matvec(const float *x, int64_t batch, int64_t columns, const float
     for (int64_t b = 0; b < batch; b++)
         for (int64_t k = 0; k < blocks; k++) {
             float sum = 0.0f;
-            for (int j = 0; j < GRID_BLOCK; j++) sum += x[b * columns + k * GRID_BLOCK + j];
+            for (int j = 0; j < block; j++) sum += x[b * columns + k * block + j];
             block_sums[b * blocks + k] = sum;
         }
 #ifdef _OPENMP
@@ -583,10 +593,12 @@ int gali_grid_matvec(const float *x, int64_t batch, int64_t columns, const float
     for (int64_t row = row_begin; row < row_end; row++) {
         for (int64_t b = 0; b < batch; b++) {
             const float *xb = x + b * columns, *sums = block_sums + b * blocks;
-            float value = grid_row(codes + row * columns, step + row * blocks, base + row * blocks, xb, sums, blocks);
+            float value = grid_row(codes + row * columns, step + row * blocks, base + row * blocks, xb, sums, blocks,
+                                   (int)block);
             if (gated) {
                 int64_t up = row + outputs;
-                float other = grid_row(codes + up * columns, step + up * blocks, base + up * blocks, xb, sums, blocks);
+                float other = grid_row(codes + up * columns, step + up * blocks, base + up * blocks, xb, sums, blocks,
+                                       (int)block);
                 value = value / (1.0f + expf(-value)) * other;
             }
             out[b * outputs + row] = accumulate ? out[b * outputs + row] + value : value;
@@ -594,4 +606,24 @@ int gali_grid_matvec(const float *x, int64_t batch, int64_t columns, const float
     }
     free(scratch);
     return 0;
+}
+
+/* Rows [row_begin, row_end) of a packed matrix (codes, and a step and a base per block of `block` weights) as float32
+ * weights base + step * code into out (row_end - row_begin, columns): what a prefill multiplies by, a tile at a time.
+ * step * code is exact in float32 for every GGUF grid, so a fused multiply-add rounds as the separate two do. Rows are
+ * shared among `threads` threads (OpenMP), else the caller splits them. */
+void gali_grid_unpack(const uint8_t *codes, const float *step, const float *base, int64_t columns, int64_t block,
+                      int64_t row_begin, int64_t row_end, int64_t first_row, float *out, int threads) {
+    int64_t blocks = columns / block;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t row = row_begin; row < row_end; row++) {
+        const uint8_t *c = codes + row * columns;
+        float *o = out + (row - first_row) * columns;
+        for (int64_t k = 0; k < blocks; k++) {
+            float s = step[row * blocks + k], b = base[row * blocks + k];
+            for (int64_t j = 0; j < block; j++) o[k * block + j] = b + s * (float)c[k * block + j];
+        }
+    }
 }

@@ -63,8 +63,9 @@ def kernel_directory() -> Path:
 @dataclass(frozen=True)
 class Kernel:
     """The loaded C functions (`gali_noisy_softmax`; `gali_decode_attention` and `gali_merge_runs`;
-    `gali_grid_pack` and `gali_grid_matvec`), whether they share their work among threads themselves (OpenMP), and
-    whether the grid products were built for vector registers that make them pay (`grid_vectorised`)."""
+    `gali_grid_pack`, `gali_grid_matvec` and `gali_grid_unpack`), whether they share their work among threads
+    themselves (OpenMP), and whether the grid products were built for vector registers that make them pay
+    (`grid_vectorised`)."""
 
     function: ctypes._CFuncPtr
     threaded: bool
@@ -72,6 +73,7 @@ class Kernel:
     merge_runs: ctypes._CFuncPtr
     grid_pack: ctypes._CFuncPtr
     grid_matvec: ctypes._CFuncPtr
+    grid_unpack: ctypes._CFuncPtr
     grid_vectorised: bool
 
 
@@ -88,7 +90,7 @@ def load_kernel() -> Kernel:
         loaded = ctypes.CDLL(str(library))
         function, threaded = loaded.gali_noisy_softmax, loaded.gali_noisy_softmax_threaded
         decode, merge_runs = loaded.gali_decode_attention, loaded.gali_merge_runs
-        grid_pack, grid_matvec = loaded.gali_grid_pack, loaded.gali_grid_matvec
+        grid_pack, grid_matvec, grid_unpack = loaded.gali_grid_pack, loaded.gali_grid_matvec, loaded.gali_grid_unpack
         grid_vectorised = loaded.gali_grid_vectorised
     except (OSError, AttributeError) as error:
         raise KernelBuildError(f"cannot load {library}: {error}") from error
@@ -105,31 +107,106 @@ def load_kernel() -> Kernel:
     merge_runs.restype = None
     grid_pack.argtypes = [pointer, size, size, size, ctypes.c_float, pointer, pointer, pointer, ctypes.c_int]
     grid_pack.restype = size
-    grid_matvec.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, size,
+    grid_matvec.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, size, size,
                             ctypes.c_int, ctypes.c_int, size, size, pointer, ctypes.c_int]
     grid_matvec.restype = ctypes.c_int
+    grid_unpack.argtypes = [pointer, pointer, pointer, size, size, size, size, size, pointer, ctypes.c_int]
+    grid_unpack.restype = None
     threaded.restype = grid_vectorised.restype = ctypes.c_int
-    return Kernel(function, bool(threaded()), decode, merge_runs, grid_pack, grid_matvec, bool(grid_vectorised()))
+    return Kernel(function, bool(threaded()), decode, merge_runs, grid_pack, grid_matvec, grid_unpack,
+                  bool(grid_vectorised()))
 
 
 def _build(command: list[str], library: Path) -> None:
     """Compile the kernel into `library`, atomically (a half-written library is never loaded): with OpenMP and for
-    this CPU where the compiler can, else without them."""
+    this CPU where the compiler can, else without them. Each compile is bounded (`_compile`), and a compiler that
+    hung or failed is remembered beside the library (`_failure_note`): it cost one run its wait, not every run (a
+    `$CC` that hung stalled each run 120 s per attempt). Messages stay whole in the callers' 200-character warnings."""
+    note = _failure_note(library)
+    if (remembered := _remembered(note)) is not None:
+        raise KernelBuildError(f"in an earlier run, {remembered}; not run again: rm {_home(note)} to retry")
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
         errors = []
         for extra in itertools.product(_OPENMP, _NATIVE_CPU):
-            try:
-                result = subprocess.run([*command, *_FLAGS, *extra[0], *extra[1], "-o", str(built), str(SOURCE)],
-                                        capture_output=True, text=True, timeout=120, check=False)
-            except (OSError, subprocess.SubprocessError) as error:
-                raise KernelBuildError(f"no C compiler ({' '.join(command)}: {error})") from error
-            if result.returncode == 0:
+            failure = _compile([*command, *_FLAGS, *extra[0], *extra[1], "-o", str(built), str(SOURCE)], command)
+            if failure is None:
                 os.replace(built, library)
                 return
-            errors.append(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed")
-        raise KernelBuildError(f"{' '.join(command)} failed: {errors[-1]}")
+            if failure.startswith(_NO_COMPILER):  # nothing ran: a compiler installed later is tried at once
+                raise KernelBuildError(failure)
+            errors.append(failure)
+            if " hung: " in failure:  # a hung compiler hangs again with other flags
+                break
+    _remember(note, errors[-1])
+    raise KernelBuildError(f"{errors[-1]}; not run again: rm {_home(note)} to retry")
+
+
+BUILD_SECONDS = 60  # a compile takes a second or two; one still running after a minute is hung
+_NO_COMPILER = "no C compiler"
+
+
+def _compile(arguments: list[str], command: list[str]) -> str | None:
+    """Run one compile in a process group of its own, bounded by BUILD_SECONDS; on timeout the whole group is
+    killed (a compiler driver's cc1 and as outlived a killed driver, orphaned). None when it compiled, else what
+    happened, in one short line."""
+    import signal  # here, not at the top: this module's header is shared with the kernels' other work
+
+    shown = " ".join(command)
+    shown = shown if len(shown) <= 40 else f"...{shown[-37:]}"  # the end: the compiler's name, or its flags
+    try:
+        process = subprocess.Popen(arguments, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    except OSError as error:
+        return f"{_NO_COMPILER}: {shown} cannot be run ({error.strerror or error})"
+    try:
+        _, stderr = process.communicate(timeout=BUILD_SECONDS)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:  # the group is gone already
+            pass
+        try:
+            process.communicate(timeout=10)  # reaped; its pipes closed by the kill
+        except subprocess.TimeoutExpired:  # a child that left the group still holds a pipe: leave it
+            pass
+        return f"{shown} hung: killed after {BUILD_SECONDS} s with its child processes"
+    if process.returncode == 0:
+        return None
+    last = stderr.strip().splitlines()[-1].strip() if stderr.strip() else f"exit status {process.returncode}"
+    return f"{shown} failed: {last if len(last) <= 60 else last[:57] + '...'}"
+
+
+def _failure_note(library: Path) -> Path:
+    """Where a failed build of `library` is remembered: beside it, under the same key (source, compiler command,
+    flags and CPU), so that another compiler, a new source or another CPU is tried afresh."""
+    return library.with_name(f"{library.name.split('.')[0]}.failed")
+
+
+def _remembered(note: Path) -> str | None:
+    """What an earlier run's failed build said, or None where none failed (or its note cannot be read)."""
+    try:
+        return note.read_text(encoding="utf-8").strip()[:120] or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _remember(note: Path, failure: str) -> None:
+    """Write `failure` to `note` atomically; a cache that cannot be written only means the next run tries again."""
+    try:
+        note.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=note.parent, suffix=".tmp", delete=False, encoding="utf-8") as file:
+            file.write(failure + "\n")
+        os.replace(file.name, note)
+    except OSError:
+        pass
+
+
+def _home(path: Path) -> str:
+    """`path` with the home directory as ~, to keep a warning line short."""
+    home = str(Path.home())
+    return f"~{str(path)[len(home):]}" if str(path).startswith(home + os.sep) else str(path)
 
 
 def _cpu_identity() -> str:

@@ -15,9 +15,9 @@ un-rotated and each key is rotated by its offset, recomputed every step from the
 transformers does: the step rotates the new query and key with the model's own rotary at the token's index.
 
 The step is the Llama layer written out over the model's own modules (norms, projections, MLP), as gpt-fast
-writes it; `generate.decode` holds its first step to the model's own forward before any graph is captured, and
-one that differs decodes eagerly. Shapes: B batch, H query heads, Hkv key/value heads, C the cache's rows, D head
-dim.
+writes it; `generate.decode` holds it to the model's own forward (the prefill's logits of the prompt's last
+token) before any graph is captured, and one that differs decodes eagerly. Shapes: B batch, H query heads, Hkv
+key/value heads, C the cache's rows, D head dim.
 """
 
 import functools
@@ -38,9 +38,9 @@ from ..kernels.kernel_choice import kernel_choice, triton_installed
 from ..math.noise import Noise, head_streams, standard_normal
 from ..math.rope import rotate, rotate_fused
 from ..math.rope import rotation as rope_rotation
-from .grid_weights import Projections, grid_projections, module_projections
 from .hooks import installed_method, llama_model, original_rotary
 from .kv_cache import GrowingLayer
+from .projections import Projections, grid_projections, module_projections
 
 DECODE_CHOICES = ("auto", "eager", "static")
 ROUTES = ("triton", "native", "torch")  # how a static step attends over the cache (`attention_route`)
@@ -164,10 +164,10 @@ def model_route(model: PreTrainedModel) -> str:
 
 class StaticDecoder:
     """One decoding step of `model` on `cache` as a function of two one-element tensors (the token, its index),
-    over the cache's reserved rows; replayed as a CUDA graph on a GPU once its first step is checked
-    (`first_step`). `route`: how it attends over the cache ("triton", "native" or "torch"; None: `model_route`).
+    over the cache's reserved rows; replayed as a CUDA graph on a GPU once it is checked against the model's own
+    forward (`check`). `route`: how it attends over the cache ("triton", "native" or "torch"; None: `model_route`).
     `grid_weights`: whether the native route multiplies by the projections held on grids where they lie on them
-    (grid_weights.py; False: in PyTorch, as benchmarks compare).
+    (projections.py; False: in PyTorch, as benchmarks compare).
     """
 
     def __init__(self, model: PreTrainedModel, cache: DynamicCache, route: str | None = None,
@@ -203,7 +203,7 @@ class StaticDecoder:
         self.projections: Projections = module_projections(model)  # grids on the native route (`_first_static`)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output
-        self.checked = False  # the first step agreed with the model's own forward (`first_step`)
+        self.checked = False  # the step agreed with the model's own forward (`check`)
         self.difference: float | None = None
         self.capture_seconds = 0.0
 
@@ -224,28 +224,42 @@ class StaticDecoder:
         return logits[0, -1]
 
     def first_step(self, token: int, index: int, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The first step, held to the model's own forward (`eager`, which appends the token to the cache): returns
-        the eager logits, and sets `checked` when the static step's agree with them within rounding. On a GPU it then
-        records the step as a CUDA graph (this step was its warm-up; recording runs no kernel), which later `step`s
-        replay. A step that disagrees, or a graph that cannot be recorded, warns once: decoding stays eager. Through
-        a kernel (`route` triton or native), a step that fails or disagrees is taken again with the keys rotated in
-        PyTorch, and held to the forward in turn."""
-        static = self._first_static(token, index)
-        for layer in self.layers:
-            layer.extend(index)  # the eager forward appends the same row again
+        """The first step, held to the model's own forward: `eager()` appends token `token` at `index` to the cache
+        and returns its logits, which this returns, after `check`ing the static step against them."""
         logits = eager()
-        self.difference = difference(static, logits)
-        if self.route != "torch" and not agrees(self.dtype, self.difference):
-            kernel_difference, self.route = self.difference, "torch"
-            self.projections = module_projections(self.model)
-            self.difference = difference(self.step(token, index), logits)  # the row at the index written again
-            if agrees(self.dtype, self.difference):
-                warnings.warn(f"the decoding kernel differs from the model's own forward here (relative difference "
-                              f"{kernel_difference:.2g}); attending in PyTorch", GaliWarning, stacklevel=2)
+        self.check(token, index, logits)
+        return logits
+
+    def check(self, token: int, index: int, expected: torch.Tensor) -> bool:
+        """Hold the static step to the model's own forward, whose logits after token `token` at `index` (the last row
+        the cache holds) are `expected`: the step is taken at that index (its row of keys and values then put back
+        as the forward wrote it), and `checked` set when their logits agree within rounding. `generate.decode` holds
+        it to the prefill's logits of the prompt's last token, which cost no forward of their own (an eager forward
+        to check against costs several steps: 4-11 of the graph's on a GPU, docs/performance.md).
+
+        On a GPU it then records the step as a CUDA graph (this step was its warm-up; recording runs no kernel),
+        which later `step`s replay. A step that disagrees, or a graph that cannot be recorded, warns once: decoding
+        stays eager. Through a kernel (`route` triton or native), a step that fails or disagrees is taken again with
+        the keys rotated in PyTorch, and held to the forward in turn. Returns `checked`."""
+        written = [tuple(buffer[:, :, index].clone() for buffer in layer.storage()) for layer in self.layers]
+        try:
+            self.difference = difference(self._first_static(token, index), expected)
+            if self.route != "torch" and not agrees(self.dtype, self.difference):
+                kernel_difference, self.route = self.difference, "torch"
+                self.projections = module_projections(self.model)
+                self.difference = difference(self.step(token, index), expected)
+                if agrees(self.dtype, self.difference):
+                    warnings.warn(f"the decoding kernel differs from the model's own forward here (relative "
+                                  f"difference {kernel_difference:.2g}); attending in PyTorch", GaliWarning,
+                                  stacklevel=2)
+        finally:  # the forward's own row: what follows reads the keys and values it would have read without a check
+            for layer, rows in zip(self.layers, written, strict=True):
+                for buffer, row in zip(layer.storage(), rows, strict=True):
+                    buffer[:, :, index] = row
         if not agrees(self.dtype, self.difference):
             warnings.warn(f"the static decoding step differs from the model's own forward here (relative "
                           f"difference {self.difference:.2g}); decoding eagerly", GaliWarning, stacklevel=2)
-            return logits
+            return False
         if self.device.type == "cuda":
             started = time.perf_counter()
             try:
@@ -255,10 +269,10 @@ class StaticDecoder:
             except RuntimeError as failure:
                 warnings.warn(f"the decoding step cannot be recorded as a CUDA graph here ({failure}); decoding "
                               f"eagerly", GaliWarning, stacklevel=2)
-                return logits
+                return False
             self.graph, self.capture_seconds = graph, time.perf_counter() - started
         self.checked = True
-        return logits
+        return True
 
     def description(self) -> str:
         """How this step decodes, in words (for -v): graphed or not, its attention's route, and the share of the
@@ -273,7 +287,7 @@ class StaticDecoder:
     def _first_static(self, token: int, index: int) -> torch.Tensor:
         """The first static step's logits (a copy); a kernel that cannot be built or launched here (Triton's
         compiler, the GPU's resources) warns and leaves the attention to PyTorch. On the native route the model's
-        projections are held on grids where they lie on them (grid_weights.py: packed now, after the answer's first
+        projections are held on grids where they lie on them (projections.py: packed now, after the answer's first
         token, once per model)."""
         if self.route == "torch":
             return self.step(token, index).clone()

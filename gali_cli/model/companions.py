@@ -1,23 +1,23 @@
-"""Dequantized GGUF models kept in the user cache, so that a GGUF is dequantized once and then loads in seconds.
+"""What transformers reads slowly from a GGUF, its config and tokenizer, kept in the user cache once read.
 
-transformers dequantizes a GGUF on every load (about 30 s for a 135M model on two cores), and a model loaded that
-way cannot be saved with `save_pretrained`. An entry here is an ordinary transformers directory written by gali:
-the dequantized weights as safetensors (a tied tensor once), the config without its GGUF quantization marker,
-the generation config, and the tokenizer with its chat template. It is named after the GGUF's identity (path, size,
-modification time, digest of its first MiB), the dtype and the transformers version, built in a temporary
-directory and renamed, so a crash never leaves half an entry, and carries a manifest with every file's size and
-CRC-32, checked before the weights are used: a damaged entry is rebuilt with a warning.
+transformers takes tens of seconds to build a GGUF's tokenizer from its vocabulary (13 s for SmolLM2's 49k tokens
+on two cores) and seconds for its config; gali reads the weights from the file itself on every load
+(gguf_weights.py), so an entry here holds only the rest: the config without its GGUF quantization marker, the
+generation config, and the tokenizer with its chat template (tens of MB at most, never a weight). It is named after
+the GGUF's identity (path, size, modification time, digest of its first MiB) and the transformers version, built in
+a temporary directory and renamed, so a crash never leaves half an entry, and carries a manifest with every file's
+size and CRC-32, checked before use: a damaged entry is rebuilt with a warning.
 
 Entries another transformers release wrote are kept (another environment may use them) until they are unused for
 `UNUSED_DAYS`, or their GGUF is gone: each build prunes those, and `gali cache prune` prunes every entry this
-installation cannot use at once. An entry's modification time is the last time gali loaded it.
+installation cannot use at once, the float copies of whole models that gali wrote before it read GGUF weights
+directly among them. An entry's modification time is the last time gali loaded it.
 
 The cache owns only what it wrote: a folder is an entry when it holds gali's manifest, or (damaged) is named as gali
 names entries; anything else in the directory (a model's own folder, say) is never listed, pruned or cleared, and is
 named once in a warning.
 """
 
-import copy
 import functools
 import glob
 import hashlib
@@ -35,11 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
-import torch
 import transformers
-from safetensors import SafetensorError
-from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ..config import expand_home
 from ..errors import GaliWarning, ModelLoadError
@@ -47,11 +44,14 @@ from ..file_locks import hold, left_behind
 from ..printable import some_names
 from .gguf import GgufFile
 
-FORMAT = "1"
+FORMAT = "2"
+OLD_FORMATS = {"1": "a float copy of the whole model, which gali no longer uses"}  # what gali wrote before
 MANIFEST = "gali-gguf.json"
-WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+KIND = "tokenizer"  # where entries of format 1 named their dtype
 _PARTIAL = ".partial-"  # a build's temporary directory, renamed into an entry when whole
-# An entry's name (_entry_name): the GGUF's stem, 16 hex digits of its identity, the dtype, the transformers release
+# An entry's name (_entry_name): the GGUF's stem, 16 hex digits of its identity, its kind (format 1: a dtype), the
+# transformers release
 _ENTRY_NAME = re.compile(r".+-[0-9a-f]{16}\.[a-z0-9]+\.transformers-[^/]+")
 _TRANSFORMERS = f"transformers-{transformers.__version__}"
 UNUSED_DAYS = 30  # an entry this installation cannot use, unused this long, goes at the next build
@@ -59,19 +59,22 @@ UNUSED_DAYS = 30  # an entry this installation cannot use, unused this long, goe
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One dequantized model in the cache, as `gali cache list` shows it."""
+    """One entry in the cache, as `gali cache list` shows it."""
 
     path: Path
-    gguf: str  # the GGUF file it was dequantized from
-    dtype: str
-    transformers: str  # the release that dequantized it; only that release loads it
+    gguf: str  # the GGUF file it was read from
+    dtype: str  # "tokenizer" for a config and tokenizer; the dtype of a float copy an older gali wrote
+    transformers: str  # the release that read it; only that release loads it
     size: int
     last_used: float
     usable: bool  # this installation would load it: its transformers, its GGUF unchanged and present
     damaged: str | None = None  # why its manifest or files are not sound
+    obsolete: str | None = None  # what an older gali wrote that this one no longer reads
 
     @property
     def reason_unusable(self) -> str | None:
+        if self.obsolete:
+            return self.obsolete
         if self.damaged:
             return f"damaged: {self.damaged}"
         if self.transformers != transformers.__version__:
@@ -86,8 +89,8 @@ def default_directory() -> Path:
     return Path(platformdirs.user_cache_dir("gali")) / "models"
 
 
-class DequantizedModels:
-    """Entries in `directory`, one per GGUF file and dtype."""
+class GgufCompanions:
+    """Entries in `directory`, one per GGUF file."""
 
     def __init__(self, directory: Path | None = None, notice: Callable[[str], None] | None = None) -> None:
         self.directory = directory or default_directory()
@@ -113,22 +116,23 @@ class DequantizedModels:
                 return AutoConfig.from_pretrained(entry)
         return _plain(AutoConfig.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name))
 
-    def directory_for(self, gguf: GgufFile, dtype: torch.dtype) -> Path:
-        """A checked entry holding `gguf` dequantized to `dtype`; built (and a damaged one rebuilt) when needed."""
-        entry = self.directory / _entry_name(gguf, dtype)
+    def directory_for(self, gguf: GgufFile) -> Path:
+        """A checked entry holding `gguf`'s config and tokenizer; built (and a damaged one rebuilt) when needed."""
+        entry = self.directory / _entry_name(gguf)
         if entry.exists():
             try:
-                if _manifest(entry, full=True).get("key") != _key(gguf, dtype):
+                if _manifest(entry, full=True).get("key") != _key(gguf):
                     raise ValueError("its manifest describes another file")
                 with suppress(OSError):
                     os.utime(entry)  # last used now: what pruning goes by
                 return entry
             except ValueError as problem:
-                warnings.warn(f"the cached dequantized model {entry} is damaged ({problem}); rebuilding it",
-                              GaliWarning, stacklevel=2)
+                warnings.warn(f"the cached tokenizer of {gguf.path.name} in {entry} is damaged ({problem}); "
+                              "reading it again", GaliWarning, stacklevel=2)
                 shutil.rmtree(entry, ignore_errors=True)
-        self.notice(f"Dequantizing {gguf.path.name} once (it takes a while); later runs load it from {self.directory}")
-        self._build(gguf, dtype, entry)
+        self.notice(f"Reading {gguf.path.name}'s tokenizer once (it takes a while); later runs load it from "
+                    f"{self.directory}")
+        self._build(gguf, entry)
         return entry
 
     def entries(self) -> list[ModelEntry]:
@@ -175,12 +179,9 @@ class DequantizedModels:
         self.warn_about_foreign_files()
         return _remove(self.entries())
 
-    def _unwritable(self, error: OSError | SafetensorError) -> ModelLoadError:
-        """The one-line error for a cache directory gali cannot write in. A SafetensorError has no strerror: its
-        text spells Rust's I/O error, whose message is what the user needs ("No space left on device")."""
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        if isinstance(error, SafetensorError):
-            reason = next(iter(re.findall(r'message: "([^"]+)"', reason)), reason)
+    def _unwritable(self, error: OSError) -> ModelLoadError:
+        """The one-line error for a cache directory gali cannot write in."""
+        reason = error.strerror or str(error)
         if isinstance(error, FileExistsError) or self.directory.is_file():
             reason = "it is a file, not a directory"
         return ModelLoadError(f"cannot write the model cache in {self.directory}: {reason} (GALI_MODEL_CACHE "
@@ -192,7 +193,7 @@ class DequantizedModels:
         except OSError:
             return []
 
-    def _build(self, gguf: GgufFile, dtype: torch.dtype, entry: Path) -> None:
+    def _build(self, gguf: GgufFile, entry: Path) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             _remove_leftovers(self.directory, gguf)
@@ -202,15 +203,15 @@ class DequantizedModels:
             raise self._unwritable(error) from error
         lock = hold(temporary)  # while it is held, no other gali takes the directory for a killed build's
         try:
-            _dequantize_into(gguf, dtype, temporary)
-            _write_manifest(temporary, _key(gguf, dtype), gguf, dtype)
+            _read_into(gguf, temporary)
+            _write_manifest(temporary, _key(gguf), gguf)
             try:
                 os.rename(temporary, entry)
             except OSError:
                 if not entry.exists():
                     raise
                 # another gali built the same entry meanwhile: theirs serves
-        except (OSError, SafetensorError) as error:  # e.g. a full disk
+        except OSError as error:  # e.g. a full disk
             raise self._unwritable(error) from error
         finally:  # also on Ctrl-C: never leave half an entry (after kill -9, the next build or prune deletes it)
             shutil.rmtree(temporary, ignore_errors=True)
@@ -218,34 +219,25 @@ class DequantizedModels:
                 os.close(lock)
 
 
-def _dequantize_into(gguf: GgufFile, dtype: torch.dtype, directory: Path) -> None:
-    """Load `gguf` with transformers' own GGUF support and write it as a plain transformers directory."""
+def _read_into(gguf: GgufFile, directory: Path) -> None:
+    """Read `gguf`'s config and tokenizer with transformers' own GGUF support and write them as transformers files."""
     folder, name = gguf.path.parent, gguf.path.name
     try:
-        with _quiet_dequantization():
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, device_map="cpu")
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        with _quiet_reading():
+            config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     except (OSError, ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"transformers cannot read {gguf.path}: {reason}") from error
-    tensors, seen = {}, {}
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() in seen:  # tied (lm_head = embed_tokens): stored once, tied again on load
-            continue
-        if not torch.isfinite(tensor).all():
-            raise ModelLoadError(f"{gguf.path} is damaged: its tensor for {name} holds NaN or infinite values")
-        seen[tensor.data_ptr()] = name
-        tensors[name] = tensor.detach().contiguous()
-    save_file(tensors, directory / WEIGHTS, metadata={"format": "pt"})
-    _plain(copy.deepcopy(model.config)).save_pretrained(directory)
-    model.generation_config.save_pretrained(directory)
+    _plain(config).save_pretrained(directory)
+    GenerationConfig.from_model_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
 
 @contextmanager
-def _quiet_dequantization() -> Iterator[None]:
+def _quiet_reading() -> Iterator[None]:
     """transformers' GGUF reader draws its own tqdm bar on stderr, which transformers' progress switch does not
-    reach; silence it for the duration (the caller has said that dequantization is under way)."""
+    reach; silence it for the duration (the caller has said that reading is under way)."""
     import transformers.modeling_gguf_pytorch_utils as module
 
     original = getattr(module, "tqdm", None)
@@ -260,19 +252,19 @@ def _quiet_dequantization() -> Iterator[None]:
 
 
 def _plain(config):
-    """`config` without transformers' GGUF quantization marker: the weights gali loads are plain tensors."""
+    """`config` without transformers' GGUF quantization marker: gali reads the weights itself."""
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     return config
 
 
-def _write_manifest(directory: Path, key: str, gguf: GgufFile, dtype: torch.dtype) -> None:
+def _write_manifest(directory: Path, key: str, gguf: GgufFile) -> None:
     files = {}
     for path in sorted(directory.iterdir()):
         with open(path, "rb") as file:
             os.fsync(file.fileno())
         files[path.name] = {"size": path.stat().st_size, "crc32": _crc32(path)}
-    manifest = {"format": FORMAT, "key": key, "gguf": gguf.fingerprint(), "dtype": str(dtype).removeprefix("torch."),
+    manifest = {"format": FORMAT, "key": key, "gguf": gguf.fingerprint(), "dtype": KIND,
                 "transformers": transformers.__version__, "files": files}
     with open(directory / MANIFEST, "w") as file:
         json.dump(manifest, file, indent=1)
@@ -286,7 +278,7 @@ def _manifest(entry: Path, full: bool) -> dict:
     try:
         manifest = json.loads((entry / MANIFEST).read_text())
         files = manifest["files"]
-        if manifest.get("format") != FORMAT or WEIGHTS not in files or "config.json" not in files:
+        if manifest.get("format") != FORMAT or CONFIG not in files:
             raise ValueError(f"{MANIFEST} is not one gali {FORMAT} wrote")
         for name, facts in files.items():
             size = (entry / name).stat().st_size
@@ -309,9 +301,9 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _key(gguf: GgufFile, dtype: torch.dtype) -> str:
-    """What an entry's weights depend on: the GGUF, the dtype and the transformers that dequantized it."""
-    return hashlib.sha256(json.dumps({"gguf": gguf.fingerprint(), "dtype": str(dtype),
+def _key(gguf: GgufFile) -> str:
+    """What an entry depends on: the GGUF and the transformers that read it."""
+    return hashlib.sha256(json.dumps({"gguf": gguf.fingerprint(), "kind": KIND,
                                       "transformers": transformers.__version__}, sort_keys=True).encode()).hexdigest()
 
 
@@ -321,8 +313,8 @@ def _stem(gguf: GgufFile) -> str:
     return f"{gguf.path.stem}-{identity}"
 
 
-def _entry_name(gguf: GgufFile, dtype: torch.dtype) -> str:
-    return f"{_stem(gguf)}.{str(dtype).removeprefix('torch.')}.{_TRANSFORMERS}"
+def _entry_name(gguf: GgufFile) -> str:
+    return f"{_stem(gguf)}.{KIND}.{_TRANSFORMERS}"
 
 
 def _remove(entries: list[ModelEntry]) -> tuple[list[ModelEntry], list[ModelEntry]]:
@@ -343,6 +335,12 @@ def _describe(path: Path) -> ModelEntry | None:
     if path.name.startswith(_PARTIAL):
         return ModelEntry(path, "?", "?", "?", size, last_used, False, "an unfinished build; the gali writing it was "
                                                                          "killed")
+    obsolete = _old_manifest(path)
+    if obsolete is not None:
+        source = obsolete.get("gguf") or {}
+        return ModelEntry(path, str(source.get("path", "?")), f"{obsolete.get('dtype', '?')} copy",
+                          str(obsolete.get("transformers", "?")), size, last_used, False,
+                          obsolete=f"written by an older gali: {OLD_FORMATS[obsolete['format']]}")
     try:
         manifest = _manifest(path, full=False)
     except ValueError as problem:
@@ -355,6 +353,15 @@ def _describe(path: Path) -> ModelEntry | None:
     usable = release == transformers.__version__ and _unchanged(source)
     return ModelEntry(path, str(source.get("path", "?")), str(manifest.get("dtype", "?")), release, size, last_used,
                       usable)
+
+
+def _old_manifest(path: Path) -> dict | None:
+    """The manifest of an entry an older gali wrote (a format of OLD_FORMATS), else None."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") in OLD_FORMATS else None
 
 
 def _unchanged(source: dict) -> bool:
