@@ -9,7 +9,8 @@ there on, and the newest release on the index (also past the range: that is how 
 environment is this interpreter's packages (torch, gali, the test dependencies) with one transformers release, and
 the dependencies a fresh install of it resolves, installed by pip into a directory of its own that goes first on
 PYTHONPATH. The tests are the seam's, the hooks', every method's against its float64 restatement, the authors'
-GALI outputs, generation, the server's streams, GGUF files read by transformers and every model family (`TESTS`).
+GALI outputs, generation, the server's streams, GGUF files read by transformers (and gali's reading of their blocks,
+held to it) and every model family (`TESTS`).
 A release's row says passed only when all of them did.
 To admit a new release: raise the range's upper bound in gali_cli/compat.py and pyproject.toml past it (a test holds
 the installed release to the range), run this, and keep the new bound only if the release passed.
@@ -34,8 +35,8 @@ from gali_cli.compat import TESTED_TRANSFORMERS  # the checkout's own range, not
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_compat.py", "tests/test_authors_gali.py", "tests/test_hooks.py", "tests/test_methods.py",
-         "tests/test_generate.py", "tests/test_server.py", "tests/test_gguf.py", "tests/test_kv_cache.py",
-         "tests/test_families.py"]
+         "tests/test_generate.py", "tests/test_server.py", "tests/test_gguf.py", "tests/test_gguf_weights.py",
+         "tests/test_kv_cache.py", "tests/test_families.py"]
 TABLE = ROOT / "docs" / "compatibility.md"
 BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
 
