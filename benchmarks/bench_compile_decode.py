@@ -45,9 +45,10 @@ from bench_speed import SHAPES, build_model, check_choices, run_context, synchro
 from gali_cli.config import MethodSettings
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache, reserve
+from gali_cli.engine.seam.packed_modules import model_device
 from gali_cli.engine.seam.static_decode import ROUTES, StaticDecoder, difference, model_route
 from gali_cli.generate import truncate_cache
-from gali_cli.methods import METHODS
+from gali_cli.methods.registry import NAMES
 from gali_cli.patching import apply_method, prefill_spans
 
 VARIANTS = ("eager", "static", "static-float", "static-compile", "compile-default", "compile-reduce-overhead")
@@ -213,7 +214,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--train-len", type=int, default=8192, help="random models' window; a method's train_len")
-    parser.add_argument("--method", default="original", help=f"original (unpatched) or one of {', '.join(METHODS)}")
+    parser.add_argument("--method", default="original", help=f"original (unpatched) or one of {', '.join(NAMES)}")
     parser.add_argument("--length", type=int, default=1024, help="prompt tokens prefilled")
     parser.add_argument("--tokens", type=int, default=16, help="tokens decoded per variant per round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -226,8 +227,8 @@ def main() -> None:
     args = parser.parse_args()
     variants = args.variants.split(",")
     check_choices(parser, variants, VARIANTS, "variants")
-    if args.method != "original" and args.method not in METHODS:
-        parser.error(f"unknown method {args.method}: use original or {', '.join(METHODS)}")
+    if args.method != "original" and args.method not in NAMES:
+        parser.error(f"unknown method {args.method}: use original or {', '.join(NAMES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -235,7 +236,7 @@ def main() -> None:
     capacity = args.length + 2 + args.tokens
     if args.method != "original":
         apply_method(model, args.method, MethodSettings(train_len=args.train_len), capacity)
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     ids = torch.randint(0, model.config.vocab_size, (1, capacity), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     load_before = os.getloadavg()

@@ -28,9 +28,10 @@ from bench_speed import SHAPES, build_model, synchronize
 from gali_cli.config import MethodSettings
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache, reserve
+from gali_cli.engine.seam.packed_modules import model_device
 from gali_cli.engine.seam.static_decode import ROUTES, StaticDecoder, difference, model_route, why_not_static
 from gali_cli.generate import truncate_cache
-from gali_cli.methods import METHODS
+from gali_cli.methods.registry import NAMES
 from gali_cli.patching import apply_method, prefill_spans
 
 
@@ -45,7 +46,7 @@ def timed(run, device: torch.device) -> tuple[float, object]:
 
 def measure(model, method: str, length: int, tokens: int, train_len: int, verify: bool,
             routes: list[str]) -> list[dict]:
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     name, noise = method.removesuffix("-noise"), method.endswith("-noise")  # gali-noise: GALI with its noise on
     apply_method(model, name, MethodSettings(train_len=train_len, noise=noise), length + tokens)
     generator = torch.Generator().manual_seed(length)
@@ -112,7 +113,7 @@ def main() -> None:
     parser.add_argument("--train-len", type=int, default=8192)
     parser.add_argument("--lengths", default="8192")
     parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--methods", default=",".join([*sorted(METHODS), "gali-noise"]))
+    parser.add_argument("--methods", default=",".join([*sorted(NAMES), "gali-noise"]))
     parser.add_argument("--verify", action="store_true", help="hold every graph step to the forward")
     parser.add_argument("--routes", default=None, help="the step's attention: triton or native (a kernel rotating "
                         "keys as it reads them), torch (rotated first), native-float (native, the projections in "
@@ -123,9 +124,9 @@ def main() -> None:
     if unknown:  # a GPU session once measured the PyTorch route under the name "kernel", with only a warning
         parser.error(f"unknown routes {', '.join(sorted(unknown))}: use {', '.join(ROUTES)} or native-float")
     methods = args.methods.split(",")
-    unknown = {method.removesuffix("-noise") for method in methods} - set(METHODS)
+    unknown = {method.removesuffix("-noise") for method in methods} - set(NAMES)
     if unknown:  # before the model loads, not after the first methods ran
-        parser.error(f"unknown methods {', '.join(sorted(unknown))}: use {', '.join(METHODS)} (-noise: with noise)")
+        parser.error(f"unknown methods {', '.join(sorted(unknown))}: use {', '.join(NAMES)} (-noise: with noise)")
     model = build_model(args)
     kernel = model_route(model)
     routes = args.routes.split(",") if args.routes else sorted({"torch", kernel}, key=["torch", kernel].index)

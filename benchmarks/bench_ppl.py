@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings
-from gali_cli.methods import METHODS
+from gali_cli.methods.registry import NAMES
 from gali_cli.model.loading import demo_model_path
 from gali_cli.patching import apply_method, forward_ends, prefill_spans
 from gali_cli.perplexity import perplexities
@@ -79,7 +79,7 @@ def main() -> None:
     started = time.perf_counter()
 
     if args.experiment == "methods":
-        markdown, figures = table("method", list(METHODS), LENGTHS,
+        markdown, figures = table("method", list(NAMES), LENGTHS,
                                   lambda method, n: corpus_ppl(model, files, n, method, MethodSettings()))
     elif args.experiment == "chunk-window":
         configurations = [(chunk, window) for chunk in (16, 32, 64, 128) for window in (0, 4, 16, 64, 128, 192)]

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings
 from gali_cli.generate import decode, make_sampler, prefill
-from gali_cli.methods import METHODS
+from gali_cli.methods.registry import NAMES
 from gali_cli.model.loading import demo_model_path
 from gali_cli.patching import apply_method, prefill_spans
 
@@ -128,7 +128,7 @@ def evaluate(args: argparse.Namespace) -> None:
     lengths, depths = [256, 512, 1024, 2048, 4096], [0.0, 0.25, 0.5, 0.75, 1.0]
     started = time.perf_counter()
     results = {}
-    for method in METHODS:
+    for method in NAMES:
         for length in lengths:
             for depth in depths:
                 results[(method, length, depth)] = evaluate_one(model, texts, method, length, [depth],
@@ -138,12 +138,12 @@ def evaluate(args: argparse.Namespace) -> None:
     print(f"# python {' '.join(sys.argv)}\n")
     print("Retrieval accuracy by input length (mean over depths):\n")
     print("| method | " + " | ".join(map(str, lengths)) + " |\n" + "|---" * (len(lengths) + 1) + "|")
-    for method in METHODS:
+    for method in NAMES:
         cells = [sum(results[(method, n, d)] for d in depths) / len(depths) for n in lengths]
         print(f"| {method} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     print(f"\nAt {lengths[-1]} tokens, by depth of the key (0 = start, 1 = end):\n")
     print("| method | " + " | ".join(f"{d:.0%}" for d in depths) + " |\n" + "|---" * (len(depths) + 1) + "|")
-    for method in METHODS:
+    for method in NAMES:
         print(f"| {method} | " + " | ".join(f"{results[(method, lengths[-1], d)]:.2f}" for d in depths) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({f"{m}@{n}@{d}": v for (m, n, d), v in results.items()}, indent=1))

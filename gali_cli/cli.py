@@ -8,21 +8,17 @@ only once its options are parsed.
 """
 
 import dataclasses
-import functools
-import os
 import re
-import select
-import stat
 import sys
-from collections.abc import Callable
 from typing import Annotated
 
 import typer
 
-from . import display
+from . import plots
 from .config import MAX_INPUT_BYTES
-from .display import fail, say
-from .errors import ConfigError, GaliError, InputError, ModelLoadError, UnsupportedModelError
+from .display import fail
+from .errors import ConfigError
+from .exits import guarded, help_command, reader_gone, silence_stdout, stdout_file, usage_message
 from .options import (
     AllowPartial,
     CacheDir,
@@ -40,6 +36,8 @@ from .options import (
     Password,
     Seed,
     ServedPromptTokens,
+    ServeTemperature,
+    ServeTopP,
     System,
     Temperature,
     TopK,
@@ -47,44 +45,16 @@ from .options import (
     Verbose,
     with_model_options,
 )
-from .prechecks import check_batch, check_first, check_serving, read_first
 from .prompts import SUMMARIZE, ask_instruction
 from .runs import Answering, ModelChoice, Reading, Serving
+from .runs.prechecks import check_batch, check_first, check_serving, read_first
 
-EXIT_CODES = {ConfigError: 2, InputError: 3, ModelLoadError: 4, UnsupportedModelError: 4}
 app = typer.Typer(name="gali", cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown")  # help paragraphs reflow to the terminal's width
 
 
-def _guarded(command: Callable[..., None]) -> Callable[..., None]:
-    """`command` with gali's errors as one line on stderr and an exit code (GALI_DEBUG=1: tracebacks)."""
-
-    @functools.wraps(command)
-    def run(*args, **kwargs) -> None:
-        try:
-            command(*args, **kwargs)
-        except typer.Exit:
-            raise
-        except KeyboardInterrupt as interrupt:  # a run may say what was kept (batch mode: what is safe in --out)
-            say(f"interrupted: {interrupt}" if str(interrupt) else "interrupted")
-            raise typer.Exit(130) from None
-        except BrokenPipeError:  # the reader of stdout went away (e.g. | head): it has what it wanted
-            _silence_stdout()
-            raise typer.Exit(0) from None
-        except GaliError as error:
-            fail(str(error))
-            raise typer.Exit(next((code for kind, code in EXIT_CODES.items() if isinstance(error, kind)), 1)) from None
-        except Exception as error:
-            if os.environ.get("GALI_DEBUG"):
-                raise
-            fail(f"unexpected {type(error).__name__}: {error} (GALI_DEBUG=1 shows the traceback)")
-            raise typer.Exit(1) from None
-
-    return run
-
-
 @app.command(cls=Command)
-@_guarded
+@guarded
 @with_model_options
 def summarize(
     files: Files, out: Out = None, password: Password = None, allow_partial: AllowPartial = False,
@@ -112,7 +82,7 @@ def summarize(
 
 
 @app.command(cls=Command)
-@_guarded
+@guarded
 @with_model_options
 def ask(
     files: Files,
@@ -164,7 +134,7 @@ def _answer(files: list[str], out: str | None, command: str, instruction: str, q
 
 
 @app.command(cls=Command)
-@_guarded
+@guarded
 @with_model_options(many_methods=True)
 def ppl(
     files: Files, out: Out = None, password: Password = None, allow_partial: AllowPartial = False,
@@ -197,7 +167,7 @@ def ppl(
     if plot:
         if (out or len(files) > 1) and not wanted:
             raise ConfigError("--plot draws perplexity against length: with several documents it needs --lengths")
-        display.check_plotting(plot)
+        plots.check_plotting(plot)
     reading = Reading(password, max_input_size, max_prompt_tokens, allow_partial)
     if out or len(files) > 1:
         check_batch(files, out, choice)
@@ -235,7 +205,7 @@ def _parse_lengths(text: str | None, shortest: int = 2, why: str = "perplexity n
 
 
 @app.command(name="eval", cls=Command)
-@_guarded
+@guarded
 @with_model_options(many_methods=True)
 def eval_(
     tasks: Annotated[list[str], typer.Argument(metavar="TASKS", show_default=False,
@@ -295,7 +265,7 @@ def eval_(
     if json_output and csv:
         raise ConfigError("--json and --csv both print on stdout: choose one")
     if plot:
-        display.check_plotting(plot)
+        plots.check_plotting(plot)
     names = check_tasks(tasks)
     if truncation not in TRUNCATIONS:
         raise ConfigError(f"--truncation must be one of {', '.join(TRUNCATIONS)}; got {truncation!r}")
@@ -312,7 +282,7 @@ def eval_(
 
 
 @app.command(cls=Command)
-@_guarded
+@guarded
 @with_model_options
 def chat(
     file: File, password: Password = None, allow_partial: AllowPartial = False,
@@ -350,7 +320,7 @@ def _web_origin(value: str) -> str:
 
 
 @app.command(cls=Command)
-@_guarded
+@guarded
 @with_model_options
 def serve(
     host: Annotated[str, typer.Option(metavar="HOST", help="Address to listen on; 0.0.0.0 opens the server to the "
@@ -363,9 +333,7 @@ def serve(
                                                                         "the --model value).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Longest answer when a request sets no "
                                                                          "max_tokens.")] = 1024,
-    temperature: Annotated[float, typer.Option(min=0.0, max=2.0, metavar="X", help="When a request sets none; 0 "
-                                                                                   "is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, metavar="X", help="When a request sets none.")] = 1.0,
+    temperature: ServeTemperature = 0.0, top_p: ServeTopP = 1.0,
     queue_size: Annotated[int, typer.Option(min=1, metavar="N", help="Requests that may wait for the model; past "
                                                                      "them, 429 with Retry-After.")] = 16,
     max_request_mib: Annotated[int, typer.Option(min=1, metavar="N", help="Largest request body, in MiB (413 "
@@ -408,7 +376,7 @@ app.add_typer(cache_app)
 
 
 @cache_app.command("list", cls=Command)
-@_guarded
+@guarded
 def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> None:
     """List cached documents, then the model cache's entries, most recently used first.
 
@@ -420,7 +388,7 @@ def cache_list(cache_dir: CacheDir = None, json_output: JsonOutput = False) -> N
 
 
 @cache_app.command("clear", cls=Command)
-@_guarded
+@guarded
 def cache_clear(cache_dir: CacheDir = None, models: Annotated[bool, typer.Option(
         "--models", metavar="",
         help="Delete the model cache's entries instead (a GGUF's next load reads its tokenizer again).")] = False,
@@ -435,7 +403,7 @@ def cache_clear(cache_dir: CacheDir = None, models: Annotated[bool, typer.Option
 
 
 @cache_app.command("prune", cls=Command)
-@_guarded
+@guarded
 def cache_prune() -> None:
     """Delete the model cache's entries this installation cannot use: written by another transformers release or an
     older gali (whole float copies), or from a GGUF gone or changed. (Unused 30 days, they go at the next build.)
@@ -448,7 +416,7 @@ def cache_prune() -> None:
 
 
 @app.command(cls=Command)
-@_guarded
+@guarded
 @with_model_options(many_methods=True)
 def info(
     json_output: JsonOutput = False,
@@ -484,70 +452,15 @@ def _options(
     """Read documents longer than a Llama's training window, with Greedy Attention Logit Interpolation (GALI)."""
 
 
-def _usage_message(error: typer.TyperException) -> str:
-    """Click's message, but for `gali ask FILE` with no question: Click fills QUESTION first (from the end) and
-    then says DOCS is missing, blaming the argument that was given."""
-    parameter, context = getattr(error, "param", None), getattr(error, "ctx", None)
-    names = [param.name for param in context.command.params] if context else []
-    missing = type(error).__name__ == "MissingParameter"  # Click's, or the copy of it newer Typers carry
-    if missing and parameter is not None and parameter.name == "files" and "question" in names:
-        return "missing DOCS or QUESTION: the documents come first, then the question, e.g. gali ask notes.txt " \
-               '"What is due on Friday?"'
-    return error.format_message()
-
-
-def _help_command(error: typer.TyperException) -> str:
-    """`gali ask --help` for an error in `gali ask`'s arguments; `gali --help` where no command was found."""
-    context, words = getattr(error, "ctx", None), []
-    while context is not None and context.parent is not None:  # the root's name is the program's, whatever ran it
-        words.insert(0, context.info_name)
-        context = context.parent
-    return " ".join(["gali", *words, "--help"])
-
-
-def _stdout_file() -> os.stat_result | None:
-    """What stdout is (None: no real file, as under tests' captured output)."""
-    try:
-        return os.fstat(sys.stdout.fileno())
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _reader_gone(before: os.stat_result | None) -> bool:
-    """Whether stdout, `before` the command ran, was a pipe whose reader has since closed it (`gali ... | head` once
-    head has its lines): Linux's poll reports an error on such a pipe's writing end, and Rich, meeting the closed
-    pipe first, points stdout at /dev/null."""
-    if before is None or not stat.S_ISFIFO(before.st_mode):
-        return False
-    now = _stdout_file()
-    if now is not None and stat.S_ISCHR(now.st_mode) and now.st_rdev == os.stat(os.devnull).st_rdev:
-        return True
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so that the interpreter's last flush does not report the closed pipe again (as
-    Python's docs on SIGPIPE advise)."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (AttributeError, OSError, ValueError):
-        pass
-
-
 def main(args: list[str] | None = None) -> int:
     """The `gali` executable: like `app()`, but usage errors too are one line on stderr, and a reader of stdout
     that stops early (`| head`) ends it quietly with exit 0, as for other Unix tools."""
-    stdout = _stdout_file()
+    stdout = stdout_file()
     try:
         code = app(args=args, standalone_mode=False)
         sys.stdout.flush()  # now, so that a closed pipe is seen here and not in the interpreter's last flush
     except typer.TyperException as error:  # a usage error: unknown option, bad value, missing argument
-        fail(f"{_usage_message(error)} (see {_help_command(error)})")
+        fail(f"{usage_message(error)} (see {help_command(error)})")
         return error.exit_code
     except typer.Abort:
         return 1
@@ -558,7 +471,7 @@ def main(args: list[str] | None = None) -> int:
             raise
         code = 1
     code = code if isinstance(code, int) else 0
-    if code in (0, 1) and _reader_gone(stdout):
-        _silence_stdout()
+    if code in (0, 1) and reader_gone(stdout):
+        silence_stdout()
         return 0
     return code

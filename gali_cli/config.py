@@ -124,29 +124,6 @@ def _check_int(flag: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{flag} must be >= {minimum}, got {value}")
 
 
-# The methods --method accepts, in the order gali lists them; gali_cli.methods implements each (tests/test_methods.py
-# keeps the two in step). Listed here so that a mistyped name is refused before torch loads.
-METHOD_NAMES = ("original", "ntk", "dynamic-ntk", "yarn", "self-extend", "chunk-llama", "rerope", "leaky-rerope", "dpe",
-                "gali", "string", "lampe", "self")
-# Those whose settings depend on the model's config before any input is seen (gali info shows them; they are checked
-# before a document is read); GALI's own are resolved without torch, in MethodSettings.gali().
-PREVIEWED_METHODS = ("rerope", "leaky-rerope", "dpe", "string", "lampe", "self")
-
-
-def parse_methods(text: str, many: bool = True) -> tuple[str, ...]:
-    """'gali, yarn' -> ('gali', 'yarn'); 'all' -> every method. Without `many` (a command that runs one method),
-    one name only. An unknown or missing name is a ConfigError that offers what the command takes."""
-    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    if not many and (len(names) > 1 or names == ("all",)):
-        raise ConfigError(f"--method takes one method here, got {text!r} (lists and 'all' are for gali ppl)")
-    methods = METHOD_NAMES if many and names == ("all",) else names
-    takes = f"one of {', '.join(METHOD_NAMES)}" + (", a comma list of them, or all" if many else "")
-    for name in methods or ("",):
-        if name not in METHOD_NAMES:
-            raise ConfigError(f"--method must be {takes}; got {name!r}")
-    return methods
-
-
 def parse_scales(text: str) -> tuple[int, ...] | str:
     """'2,8,2,8' -> (2, 8, 2, 8): DPE's scales, one per group of RoPE frequencies; text that is not such a list stays
     text, which MethodSettings refuses with the flag's message."""

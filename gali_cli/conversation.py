@@ -17,6 +17,7 @@ from .config import MethodSettings
 from .doc_cache import DocumentCache
 from .document_states import DocumentStates
 from .engine.seam.kv_cache import new_cache
+from .engine.seam.packed_modules import model_device
 from .generate import (
     Finished,
     Progress,
@@ -27,7 +28,7 @@ from .generate import (
     stream_generate,
     truncate_cache,
 )
-from .methods import METHODS
+from .methods.registry import REGISTRY
 from .model.loading import LoadedModel
 from .patching import apply_method, prefill_spans
 from .prompts import Prompt, ask_instruction, check_prompt_characters, check_prompt_length, conversation_ids, text_ids
@@ -82,7 +83,7 @@ class Conversation:
         """Take in the document before any question (`gali chat` reads, then prompts: the wait comes before asking,
         not after): its state from the document cache, else read now and stored. The first question then runs only
         its own tokens. A method that needs the whole input in one forward has nothing to read ahead."""
-        if self.questions or self.cache is not None or not METHODS[self.method].prefix_reusable:
+        if self.questions or self.cache is not None or not REGISTRY[self.method].prefix_reusable:
             return
         model = self.loaded.model
         prompt = self.prompt(ask_instruction("?"))  # the tokens before question_start are those of any question
@@ -97,8 +98,7 @@ class Conversation:
                 progress(self.document_tokens, self.document_tokens)
         else:
             self.cache = new_cache(model)
-            device = model.get_input_embeddings().weight.device
-            prefill(model, torch.tensor([document_ids], device=device), self.cache,
+            prefill(model, torch.tensor([document_ids], device=model_device(model)), self.cache,
                     prefill_spans(model, self.method, 0, self.document_tokens, [self.document_tokens]), progress)
             self.states.save(document_ids, [], self.resolved, self.cache, self.document_name)
         self.cached_ids = document_ids
@@ -122,10 +122,10 @@ class Conversation:
         ids = prompt.ids + prefix
         self.document_tokens = prompt.question_start
         resolved = apply_method(model, self.method, self.settings, len(ids))
-        reusable = METHODS[self.method].prefix_reusable and resolved == self.resolved
+        reusable = REGISTRY[self.method].prefix_reusable and resolved == self.resolved
         if self.cache is not None and not reusable:
             self.notice(f"reading the document again: {self.method}'s settings changed with the conversation's "
-                        f"length ({len(ids)} tokens)" if METHODS[self.method].prefix_reusable else
+                        f"length ({len(ids)} tokens)" if REGISTRY[self.method].prefix_reusable else
                         f"reading the document again: {self.method} needs the whole input in one forward")
         if not reusable or prompt.ids[: len(self.cached_ids)] != self.cached_ids:
             self.cache, self.cached_ids = None, []

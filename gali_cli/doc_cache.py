@@ -10,13 +10,15 @@ Entries are safetensors files (plain tensors, no pickled objects) named by a SHA
 on; they are written to a temporary file and renamed, so a crash or a full disk never leaves half an entry, and are
 checked on load (format version, key, token hash, shapes, dtype, and a CRC-32 of every tensor's bytes): a file that
 fails is ignored, deleted and rebuilt. Least recently used entries go first when the directory grows past its size
-limit, which counts what running writers are writing (each locks its own temporary folder: file_locks.py) and deletes
-what killed ones left.
+limit, which counts what running writers are writing and deletes what killed ones left.
 
-The cache owns only what it wrote. A file is an entry when its safetensors header says gali wrote it for the key its
-name carries (`_owned`), never because of its extension: users point `--cache-dir` at folders that hold models, and
-`clear`, eviction and a damaged-entry rebuild must never touch those. Anything else in the directory is left alone,
-and named once in a warning.
+The cache owns only what it proves it wrote (cache_ownership.py): users point `--cache-dir` at folders that hold
+models, and `clear`, eviction and a damaged-entry rebuild must never touch those. A file is an entry when its
+safetensors header carries the directory's random token and the key its name carries (`_owned`; entries written
+before the token carry gali's name and the key alone); a write's temporary folder is gali's when its marker carries
+the token, never because of its name or extension. Anything else in the directory is left alone, and named once in
+a warning. The one file a lookup replaces when it is damaged is the one at the path its key names: a SHA-256 of the
+document and its settings, which only gali computes.
 
 Why CRC-32: the checksum guards against damage (a disk, a copy, a stray write), not against someone who can write the
 cache directory (they could rewrite any digest stored beside the data). CRC-32 catches every burst of up to 32 bits
@@ -30,7 +32,6 @@ import json
 import os
 import shutil
 import stat
-import tempfile
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,30 +39,36 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache, PreTrainedModel
 
-from .config import expand_home, parse_size
+from .cache_ownership import (
+    TOKEN_FILE,
+    cache_token,
+    known_token,
+    leftovers,
+    user_cache_directory,
+    workspace,
+    workspaces,
+)
+from .config import parse_size
 from .engine.seam.kv_cache import new_cache
-from .file_locks import hold, left_behind
+from .engine.seam.packed_modules import module_device
 from .printable import encodable, some_names
 
 FORMAT = "2"  # 2: with checksums
 WRITER = "gali document cache"  # every entry's header says so (entries written before it carry their key alone)
 SUFFIX = ".safetensors"
-PARTIAL = ".partial-"  # a folder an entry is written in, before it is renamed into place
+KIND = "documents"  # this cache's name in the marker of the folders it writes in (cache_ownership.py)
 LEFTOVER = "(an unfinished write; the gali writing it was killed)"  # how a killed writer's folder is listed
 DEFAULT_LIMIT = 20 * 2**30
 
 
 def default_directory() -> Path:
     """$GALI_CACHE_DIR, else the platform's user cache directory (e.g. ~/.cache/gali/documents on Linux)."""
-    if os.environ.get("GALI_CACHE_DIR"):
-        return expand_home(os.environ["GALI_CACHE_DIR"], "GALI_CACHE_DIR")
-    return Path(platformdirs.user_cache_dir("gali")) / "documents"
+    return user_cache_directory("documents", "GALI_CACHE_DIR")
 
 
 def default_limit() -> int:
@@ -176,7 +183,7 @@ class DocumentCache:
             pass  # a read-only cache still serves
         cache = new_cache(model)
         for layer, attention in enumerate(layer.self_attn for layer in model.model.layers):
-            device = attention.k_proj.weight.device  # with device_map="auto", layers live on different GPUs
+            device = module_device(attention.k_proj)  # with device_map="auto", layers live on different GPUs
             cache.update(tensors[f"keys.{layer}"].to(device), tensors[f"values.{layer}"].to(device), layer)
         return cache
 
@@ -192,39 +199,31 @@ class DocumentCache:
             self.warn(f"not caching the document: its state takes {size / 2**30:.2f} GiB, more than the cache "
                       f"limit of {self.limit / 2**30:.2f} GiB (GALI_CACHE_LIMIT)")
             return
-        metadata = {"format": FORMAT, "writer": WRITER, "key": key, "tokens": str(tokens),
-                    "ids_sha256": _ids_digest(prefix_ids),
-                    "crc32": json.dumps(checksums(tensors)),
-                    **{name: encodable(value) for name, value in description.items()}}  # a name not UTF-8
-        temporary, lock = None, None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            metadata = {"format": FORMAT, "writer": WRITER, "owner": cache_token(self.directory), "key": key,
+                        "tokens": str(tokens), "ids_sha256": _ids_digest(prefix_ids),
+                        "crc32": json.dumps(checksums(tensors)),
+                        **{name: encodable(value) for name, value in description.items()}}  # a name not UTF-8
             self._evict(keep=self.limit - size)
             # written in a folder of its own, which this process locks (safetensors replaces the file it writes,
-            # so a lock on the file itself would not last): no other gali takes it for a killed writer's leftover
-            temporary = Path(tempfile.mkdtemp(dir=self.directory, prefix=PARTIAL))
-            lock = hold(temporary)
-            written = temporary / f"{key}{SUFFIX}"
-            save_file(tensors, written, metadata)
-            with open(written, "rb") as file:
-                os.fsync(file.fileno())
-            os.replace(written, self.path(key))
+            # so a lock on the file itself would not last) and marks as gali's: no other gali takes it for a
+            # killed writer's leftover, and after kill -9 the next one deletes it, whatever safetensors left in it
+            with workspace(self.directory, KIND) as temporary:
+                written = temporary / f"{key}{SUFFIX}"
+                save_file(tensors, written, metadata)
+                with open(written, "rb") as file:
+                    os.fsync(file.fileno())
+                os.replace(written, self.path(key))
             _fsync_directory(self.directory)
         except (OSError, SafetensorError) as error:
             self.warn(f"could not write the document cache in {self.directory}: {error}")
-        finally:  # also on Ctrl-C: never leave half a file (after kill -9, the next gali deletes it)
-            if temporary:
-                shutil.rmtree(temporary, ignore_errors=True)
-            if lock is not None:
-                os.close(lock)
 
     def entries(self) -> list[Entry]:
         """Every entry, most recently used first, and what a killed gali left of a write (LEFTOVER); a file gali did
         not write is no entry (it is named in one warning: `foreign`)."""
         found = []
-        for path in self._partials():
-            if not left_behind(path):
-                continue  # a running gali's
+        for path in leftovers(self.directory, KIND):
             try:
                 stat = path.stat()
             except OSError:
@@ -252,9 +251,9 @@ class DocumentCache:
                 names = [Path(entry.path) for entry in found]
         except OSError:
             return []
-        ours = {path for path, _ in self._owned_files()} | set(self._partials())
-        return sorted((path for path in names if path not in ours and not _partial_name(path.name)),
-                      key=lambda path: (-_size(path), path.name))
+        ours = ({path for path, _ in self._owned_files()} | set(workspaces(self.directory, KIND))
+                | {self.directory / TOKEN_FILE})
+        return sorted((path for path in names if path not in ours), key=lambda path: (-_size(path), path.name))
 
     def warn_about_foreign_files(self) -> None:
         """One warning naming the files in the directory that are not the cache's; looked for once per DocumentCache
@@ -302,23 +301,12 @@ class DocumentCache:
             return []
 
     def _owned_files(self) -> Iterable[tuple[Path, dict[str, str]]]:
-        """The entries gali wrote, with their metadata: named by their key, and saying so in their header."""
+        """The entries gali wrote, with their metadata: their header carries the cache's token and their key."""
+        token = known_token(self.directory)
         for path in self._files():
-            metadata = _owned(path)
+            metadata = _owned(path, token)
             if metadata is not None:
                 yield path, metadata
-
-    def _partials(self) -> list[Path]:
-        """Writes under way or left unfinished: the folders gali makes to write an entry in (named PARTIAL..., and
-        holding nothing but what an entry's write puts there), and the files earlier releases wrote instead."""
-        try:
-            with os.scandir(self.directory) as found:
-                candidates = [entry for entry in found if _partial_name(entry.name)]
-        except OSError:
-            return []
-        return [Path(entry.path) for entry in candidates
-                if (entry.is_dir(follow_symlinks=False) and _only_entry_files(Path(entry.path)))
-                or (entry.is_file(follow_symlinks=False) and entry.name.endswith(SUFFIX))]
 
     def _evict(self, keep: int) -> None:
         """Delete what killed writers left, then least recently used entries until the others, with what running
@@ -331,7 +319,7 @@ class DocumentCache:
                     _remove(entry.path)
             else:
                 entries.append(entry)
-        total = sum(_size(path) for path in self._partials()) + sum(entry.size for entry in entries)
+        total = sum(_size(path) for path in workspaces(self.directory, KIND)) + sum(entry.size for entry in entries)
         for entry in reversed(entries):
             if total <= keep:
                 break
@@ -339,32 +327,21 @@ class DocumentCache:
             total -= entry.size
 
 
-def _owned(path: Path) -> dict[str, str] | None:
-    """The metadata of the entry at `path` when gali wrote it (its header names the key its file is named by, and
-    gali as its writer, or, in entries written before the writer was recorded, the format and the token digest);
-    None for anything else, or a header that cannot be read."""
+def _owned(path: Path, token: str | None) -> dict[str, str] | None:
+    """The metadata of the entry at `path` when gali wrote it: its header names the key its file is named by (a
+    SHA-256), and carries the cache's `token`, or, in entries written before the token was recorded, gali as its
+    writer (or the format and the token digest). None for anything else, or a header that cannot be read."""
     try:
         metadata = _metadata(path)
     except (OSError, SafetensorError, ValueError, TypeError, AttributeError):
         return None
     if not isinstance(metadata, dict) or metadata.get("key") != path.name.removesuffix(SUFFIX):
         return None
+    if "owner" in metadata:
+        return metadata if token is not None and metadata["owner"] == token else None
     if metadata.get("writer") == WRITER or ("format" in metadata and "ids_sha256" in metadata):
         return metadata
     return None
-
-
-def _partial_name(name: str) -> bool:
-    return name.startswith(PARTIAL)
-
-
-def _only_entry_files(folder: Path) -> bool:
-    """Whether `folder` holds nothing but files named like an entry (what a write in progress puts there)."""
-    try:
-        with os.scandir(folder) as found:
-            return all(entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False) for entry in found)
-    except OSError:
-        return False
 
 
 def _size(path: Path) -> int:

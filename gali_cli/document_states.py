@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from . import __version__
 from .doc_cache import DocumentCache, entry_key
-from .methods import METHODS
+from .methods.registry import REGISTRY
 from .model.loading import LoadedModel
 from .patching import forward_ends
 
@@ -35,7 +35,7 @@ class DocumentStates:
 
     def __init__(self, loaded: LoadedModel, method: str, store: DocumentCache | None) -> None:
         self.loaded, self.method = loaded, method
-        self.store = store if store is not None and METHODS[method].prefix_reusable else None
+        self.store = store if store is not None and REGISTRY[method].prefix_reusable else None
 
     def key(self, ids: list[int], cuts: list[int], resolved: dict) -> str:
         """The document cache's name for the state of `ids`, prefilled with forwards that ended at `cuts` (and

@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .engine.seam import with_cache
 from .engine.seam.kv_cache import new_cache, reserve
+from .engine.seam.packed_modules import model_device
 from .engine.seam.static_decode import static_decoder
 from .errors import ConfigError
 from .repetition import RepetitionGuard
@@ -179,7 +180,7 @@ def decode(
     the tokens after the first are made. `last_token`: the token whose logits `logits` are, the cache's last (the
     prompt's): the static step is held to them, and no forward is spent checking it; without it, the static step's
     first step is held to a forward of its own."""
-    device, given = model.get_input_embeddings().weight.device, with_cache(model, cache)
+    device, given = model_device(model), with_cache(model, cache)
     static = static_decoder(model, cache)  # the static step where it pays, a CUDA graph on a GPU (static_decode.py)
     path = path if path is not None else DecodePath()
 
@@ -239,7 +240,7 @@ def stream_generate(
     the document's state there: an answer stopped by Ctrl-C does not lose the read); its time counts in neither
     rate.
     """
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     ids = torch.tensor([prompt_ids], device=device)
     reset_peak_memory(device)
     started = time.perf_counter()

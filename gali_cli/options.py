@@ -15,8 +15,9 @@ from typing import Annotated
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
-from .config import MAX_INPUT_BYTES, METHOD_NAMES, MethodSettings, format_size, parse_size
+from .config import MAX_INPUT_BYTES, MethodSettings, format_size, parse_size
 from .errors import ConfigError
+from .methods.registry import DEFAULT, NAMES
 from .runs import ModelChoice
 from .threads import check_threads
 
@@ -49,9 +50,9 @@ def _model_option(*declarations: str, help: str, **kwargs) -> typer.Option:
 
 def _method_option(many: bool) -> typer.Option:
     if many:
-        return _model_option(metavar="NAMES", help=f"One of {', '.join(METHOD_NAMES)}; or a comma list of them, or "
+        return _model_option(metavar="NAMES", help=f"One of {', '.join(NAMES)}; or a comma list of them, or "
                                                    "all, to compare them.")
-    return _model_option(metavar="NAME", help=f"One of {', '.join(METHOD_NAMES)}.")
+    return _model_option(metavar="NAME", help=f"One of {', '.join(NAMES)}.")
 
 
 def _metavar(kind: object) -> str:
@@ -90,7 +91,7 @@ def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
          Device.auto),
         ("dtype", Annotated[DType, _model_option(metavar="auto|bfloat16|float16|float32", help=_DTYPE_HELP)],
          DType.auto),
-        ("method", Annotated[str, _method_option(many_methods)], "gali"),
+        ("method", Annotated[str, _method_option(many_methods)], DEFAULT),
         ("threads", Annotated[int | None, _model_option(min=1, envvar="GALI_THREADS", show_default=False, metavar="N",
                                                         callback=_threads,
                                                         help="CPU threads (default: torch's, the physical cores; -v "
@@ -220,6 +221,11 @@ Temperature = Annotated[float, typer.Option(min=0.0, max=2.0, callback=_finite, 
 TopP = Annotated[float, typer.Option(min=0.0, max=1.0, callback=_finite, metavar="X",
                                      help="Nucleus sampling; 0 is greedy.")]
 TopK = Annotated[int, typer.Option(min=0, metavar="N", help="0 keeps every token.")]
+# `gali serve`'s defaults for requests that set none: the same bounds and checks as the commands' own
+ServeTemperature = Annotated[float, typer.Option(min=0.0, max=2.0, callback=_finite, metavar="X",
+                                                 help="When a request sets none; 0 is greedy.")]
+ServeTopP = Annotated[float, typer.Option(min=0.0, max=1.0, callback=_finite, metavar="X",
+                                          help="When a request sets none.")]
 Seed = Annotated[int, typer.Option(min=0, metavar="N", help="Seed of sampling (with --temperature above 0); GALI's "
                                                             "noise has its own, --noise-seed.")]
 System = Annotated[str | None, typer.Option(metavar="TEXT", help="A system prompt.")]

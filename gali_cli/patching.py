@@ -1,5 +1,5 @@
 """Putting a method into a loaded model and taking it out: the one module between the methods' registry
-(methods/__init__.py) and the seam with transformers (engine/seam/hooks.py).
+(methods/registry.py) and the seam with transformers (engine/seam/hooks.py).
 
 A method patches a loaded model in place; `apply_method` first removes whatever was applied before, so one loaded
 model can run them all in turn. Each method also says where a forward may be cut without changing the results, and
@@ -17,8 +17,9 @@ from .config import GaliConfig, MethodSettings
 from .engine.seam.hooks import install, installed_method, llama_model, uninstall
 from .errors import GaliError
 from .generate import forward_spans
-from .methods import get_method, train_len_of
 from .methods.gali import Gali
+from .methods.registry import REGISTRY, get_method
+from .methods.resolving import train_len_of
 from .methods.rope_scaling import rescale, restore
 from .model.families import default_train_len
 
@@ -47,18 +48,15 @@ def remove_method(model: PreTrainedModel) -> None:
 def prefill_spans(model: PreTrainedModel, name: str, start: int, stop: int, cuts: Iterable[int] = (),
                   step: int | None = None) -> list[tuple[int, int]]:
     """The forwards a prefill of tokens [start, stop) runs with method `name` as applied to `model`: about `step`
-    tokens each (default: 8 GALI chunks, at least 256 tokens; 8 * train_len / 8 for other methods), ending only
-    where the method allows, and at each of `cuts` (unless the method needs the whole input in one forward). GALI
-    keeps the plan for its forwards.
+    tokens each (default: the method's own `step`, e.g. 8 GALI chunks, else the model's window; at least 256),
+    ending only where the method allows, and at each of `cuts` (unless the method needs the whole input in one
+    forward). A method with a `plan` (GALI) keeps it for its forwards.
     """
     method, installed = get_method(name), installed_method(model)
-    cuts = sorted({cut for cut in cuts if start < cut < stop}) if method.prefix_reusable else []
-    gali = installed if isinstance(installed, Gali) else None
-    if gali is not None:  # planned once, here: the forwards take their chunks from this plan
-        ends = gali.keep_plan(start, stop, cuts)
-    else:
-        ends = method.boundaries(installed, start, stop, cuts) if method.boundaries else None
-    step = step or max(256, 8 * (gali.config.chunk_size if gali else model.config.max_position_embeddings // 8))
+    cuts = sorted({cut for cut in cuts if start < cut < stop}) if REGISTRY[name].prefix_reusable else []
+    planned = method.plan or method.boundaries  # planned once, here: GALI's forwards take their chunks from it
+    ends = planned(installed, start, stop, cuts) if planned else None
+    step = step or max(256, method.step(installed) if method.step else 8 * (model.config.max_position_embeddings // 8))
     spans, ends = [], None if ends is None else sorted(ends)
     for first, last in zip([start, *cuts], [*cuts, stop]):  # the ends within each stretch by bisection: many cuts
         spans += forward_spans(first, last, step,  # (a prompt of many messages) stay linear

@@ -21,6 +21,7 @@ from .engine.checks import reference_model as ref
 from .engine.checks.self_check import Check
 from .engine.seam.kv_cache import new_cache
 from .generate import decode, prefill
+from .methods.registry import DEFAULT, UNPATCHED, all_methods
 from .model.families import FAMILIES
 from .patching import apply_method, prefill_spans, remove_method
 
@@ -108,43 +109,20 @@ class SeamCase:
     decoded: int = DECODED
 
 
-CASES = (
-    SeamCase("original", "original", MethodSettings(), lambda model, s: ref.NaiveRoPE(model)),
-    SeamCase("gali", "gali", MethodSettings(chunk_size=4, local_window=2),
-             lambda model, s: ref.NaiveGali(model, s["train_len"], s["chunk_size"], s["local_window"])),
-    SeamCase("gali with noise", "gali", MethodSettings(chunk_size=4, local_window=2, noise=True, noise_seed=3),
-             lambda model, s: ref.NaiveGali(model, s["train_len"], s["chunk_size"], s["local_window"],
-                                            noise=(3, 1.0))),
-    SeamCase("self-extend", "self-extend", MethodSettings(group_size=4, neighbor_window=4),
-             lambda model, s: ref.NaiveSelfExtend(model, s["group_size"], s["neighbor_window"])),
-    SeamCase("chunk-llama", "chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4),
-             lambda model, s: ref.NaiveDualChunk(model, s["dca_chunk_size"], s["local_window"], s["train_len"])),
-    SeamCase("rerope", "rerope", MethodSettings(neighbor_window=4),
-             lambda model, s: ref.NaiveReRoPE(model, s["neighbor_window"], None, s["train_len"])),
-    SeamCase("leaky-rerope", "leaky-rerope", MethodSettings(neighbor_window=4, leaky_factor=8.0),
-             lambda model, s: ref.NaiveReRoPE(model, s["neighbor_window"], s["leaky_factor"], s["train_len"])),
-    SeamCase("dpe", "dpe", MethodSettings(neighbor_window=2, dpe_scales=(2, 4)),
-             lambda model, s: ref.NaiveDPE(model, s["dpe_scales"], s["neighbor_window"])),
-    SeamCase("string", "string", MethodSettings(shifted_offset=5, local_window=2),
-             lambda model, s: ref.NaiveString(model, s["shifted_offset"], s["local_window"])),
-    SeamCase("lampe", "lampe", MethodSettings(neighbor_window=4, lampe_tail=2, lampe_length=6),
-             lambda model, s: ref.NaiveLaMPE(model, s["neighbor_window"], s["lampe_tail"], s["lampe_length"],
-                                             s["tokens"])),
-    SeamCase("self", "self", MethodSettings(group_size=6, neighbor_window=4, self_rate=0.5),
-             lambda model, s: ref.NaiveSELF(model, s["group_size"], s["self_rate"], s["neighbor_window"])),
-    # Static NTK and YaRN change only the rotary's frequencies (and scaling): plain RoPE with the patched rotary.
-    SeamCase("ntk", "ntk", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
-    SeamCase("yarn", "yarn", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model)),
-    # Dynamic NTK picks its frequencies from each forward's length and the unpatched model caches keys rotated by
-    # the frequencies of their own forward: only its one-forward prefill has a plain restatement.
-    SeamCase("dynamic-ntk", "dynamic-ntk", MethodSettings(factor=3), lambda model, s: ref.NaiveRoPE(model),
-             decoded=0),
-)
+# Every method's examples, in the registry's order (each method's module declares its own).
+CASES = tuple(SeamCase(example.label, name, example.settings, example.reference, DECODED if example.decodes else 0)
+              for name, method in all_methods().items() for example in method.examples)
 
 
 # The other families' checks: the unpatched model and GALI, each through gali's prefill and decode (every method on
 # every family: tests/test_families.py).
-FAMILY_CASES = ("original", "gali")
+FAMILY_CASES = (UNPATCHED, DEFAULT)
+
+
+def family_cases(model_type: str) -> list[SeamCase]:
+    """The cases the seam check runs on a model of this family: every case on a Llama, FAMILY_CASES on the others
+    (what the tests count the checks by)."""
+    return list(CASES) if model_type == "llama" else [case for case in CASES if case.label in FAMILY_CASES]
 
 
 def seam_checks() -> Iterator[Check]:
@@ -152,7 +130,7 @@ def seam_checks() -> Iterator[Check]:
     ids = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     for family in FAMILIES:
         model = tiny_model(family.model_type, train_len=TRAIN_LEN)
-        cases = CASES if family.model_type == "llama" else [case for case in CASES if case.label in FAMILY_CASES]
+        cases = family_cases(family.model_type)
         try:
             for case in cases:
                 yield seam_check(model, ids, case, "" if family.model_type == "llama" else f"{family.name}, ")

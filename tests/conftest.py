@@ -2,6 +2,10 @@
 
 import json
 import os
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
 from pathlib import Path
 
 # Triton kernels run on the CPU through Triton's interpreter. It must be chosen before torch imports triton (triton
@@ -285,3 +289,57 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny Llama of `tiny_model_dir` as a GGUF file (Q8_0 projections), written with the gguf package."""
     pytest.importorskip("gguf")
     return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.Q8_0.gguf", tiny_model_dir)
+
+
+def cache_contents(directory: Path) -> list[Path]:
+    """What a cache directory holds besides its token file (cache_ownership.py), in name order."""
+    from gali_cli.cache_ownership import TOKEN_FILE
+
+    return sorted(path for path in directory.iterdir() if path.name != TOKEN_FILE)
+
+
+_KILLED_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from gali_cli.cache_ownership import workspace
+
+with workspace(Path(sys.argv[1]), sys.argv[2]) as folder:
+    (folder / ".tmpKILLED").write_bytes(bytes(int(sys.argv[3])))  # as safetensors names the file it writes
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def backdate(*paths: Path) -> None:
+    """As a minute later: a temporary is never judged in its first seconds (its writer may not hold its lock yet)."""
+    for path in paths:
+        os.utime(path, (time.time() - 60, time.time() - 60))
+
+
+def killed_workspace(directory: Path, kind: str, size: int) -> Path:
+    """The workspace of a `kind` cache's write in `directory` that kill -9 stopped with `size` bytes written."""
+    from gali_cli.cache_ownership import TOKEN_FILE
+
+    directory.mkdir(parents=True, exist_ok=True)
+    before = set(directory.iterdir())
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WRITE, str(directory), kind, str(size)],
+                            capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    (folder,) = set(directory.iterdir()) - before - {directory / TOKEN_FILE}
+    backdate(folder)
+    return folder
+
+
+@pytest.fixture
+def running_workspace():
+    """The workspace of a write that a running gali (here, this process) is making, `size` bytes so far."""
+    from gali_cli.cache_ownership import workspace
+
+    with ExitStack() as stack:
+        def writing(directory: Path, kind: str, size: int) -> Path:
+            directory.mkdir(parents=True, exist_ok=True)
+            folder = stack.enter_context(workspace(directory, kind))
+            (folder / "part").write_bytes(bytes(size))
+            backdate(folder)
+            return folder
+
+        yield writing

@@ -23,7 +23,10 @@ import gali_cli.conversation as conversation
 from gali_cli import display
 from gali_cli.display import short_path
 from gali_cli.errors import ConfigError, InputError
-from gali_cli.runs.batch_files import Rank, ResultsFile, corpus_perplexities, expand_documents, job_hash, run_batch
+from gali_cli.runs.batch_inputs import expand_documents
+from gali_cli.runs.batch_run import run_batch
+from gali_cli.runs.launcher import Rank
+from gali_cli.runs.results_file import ResultsFile, corpus_perplexities, job_hash
 
 TEXT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n"
 
@@ -112,9 +115,9 @@ def test_a_results_file_with_a_huge_line_is_read_within_bounds(tmp_path, monkeyp
     took 3.4 times its size), and skipped when the records are read."""
     import tracemalloc
 
-    from gali_cli.runs import batch_files
+    from gali_cli.runs import results_file
 
-    monkeypatch.setattr(batch_files, "_LONGEST_LINE", 2**20)
+    monkeypatch.setattr(results_file, "_LONGEST_LINE", 2**20)
     path = tmp_path / "out.jsonl"
     line = b'{"path": "a", "job": "j", "status": "ok", "pad": "' + b"x" * (20 * 2**20) + b'"}\n'
     path.write_bytes(line + b'{"path": "b", "job": "j", "status": "ok"}\n')

@@ -22,9 +22,12 @@ from typer.testing import CliRunner
 import gali_cli.cli as cli
 import gali_cli.conversation as conversation
 import gali_cli.runs.common as common
+from gali_cli import display
 from gali_cli.display import short_path
 from gali_cli.generate import Finished, TextPiece
-from gali_cli.methods import METHODS
+from gali_cli.methods.registry import NAMES
+from gali_cli.model.families import FAMILIES
+from gali_cli.seam_check import family_cases
 
 DOCUMENT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n" * 12
 
@@ -130,9 +133,10 @@ def test_top_p_0_is_greedy_and_a_temperature_past_2_is_refused(gali, doc, capsys
     assert top_p_0.stdout == greedy
     for option, value in [("--temperature", "inf"), ("--temperature", "1e308"), ("--temperature", "2.01"),
                           ("--temperature", "nan"), ("--top-p", "nan")]:
-        assert cli.main(["summarize", str(doc), "-m", "demo", option, value]) == 2, (option, value)
-        refused = capsys.readouterr().err
-        assert f"Invalid value for '{option}'" in refused and len(refused.strip().splitlines()) == 1
+        for command in (["summarize", str(doc)], ["serve", "--port", "0"]):  # the server's defaults alike
+            assert cli.main([*command, "-m", "demo", option, value]) == 2, (command, option, value)
+            refused = capsys.readouterr().err
+            assert f"Invalid value for '{option}'" in refused and len(refused.strip().splitlines()) == 1
 
 
 def test_sampling_seeds_share_a_document_state_and_noise_seeds_do_not(gali, doc, tmp_path):
@@ -155,7 +159,7 @@ def test_sampling_seeds_share_a_document_state_and_noise_seeds_do_not(gali, doc,
 
 
 def test_the_answer_stays_on_stdout_when_stderr_is_a_terminal(gali, doc, monkeypatch):
-    monkeypatch.setattr(cli.display, "err", Console(stderr=True, force_terminal=True, soft_wrap=True))
+    monkeypatch.setattr(display, "err", Console(stderr=True, force_terminal=True, soft_wrap=True))
     quiet = gali("summarize", str(doc), "--max-new-tokens", "6", "--json")
     streamed = gali("summarize", str(doc), "--max-new-tokens", "6")
     assert streamed.exit_code == 0 and streamed.stdout == json.loads(quiet.stdout)["answer"] + "\n"
@@ -183,7 +187,7 @@ def test_ppl(gali, doc):
 def test_every_method_side_by_side(gali, doc, tmp_path):
     lengths = ["--lengths", "8,32,128"]
     rows = json.loads(gali("ppl", str(doc), "--method", "all", *lengths, "--json").stdout)["results"]
-    assert [r["method"] for r in rows[::3]] == list(METHODS) and {r["length"] for r in rows} == {8, 32, 128}
+    assert [r["method"] for r in rows[::3]] == list(NAMES) and {r["length"] for r in rows} == {8, 32, 128}
     by_method = {(r["method"], r["length"]): r["ppl"] for r in rows}
     # Each is exact where it promises: GALI up to train_len (32), SelfExtend and ReRoPE within their neighbour window
     # (32 / 4), Dual Chunk Attention within one chunk (3/4 of 32). (Dynamic NTK rescales a whole forward from its
@@ -577,7 +581,7 @@ def test_cache_list_names_documents_by_absolute_path_and_never_cuts_them(gali, t
                                                              str(folder.resolve() / "other.txt")]
     piped = gali("cache", "list", env={**env, "COLUMNS": "40"}, model=False).stdout  # into a pipe: whole lines
     assert any(line.split()[0] == name for line in piped.splitlines() if line.strip())
-    monkeypatch.setattr(cli.display, "Console", lambda **kwargs: Console(**kwargs, force_terminal=True, width=40))
+    monkeypatch.setattr(display, "Console", lambda **kwargs: Console(**kwargs, force_terminal=True, width=40))
     narrow = gali("cache", "list", env=env, model=False).stdout  # a narrow terminal: an entry a paragraph
     assert "…" not in narrow and name in narrow.splitlines() and "other.txt" in narrow.splitlines()
 
@@ -731,7 +735,8 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
     assert "no GPU here: checking the CPU paths" in result.stderr and "self-check: 34 of 34 passed in " in result.stderr
     assert len(lines) == 34 and all(line.startswith("ok ") for line in lines)
-    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:22]) == 22  # the seam first
+    seam = sum(len(family_cases(family.model_type)) for family in FAMILIES)
+    assert sum(line.startswith("ok   transformers seam, ") for line in lines[:seam]) == seam  # the seam first
     assert any("native vs PyTorch: head dim 128, 4/4 heads, bfloat16, 320 keys" in line for line in lines)
     assert any(line.startswith("ok   GALI vs Alg. 3 as written: 300 keys") and "GALI " in line and " ms" in line
                for line in lines)
@@ -742,7 +747,7 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
     checks = facts["check"]["checks"]
     assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == 34
-    assert sum(item["seam"] for item in checks) == 22
+    assert sum(item["seam"] for item in checks) == seam
     assert all(item["ok"] and item["max_error"] <= item["tolerance"] and item["seconds"] for item in checks)
 
 
@@ -751,20 +756,20 @@ def test_a_check_keeps_to_the_width_and_its_figures_whole(monkeypatch, capsys):
     lines after its first indented, a figure never split from its name."""
     from types import SimpleNamespace
 
-    from gali_cli import display
+    from gali_cli import tables
 
     check = SimpleNamespace(ok=True, name="a decoding step's attention, native vs float64: head dim 64, 9/3 heads, "
                             "float32, 700 keys, noise on, keys rotated by a table per offset, mixed (GALI)",
                             error=1.5e-7, tolerance=1e-4, seconds={"native": 0.0119, "PyTorch": 0.092})
     monkeypatch.setenv("COLUMNS", "60")
-    display.print_check(check)
+    tables.print_check(check)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) > 2 and all(len(line) <= 60 for line in lines)
     assert lines[0].startswith("ok   a decoding step's") and all(line.startswith("     ") for line in lines[1:])
     joined = " ".join(line.strip() for line in lines)
     assert "max error 1.5e-07 (tolerance 0.0001); native 11.9 ms, PyTorch 92.0 ms" in joined
     monkeypatch.setenv("COLUMNS", "300")
-    display.print_check(check)
+    tables.print_check(check)
     assert len(capsys.readouterr().out.splitlines()) == 1
 
 
@@ -808,7 +813,8 @@ def test_info_check_fails_on_a_transformers_that_renamed_the_cache_again(gali, s
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     seam = [line for line in lines if "transformers seam" in line]
-    assert len(seam) == 22 and all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
+    assert len(seam) == sum(len(family_cases(family.model_type)) for family in FAMILIES)
+    assert all(line.startswith("FAIL") and "(SeamError: transformers " in line for line in seam)
     assert "takes its KV cache under none of the names gali knows (cache, past_key_values)" in seam[0]
     assert sum(line.startswith("ok   ") for line in lines) == 12  # the attention paths themselves hold
     assert result.stderr.strip().splitlines()[-1].startswith(
@@ -944,7 +950,7 @@ def test_the_default_prompt_bound_is_what_half_the_free_memory_holds(monkeypatch
 
 
 def test_wrapped_parts_keep_their_commas_within_the_width():
-    from gali_cli.display import _wrap_parts
+    from gali_cli.tables import _wrap_parts
 
     parts = ", ".join(["a" * 20, "b" * 33, "c" * 10, "last used 2026-11-28 10:55"])
     for width in range(40, 70):

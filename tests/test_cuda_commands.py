@@ -14,7 +14,7 @@ from conftest import save_tiny_llama
 from typer.testing import CliRunner
 
 from gali_cli import cli
-from gali_cli.methods import METHODS
+from gali_cli.methods.registry import NAMES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -68,7 +68,7 @@ def test_every_methods_perplexity_equals_the_cpus_in_float32(on_gpu, wide_model_
     cpu = on_gpu(wide_model_dir, LONG, *args)
     assert gpu.exit_code == cpu.exit_code == 0, gpu.stderr + cpu.stderr
     rows = [(json.loads(run.stdout)["results"]) for run in (gpu, cpu)]
-    assert [r["method"] for r in rows[0]] == [r["method"] for r in rows[1]] and len(rows[0]) == 3 * len(METHODS)
+    assert [r["method"] for r in rows[0]] == [r["method"] for r in rows[1]] and len(rows[0]) == 3 * len(NAMES)
     for on_cuda, on_cpu in zip(*rows):
         assert on_cuda["ppl"] == pytest.approx(on_cpu["ppl"], rel=2e-4), on_cuda["method"]
 

@@ -2,19 +2,18 @@
 names that are not UTF-8 never lose what the user had, never leak disk space, and are never "unexpected"."""
 
 import errno
-import fcntl
 import io
 import json
 import os
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import pytest
 import test_hostile_inputs
 import torch
+from conftest import backdate, killed_workspace
 from timing import scaled
 
 import gali_cli.doc_cache as doc_cache
@@ -27,7 +26,8 @@ from gali_cli.errors import GaliError, InputError
 from gali_cli.file_locks import left_behind
 from gali_cli.model.companions import GgufCompanions
 from gali_cli.model.gguf import GgufFile
-from gali_cli.runs.batch_files import Rank, ResultsFile
+from gali_cli.runs.launcher import Rank
+from gali_cli.runs.results_file import ResultsFile
 
 DOCUMENT = test_hostile_inputs.DOCUMENT
 run, doc = test_hostile_inputs.run, test_hostile_inputs.doc  # fixtures: a `gali` run in-process, a document
@@ -191,8 +191,8 @@ KILLED_WRITER = """
 import os, signal, sys, types, torch
 import gali_cli.doc_cache as doc_cache
 
-def killed(tensors, filename, metadata):  # kill -9 once a MiB of the state is on disk
-    with open(filename, "wb") as file:
+def killed(tensors, filename, metadata):  # kill -9 once a MiB of the state is on disk, as safetensors writes it
+    with open(os.path.join(os.path.dirname(filename), ".tmpWRITING"), "wb") as file:
         file.write(bytes(2**20))
         file.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -204,50 +204,43 @@ doc_cache.DocumentCache(doc_cache.Path(sys.argv[1]), 2**30, print).save("k", [1,
 """
 
 
-def backdate(*paths: Path) -> None:
-    """As a minute later: a temporary is never judged in its first seconds (its writer may not hold its lock yet)."""
-    for path in paths:
-        os.utime(path, (time.time() - 60, time.time() - 60))
+def not_gali_s(directory: Path) -> list[Path]:
+    """What a user may keep in a cache's folder, named as gali names its temporaries: a folder holding only
+    safetensors files, a file named like an earlier release's temporary, and an empty folder just made."""
+    directory.mkdir(parents=True, exist_ok=True)
+    folder = directory / ".partial-mine"
+    folder.mkdir()
+    (folder / "weights.safetensors").write_bytes(b"mine")
+    (directory / ".partial-notes.safetensors").write_bytes(b"mine")
+    (directory / ".partial-empty-but-fresh").mkdir()
+    backdate(folder, directory / ".partial-notes.safetensors")
+    return [folder, folder / "weights.safetensors", directory / ".partial-notes.safetensors",
+            directory / ".partial-empty-but-fresh"]
 
 
-@pytest.fixture
-def live_writer(tmp_path):
-    """A temporary folder that a running gali is writing in: it holds the lock (here, on a descriptor of this
-    process's own)."""
-    held = []
-
-    def writing(path: Path, size: int) -> Path:
-        path.mkdir(parents=True)
-        (path / "entry.safetensors").write_bytes(bytes(size))
-        held.append(os.open(path, os.O_RDONLY))
-        fcntl.flock(held[-1], fcntl.LOCK_EX)
-        backdate(path)
-        return path
-
-    yield writing
-    for descriptor in held:
-        os.close(descriptor)
-
-
-def test_a_killed_cache_writers_leftover_is_listed_and_cleared_a_live_ones_is_not(run, tmp_path, live_writer):
+def test_a_killed_cache_writers_leftover_is_listed_and_cleared_a_live_ones_is_not(run, tmp_path,
+                                                                                   running_workspace):
     states = tmp_path / "states"
     killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(states)], timeout=scaled(300),
                             capture_output=True)
     assert killed.returncode == -9, killed.stderr
     leftover, = (path for path in states.iterdir() if path.name.startswith(".partial-"))
-    live = live_writer(states / ".partial-live", 5000)
+    assert {path.name for path in leftover.iterdir()} == {".tmpWRITING", ".gali-writer"}  # not an entry's name
+    live = running_workspace(states, "documents", 5000)
+    mine = not_gali_s(states)
     backdate(leftover)
     listing = run("cache", "list", "--cache-dir", str(states), "--json")
     assert listing.exit_code == 0, listing.stderr
     listed, = json.loads(listing.stdout)["entries"]
-    assert listed["path"] == str(leftover) and listed["bytes"] == 2**20
+    assert listed["path"] == str(leftover) and 2**20 <= listed["bytes"] < 2**20 + 100
     assert "unfinished" in listed["document"]
     cleared = run("cache", "clear", "--cache-dir", str(states))
     assert cleared.exit_code == 0 and "Removed 1 cached document state (1.0 MiB)" in cleared.stderr, cleared.stderr
-    assert not leftover.exists() and live.exists()
+    assert ".partial-mine" in cleared.stderr and "which gali did not write" in cleared.stderr
+    assert not leftover.exists() and live.exists() and all(path.exists() for path in mine)
 
 
-def test_the_size_limit_counts_a_live_writers_temporary_and_drops_a_killed_ones(tmp_path, live_writer):
+def test_the_size_limit_counts_a_live_writers_temporary_and_drops_a_killed_ones(tmp_path, running_workspace):
     layer = types.SimpleNamespace(keys=torch.zeros(1, 1, 64, 8), values=torch.zeros(1, 1, 64, 8))
     state, ids = types.SimpleNamespace(layers=[layer]), list(range(64))
     tensors = 2 * layer.keys.numel() * layer.keys.element_size()
@@ -256,32 +249,55 @@ def test_the_size_limit_counts_a_live_writers_temporary_and_drops_a_killed_ones(
     entry = probe.path("probe").stat().st_size
     store = DocumentCache(tmp_path / "states", int(1.5 * entry) + tensors, print)
     store.save("old", ids, state, {})
-    leftover = tmp_path / "states" / ".partial-killed.safetensors"  # as earlier releases wrote them: a file
-    leftover.write_bytes(bytes(10 * entry))
-    backdate(leftover)
-    live = live_writer(tmp_path / "states" / ".partial-live", entry)
+    leftover = killed_workspace(tmp_path / "states", "documents", 10 * entry)
+    live = running_workspace(tmp_path / "states", "documents", entry)
+    mine = not_gali_s(tmp_path / "states")
     store.save("new", ids, state, {})  # the old entry and the live temporary would pass the limit: the old one goes
-    assert not leftover.exists() and live.exists()
+    assert not leftover.exists() and live.exists() and all(path.exists() for path in mine)
     assert [found.path for found in store.entries()] == [store.path("new")]
+
+
+def test_another_caches_workspace_is_not_the_document_caches(tmp_path):
+    """Two caches in one folder (GALI_CACHE_DIR and GALI_MODEL_CACHE alike): each deletes only its own leftovers."""
+    states = tmp_path / "states"
+    models = killed_workspace(states, "models", 100)
+    documents = killed_workspace(states, "documents", 100)
+    cleared = DocumentCache(states, 2**30, print).clear()
+    assert [path for path, _ in cleared.removed] == [documents] and models.exists()
 
 
 @pytest.mark.parametrize("command", ["clear", "prune"])
 def test_a_killed_builds_leftover_is_listed_and_removed_a_live_ones_is_not(command, run, tmp_path,
-                                                                                  live_writer, monkeypatch):
+                                                                                  running_workspace, monkeypatch):
     models = tmp_path / "models"
     monkeypatch.setenv("GALI_MODEL_CACHE", str(models))
-    leftover = models / ".partial-killed"
-    leftover.mkdir(parents=True)
-    (leftover / "model.safetensors").write_bytes(bytes(2**20))  # what a kill -9 mid-build leaves
-    backdate(leftover)
-    live = live_writer(models / ".partial-live", 0)
+    leftover = killed_workspace(models, "models", 2**20)  # what a kill -9 mid-build leaves
+    live = running_workspace(models, "models", 0)
+    mine = not_gali_s(models)
     listing = run("cache", "list", "--json")
     listed, = json.loads(listing.stdout)["models"]
-    assert listed["path"] == str(leftover) and listed["bytes"] == 2**20 and not listed["usable"]
+    assert listed["path"] == str(leftover) and 2**20 <= listed["bytes"] < 2**20 + 100 and not listed["usable"]
     assert "unfinished" in listed["unusable_because"]
     removed = run("cache", command, *(["--models"] if command == "clear" else []))
     assert removed.exit_code == 0 and "Removed 1 model cache entry (1.0 MiB)" in removed.stderr, removed.stderr
-    assert not leftover.exists() and live.exists()
+    assert not leftover.exists() and live.exists() and all(path.exists() for path in mine)
+
+
+def lookalike_entries(models: Path) -> None:
+    """Folders a user may keep in a model cache's folder that look like gali's entries: one named exactly as gali
+    names one, one holding a file named like its manifest (garbage, and a whole format-2 manifest that names
+    another folder), one named like a build."""
+    named = models / "notes-0123456789abcdef.tokenizer.transformers-5.24.0"
+    manifests = {"garbage": "not json", "copied": json.dumps({
+        "format": "2", "key": "0" * 64, "dtype": "tokenizer", "transformers": "5.24.0",
+        "gguf": {"path": "/elsewhere/notes.gguf", "size": 1, "mtime_ns": 1}, "files": {"config.json": {
+            "size": 2, "crc32": 0}}})}
+    for folder in (named, models / "manifest-garbage", models / "manifest-copied", models / ".partial-build"):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    for kind, text in manifests.items():
+        (models / f"manifest-{kind}" / "gali-gguf.json").write_text(text)
+    backdate(models / ".partial-build")
 
 
 @pytest.mark.parametrize("command", ["clear", "prune"])
@@ -297,8 +313,11 @@ def test_a_folder_of_models_used_as_the_model_cache_loses_nothing(command, run, 
     lookalike.mkdir()
     (lookalike / "model.safetensors").write_bytes(b"mine")
     (models / "llama.gguf").write_bytes(b"GGUF")
+    lookalike_entries(models)
     before = sorted(str(path.relative_to(models)) for path in models.rglob("*"))
     monkeypatch.setenv("GALI_MODEL_CACHE", str(models))
+    listing = run("cache", "list", "--json")
+    assert listing.exit_code == 0 and json.loads(listing.stdout)["models"] == [], listing.stdout
     removed = run("cache", command, *(["--models"] if command == "clear" else []))
     assert removed.exit_code == 0 and "Removed 0 model cache entries" in removed.stderr, removed.stderr
     assert "which gali did not write" in removed.stderr and "demo" in removed.stderr

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cache_contents
 from transformers import DynamicCache
 
 import gali_cli.doc_cache as doc_cache
@@ -201,7 +202,7 @@ def test_a_failed_write_leaves_no_file(loaded, store, monkeypatch):
 
     monkeypatch.setattr(doc_cache, "save_file", disk_full)
     store.save(entry_key({}, ids), ids, cache, {})
-    assert list(store.directory.iterdir()) == [] and "No space left on device" in store.warnings[0]
+    assert cache_contents(store.directory) == [] and "No space left on device" in store.warnings[0]
 
 
 def test_least_recently_used_entries_go_first(loaded, tmp_path):
@@ -261,7 +262,7 @@ def test_odd_files_in_the_directory_are_left_alone_never_fatal(loaded, store):
     (store.directory / "folder.safetensors").mkdir()
     (store.directory / ".partial-notgalis").mkdir()  # a folder named like a write, holding what a write never does
     (store.directory / ".partial-notgalis" / "notes.txt").write_text("mine")
-    odd = sorted(path.name for path in store.directory.iterdir())
+    odd = sorted(path.name for path in cache_contents(store.directory))
     assert store.entries() == []
     ids, cache = filled_cache(loaded, 6)
     store.save(entry_key({}, ids), ids, cache, {"document": "[notes] draft.txt"})  # eviction reads them all
@@ -270,7 +271,7 @@ def test_odd_files_in_the_directory_are_left_alone_never_fatal(loaded, store):
     assert "bad-tokens.safetensors" in warning and "left alone" in warning
     remaining = store.entries()
     assert len(remaining) == 1 and store.clear().removed_bytes == remaining[0].size
-    assert store.entries() == [] and sorted(path.name for path in store.directory.iterdir()) == odd
+    assert store.entries() == [] and sorted(path.name for path in cache_contents(store.directory)) == odd
     assert len(store.warnings) == 1  # named once
 
 
@@ -282,7 +283,7 @@ def test_a_folder_of_model_weights_used_as_the_cache_loses_nothing(loaded, tmp_p
 
     folder = tmp_path / "demo"
     shutil.copytree(demo_model_path(), folder)
-    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    before = {path.name: path.read_bytes() for path in cache_contents(folder)}
     warnings = []
     ids, cache = filled_cache(loaded, 6)
     DocumentCache(tmp_path / "probe", 2**30, print).save("probe", ids, cache, {})
@@ -294,7 +295,7 @@ def test_a_folder_of_model_weights_used_as_the_cache_loses_nothing(loaded, tmp_p
     assert any("model.safetensors" in warning for warning in warnings)
     cleared = store.clear()
     assert len(cleared.removed) == 1 and cleared.kept == ()
-    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    assert {path.name: path.read_bytes() for path in cache_contents(folder)} == before
 
 
 def test_clear_says_what_it_could_not_remove(loaded, store, monkeypatch):
@@ -333,7 +334,7 @@ def test_an_interrupted_write_leaves_no_file(loaded, store, monkeypatch):
     monkeypatch.setattr(doc_cache, "save_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         store.save(entry_key({}, ids), ids, cache, {})
-    assert list(store.directory.iterdir()) == []
+    assert cache_contents(store.directory) == []
 
 
 @pytest.mark.parametrize("stop_at", [None, 1, 3])  # in the second turn's prefill; after its 2nd / 4th answer piece

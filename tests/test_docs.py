@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import typer
 
-from gali_cli.cli import EXIT_CODES, _parse_lengths, app
+from gali_cli.cli import _parse_lengths, app
 from gali_cli.config import MethodSettings
 from gali_cli.errors import ConfigError
+from gali_cli.exits import EXIT_CODES
 from gali_cli.runs import ModelChoice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +35,15 @@ def _cli_reference():
 def test_cli_reference_is_current():
     assert (ROOT / "docs" / "cli.md").read_text() == _cli_reference().render(), (
         "run: python docs/cli_reference.py > docs/cli.md")
+
+
+def test_the_methods_table_is_the_registrys():
+    """docs/methods.md's summary table is generated from methods/registry.py, so a new method cannot miss it."""
+    from gali_cli.methods.registry import summary_table
+
+    text = (ROOT / "docs" / "methods.md").read_text()
+    table = text.split("<!-- methods:begin", 1)[1].split("-->\n", 1)[1].split("<!-- methods:end -->", 1)[0]
+    assert table == summary_table(), "run: python -m gali_cli.methods.registry, and paste it between the markers"
 
 
 def test_the_cli_reference_lists_every_exit_code():

@@ -241,7 +241,7 @@ def test_longbench_stands_for_the_papers_sixteen_datasets():
 
 
 def test_the_papers_scores_are_shown_beside_ours_for_its_model():
-    from gali_cli.display import eval_table
+    from gali_cli.tables import eval_table
 
     rows = [{"task": "longbench/trec", "length": 16384, "method": "gali", "score": 70.0, "samples": 5,
              "seconds_per_sample": 1.0},
@@ -256,8 +256,8 @@ def test_the_papers_scores_are_shown_beside_ours_for_its_model():
 
 
 def test_original_under_a_lowered_train_len_is_named_with_its_own_window():
-    from gali_cli.display import eval_table
     from gali_cli.runs.common import with_windows
+    from gali_cli.tables import eval_table
 
     rows = [{"task": "vt", "length": 16384, "method": method, "score": 50.0, "samples": 1, "seconds_per_sample": 1.0}
             for method in ("gali", "original")]

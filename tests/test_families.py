@@ -312,9 +312,10 @@ def test_gemma3s_restatement_misses_none_of_its_parts():
 
 @pytest.mark.parametrize("method", ["original", "self-extend", "chunk-llama", "rerope", "dpe", "string"])
 def test_gemma3_decodes_eagerly_as_one_forward_over_everything_computes(method):
-    """40 tokens prefilled in forwards of 12, then 6 fed one forward each (the eager decoding step: the static one
-    is declared unavailable, with its reason), against the logits of one forward over all 46. (GALI's positions
-    depend on where its chunks end, so its decoding is held to its restatement instead, above.)"""
+    """40 tokens prefilled in forwards of 12, then 6 fed one forward each (the eager decoding step,
+    GALI_DECODE=eager's; tests/test_static_decode.py holds the static one to it), against the logits of one forward
+    over all 46. (GALI's positions depend on where its chunks end, so its decoding is held to its restatement
+    instead, above.)"""
     model = tiny_model("gemma3_text", train_len=16)
     ids = torch.randint(0, VOCAB, (1, 46), generator=torch.Generator().manual_seed(8))
     with torch.inference_mode():
@@ -325,7 +326,7 @@ def test_gemma3_decodes_eagerly_as_one_forward_over_everything_computes(method):
                               for a, b in spans])[40:]
         cache = new_cache(model)
         prefill(model, ids[:, :40], cache, prefill_spans(model, method, 0, 40, step=12))
-        assert why_not_static(model, cache) == family_of(model.config).no_static_step
+        assert why_not_static(model, cache) is None
         given = with_cache(model, cache)
         got = torch.cat([model(ids[:, index : index + 1], **given, use_cache=True).logits[0]
                          for index in range(40, 46)])
@@ -371,7 +372,7 @@ def test_gemma3s_config_shows_its_global_rope_and_the_window_it_was_trained_at(t
     facts = read_model_config(_config_dir(tmp_path, model_type="gemma3_text", **config)).facts()
     assert facts["family"] == "Gemma 3" and facts["train_len"] == train_len and facts["rope"] == rope
     assert facts["methods"] == "yes"
-    assert facts["static_step"] == f"no: {family_of({'model_type': 'gemma3_text'}).no_static_step}"
+    assert "static_step" not in facts  # it decodes through the static step (tests/test_static_decode.py)
 
 
 def test_a_hostile_gemma3_rope_per_kind_is_refused(tmp_path):

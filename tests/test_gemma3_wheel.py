@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import cache_contents, killed_workspace
 
 from gali_cli.cli import main
 from gali_cli.errors import GaliWarning, ModelLoadError
@@ -90,7 +91,7 @@ def wheels(tmp_path, monkeypatch, content) -> dict[str, Path]:
 
 
 def joined_files(cache: Path) -> list[str]:
-    return sorted(path.name for path in cache.iterdir()) if cache.exists() else []
+    return sorted(path.name for path in cache_contents(cache)) if cache.exists() else []
 
 
 def test_the_parts_are_joined_once_and_verified(wheels, cache, content):
@@ -113,13 +114,24 @@ def test_a_checksum_mismatch_is_refused_and_the_file_removed(tmp_path, monkeypat
 
 
 def test_a_bad_joined_file_is_removed_even_when_the_parts_are_bad(tmp_path, monkeypatch, cache, content):
-    """A file left from an earlier release, say: it is not used, and it is not left behind."""
-    install(tmp_path / "site-packages", content, monkeypatch, digest="cd" * 32)
-    cache.mkdir()
-    (cache / GEMMA3_FILE).write_bytes(b"GGUF and something else")
+    """A file gali joined and verified, changed since: it is not used, and it is not left behind."""
+    install(tmp_path / "site-packages", content, monkeypatch)
+    path = gemma3_gguf()
+    install(tmp_path / "other-site-packages", content, monkeypatch, digest="cd" * 32)
+    path.write_bytes(b"GGUF and something else")
     with pytest.warns(GaliWarning, match="joining it again"), pytest.raises(ModelLoadError, match="is deleted"):
         gemma3_gguf()
     assert joined_files(cache) == []
+
+
+def test_a_file_gali_never_verified_is_refused_not_replaced(tmp_path, monkeypatch, cache, content):
+    """GALI_GGUF_CACHE pointed at a folder holding another file of the GGUF's name: it is the user's, not gali's."""
+    install(tmp_path / "site-packages", content, monkeypatch)
+    cache.mkdir()
+    (cache / GEMMA3_FILE).write_bytes(b"GGUF, a model of mine")
+    with pytest.raises(ModelLoadError, match="gali did not write it; it is left alone"):
+        gemma3_gguf()
+    assert (cache / GEMMA3_FILE).read_bytes() == b"GGUF, a model of mine"
 
 
 @pytest.mark.parametrize("package", GEMMA3_PACKAGES)
@@ -203,14 +215,14 @@ def test_an_unwritable_cache_is_one_line(wheels, tmp_path, monkeypatch):
         gemma3_gguf()
 
 
-def test_leftovers_of_a_killed_join_are_deleted(wheels, cache):
-    cache.mkdir()
-    old, fresh = cache / f".partial-{GEMMA3_FILE}-old", cache / f".partial-{GEMMA3_FILE}-running"
-    old.write_bytes(b"half")
-    fresh.write_bytes(b"half")
-    os.utime(old, (0, 0))
+def test_leftovers_of_a_killed_join_are_deleted(wheels, cache, running_workspace):
+    killed = killed_workspace(cache, "gguf", 100)
+    running = running_workspace(cache, "gguf", 100)  # another gali may be writing that one now
+    mine = cache / f".partial-{GEMMA3_FILE}-mine"  # named as an earlier release named its temporaries
+    mine.write_bytes(b"half")
+    os.utime(mine, (0, 0))
     gemma3_gguf()
-    assert not old.exists() and fresh.exists()  # another gali may be writing that one now
+    assert not killed.exists() and running.exists() and mine.exists()
 
 
 @pytest.mark.parametrize("typo", ["gemma3-270", "gemma-3-270m", "Gemma3-270M"])

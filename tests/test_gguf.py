@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from conftest import write_gguf
+from conftest import cache_contents, write_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gali_cli.cli import main
@@ -81,7 +81,7 @@ def test_the_second_load_reads_the_tokenizer_from_the_cache(tiny_gguf, fresh_cac
     notices = []
     first = load_model(str(tiny_gguf), device="cpu", notice=notices.append)
     assert len(notices) == 1 and "tokenizer once" in notices[0]
-    (entry,) = fresh_cache.iterdir()
+    (entry,) = cache_contents(fresh_cache)
     assert not list(entry.glob("*.safetensors"))  # no weights in the cache: they come from the GGUF itself
     assert sum(path.stat().st_size for path in entry.iterdir()) < tiny_gguf.stat().st_size
     second = load_model(str(tiny_gguf), device="cpu", notice=notices.append)
@@ -90,10 +90,26 @@ def test_the_second_load_reads_the_tokenizer_from_the_cache(tiny_gguf, fresh_cac
     assert load_config(str(tiny_gguf)).max_position_embeddings == 32
 
 
+def test_a_foreign_folder_where_an_entry_goes_is_refused_not_replaced(tiny_gguf, fresh_cache):
+    """A folder of the user's, named as gali names the entry: never replaced, and the load says what to do."""
+    load_model(str(tiny_gguf), device="cpu")
+    (entry,) = cache_contents(fresh_cache)
+    shutil.rmtree(entry)
+    entry.mkdir()
+    (entry / "config.json").write_text("{}")
+    (entry / "notes.txt").write_text("mine")
+    with pytest.raises(ModelLoadError, match=f"which gali did not write, where it keeps {tiny_gguf.name}'s tokenizer: "
+                                             "move it away, or choose another cache with GALI_MODEL_CACHE"):
+        load_model(str(tiny_gguf), device="cpu")
+    assert model_cache.GgufCompanions(fresh_cache).entries() == []
+    assert model_cache.GgufCompanions(fresh_cache).clear() == ([], [])
+    assert sorted(path.name for path in entry.iterdir()) == ["config.json", "notes.txt"]
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated tokenizer", "no manifest", "manifest of another file"])
 def test_a_damaged_entry_is_rebuilt(tiny_gguf, fresh_cache, damage):
     expected = load_model(str(tiny_gguf), device="cpu").model(IDS).logits
-    (entry,) = fresh_cache.iterdir()
+    (entry,) = cache_contents(fresh_cache)
     tokenizer = entry / "tokenizer.json"
     if damage == "flipped byte":
         data = bytearray(tokenizer.read_bytes())
@@ -120,10 +136,10 @@ def test_a_damaged_entry_is_rebuilt(tiny_gguf, fresh_cache, damage):
 def test_a_replaced_gguf_gets_a_new_entry_and_the_old_one_goes(tiny_gguf, tmp_path, fresh_cache):
     copy = shutil.copy(tiny_gguf, tmp_path / "model.gguf")
     load_model(str(copy), device="cpu")
-    (old,) = fresh_cache.iterdir()
+    (old,) = cache_contents(fresh_cache)
     Path(copy).touch()  # a new modification time: another file as far as gali knows
     load_model(str(copy), device="cpu")
-    (new,) = fresh_cache.iterdir()
+    (new,) = cache_contents(fresh_cache)
     assert new != old
 
 
@@ -132,7 +148,7 @@ def test_another_dtype_dequantizes_as_it_loads(tiny_gguf, fresh_cache):
     assert half.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert half.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert half.identity["dtype"] == "torch.bfloat16"
-    assert len(list(fresh_cache.iterdir())) == 1  # one entry whatever the dtype: the tokenizer's
+    assert len(cache_contents(fresh_cache)) == 1  # one entry whatever the dtype: the tokenizer's
 
 
 def _truncated(path: Path, good: Path) -> None:
@@ -293,7 +309,7 @@ def _as_if_written_by(entry: Path, release: str, days_ago: float) -> Path:
 def test_copies_another_release_wrote_are_listed_kept_a_while_then_pruned(tiny_gguf, tmp_path, fresh_cache):
     copy = shutil.copy(tiny_gguf, tmp_path / "model.gguf")
     load_model(str(copy), device="cpu")
-    (ours,) = fresh_cache.iterdir()
+    (ours,) = cache_contents(fresh_cache)
     recent = _as_if_written_by(ours, "5.0.0", days_ago=2)
     old = _as_if_written_by(ours, "4.99.0", days_ago=model_cache.UNUSED_DAYS + 1)
     cache = model_cache.GgufCompanions()
@@ -307,7 +323,7 @@ def test_copies_another_release_wrote_are_listed_kept_a_while_then_pruned(tiny_g
     assert ours.stat().st_mtime > used_before - 100  # a load marks the copy used
     other = shutil.copy(tiny_gguf, tmp_path / "other.gguf")
     load_model(str(other), device="cpu")  # a build, which prunes what is unused for 30 days
-    left = {path.name for path in fresh_cache.iterdir()}
+    left = {path.name for path in cache_contents(fresh_cache)}
     assert {ours.name, recent.name} < left and old.name not in left and len(left) == 3
     removed, kept = cache.prune()  # now: everything this installation cannot use
     assert [entry.path for entry in removed] == [recent] and kept == []
@@ -318,7 +334,7 @@ def test_copies_another_release_wrote_are_listed_kept_a_while_then_pruned(tiny_g
 
 def test_float_copies_an_older_gali_wrote_are_listed_and_pruned(tiny_gguf, tmp_path, fresh_cache, capsys):
     load_model(str(tiny_gguf), device="cpu")
-    (ours,) = fresh_cache.iterdir()
+    (ours,) = cache_contents(fresh_cache)
     older = fresh_cache / ours.name.replace(".tokenizer.", ".float32.")
     shutil.copytree(ours, older)
     manifest = json.loads((older / model_cache.MANIFEST).read_text())
@@ -330,13 +346,13 @@ def test_float_copies_an_older_gali_wrote_are_listed_and_pruned(tiny_gguf, tmp_p
     assert entries[older].dtype == "float32 copy" and entries[ours].usable
     assert main(["cache", "prune"]) == 0
     assert "Removed 1 model cache entry (" in capsys.readouterr().err
-    assert list(fresh_cache.iterdir()) == [ours]
+    assert cache_contents(fresh_cache) == [ours]
 
 
 def test_gali_cache_lists_prunes_and_clears_the_model_cache(tiny_gguf, tmp_path, fresh_cache, capsys):
     copy = shutil.copy(tiny_gguf, tmp_path / "model.gguf")
     load_model(str(copy), device="cpu")
-    (ours,) = fresh_cache.iterdir()
+    (ours,) = cache_contents(fresh_cache)
     _as_if_written_by(ours, "5.0.0", days_ago=1)
     states = ["--cache-dir", str(tmp_path / "states")]
 
@@ -352,9 +368,9 @@ def test_gali_cache_lists_prunes_and_clears_the_model_cache(tiny_gguf, tmp_path,
     assert [model["usable"] for model in facts["models"]] == [True, False]
     assert facts["models"][1]["unusable_because"] == "written by transformers 5.0.0"
     code, out, err = gali("cache", "prune")
-    assert code == 0 and err.startswith("Removed 1 model cache entry (") and list(fresh_cache.iterdir()) == [ours]
+    assert code == 0 and err.startswith("Removed 1 model cache entry (") and cache_contents(fresh_cache) == [ours]
     code, out, err = gali("cache", "clear", "--models")
-    assert code == 0 and err.startswith("Removed 1 model cache entry (") and list(fresh_cache.iterdir()) == []
+    assert code == 0 and err.startswith("Removed 1 model cache entry (") and cache_contents(fresh_cache) == []
 
 
 def test_a_model_cache_that_is_a_file_is_refused_before_loading(tiny_gguf, tmp_path, monkeypatch, dequantizations,

@@ -7,11 +7,12 @@ import pytest
 import torch
 from conftest import quantized_tensor, save_tiny_llama, write_gguf
 
-from gali_cli.engine.seam.packed_modules import PackedEmbedding, PackedLinear
+from gali_cli.engine.seam import packed_modules
+from gali_cli.engine.seam.packed_modules import PackedEmbedding, PackedLinear, model_device, model_dtype
 from gali_cli.engine.seam.projections import grid_projections
 from gali_cli.errors import ModelLoadError
-from gali_cli.model import gguf_blocks
-from gali_cli.model.gguf_weights import _unpermuted_rows
+from gali_cli.model import gguf_blocks, gguf_weights
+from gali_cli.model.gguf_weights import _grid_tensor, _unpermuted_rows, dense
 from gali_cli.model.loading import load_model
 
 gguf = pytest.importorskip("gguf")
@@ -42,6 +43,24 @@ def test_every_type_reads_as_the_gguf_package_dequantizes_it(quant):
     assert np.array_equal(read, expected)  # bit for bit
 
 
+@pytest.mark.parametrize("quant", GRID_NAMES)
+def test_every_unpacking_gives_the_gguf_packages_bits(quant, monkeypatch):
+    """The loader's dequantizing, the embedding's lookups and the tiles (native, and PyTorch's where the kernels
+    do not load) all compute base + step * code as the gguf package dequantizes: the same bits."""
+    array = np.random.default_rng(4).normal(0, 0.05, size=(40, 512)).astype(np.float32)
+    data, kind = quantized_tensor(array, quant, seed=6)
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(40, -1)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32))
+    arrays = gguf_blocks.read_grid(raw, int(kind), 512)
+    grid = _grid_tensor(arrays)
+    ids = torch.tensor([[3, 0, 39, 3, 17]])
+    assert torch.equal(dense(arrays), expected)
+    assert torch.equal(PackedEmbedding(grid)(ids)[0], expected[ids[0]])
+    assert torch.equal(packed_modules.unpack_into(grid, 5, 31), expected[5:31])
+    monkeypatch.setattr(packed_modules, "native_kernel", lambda: None)
+    assert torch.equal(packed_modules.unpack_into(grid, 5, 31), expected[5:31])
+
+
 def test_a_llamas_q_and_k_rows_are_put_back_as_transformers_does():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -66,6 +85,7 @@ def assert_same_logits(path, ids):
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
     assert isinstance(model.get_input_embeddings(), PackedEmbedding)
     assert all(p.dim() == 1 for p in model.parameters())  # norms and biases: no float matrix anywhere
+    assert (model_device(model), model_dtype(model)) == (torch.device("cpu"), torch.float32)
     with torch.inference_mode():
         ours, theirs = model(ids).logits, transformers_model(path)(ids).logits
         decoded = model(ids[:, :1]).logits  # a few rows: the grid product itself
@@ -113,6 +133,33 @@ def test_a_gguf_of_a_type_gali_does_not_read_is_one_line(tmp_path, capsys):
     bad.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match=r"holds tensors of type IQ4_NL, which gali does not read"):
         load_model(str(bad), device="cpu")
+
+
+def test_a_load_reads_through_one_file_handle_closed_at_its_end(tmp_path, monkeypatch):
+    """One open for the whole load, closed once it is done, and closed too when a tensor turns out damaged."""
+    from gali_cli.model.gguf import read_header
+
+    directory = save_tiny_llama(tmp_path / "model", hidden=256)
+    path = write_gguf(tmp_path / "tiny.gguf", directory, quant="Q4_0")
+    header = read_header(path)
+    norm = next(t for t in header.tensors if t.name == "output_norm.weight")  # float32
+    data = bytearray(path.read_bytes())
+    start = header.data_start + norm.offset
+    data[start:start + 4] = np.float32(np.nan).tobytes()
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(bytes(data))
+    opened = []
+
+    def tracked(*args, **kwargs):
+        opened.append(open(*args, **kwargs))  # noqa: SIM115 - the load closes it, as checked below
+        return opened[-1]
+
+    monkeypatch.setattr(gguf_weights, "open", tracked, raising=False)
+    load_model(str(path), device="cpu")
+    assert len(opened) == 1 and opened[0].closed
+    with pytest.raises(ModelLoadError, match=r"damaged: its tensor output_norm\.weight holds NaN"):
+        load_model(str(damaged), device="cpu")
+    assert len(opened) == 2 and opened[1].closed
 
 
 def test_quantize_is_refused_for_a_gguf(tiny_gguf):

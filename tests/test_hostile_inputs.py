@@ -140,8 +140,8 @@ HOSTILE_MODELS = {  # name: (config.json changes, files, what stderr says); each
                           "the model's chat template fails (UndefinedError"),
     "a sandbox violation": ({}, {"chat_template.jinja": "{{ ''.__class__.__mro__ }}"},
                             "the model's chat template breaks out of its sandbox"),
-    "a template that loops": ({}, {"chat_template.jinja": LOOPS}, ("the model's chat template is refused: it runs "
-                                                                    "more than 1,000,000 steps")),
+    # more than 1,000,000 steps, or (on a loaded machine, where those take longer) more than 5 s: either bound
+    "a template that loops": ({}, {"chat_template.jinja": LOOPS}, "the model's chat template is refused: it runs "),
     "a template that raises": ({}, {"chat_template.jinja": "{{ raise_exception('no system role') }}"},
                                "the model's chat template fails (TemplateError: no system role)"),
 }

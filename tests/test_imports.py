@@ -82,6 +82,60 @@ def test_the_package_has_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+# The layers, top first (docs/architecture.md shows the same order): a module imports its own layer and those below
+# it, never one above. Each entry names packages or modules under gali_cli; what no layer names is the base (config,
+# errors, compat, the caches' ownership, printable...), which every layer may read and which reads none of them.
+LAYERS = (
+    ("the front", ("cli", "options", "exits", "entry", "__main__")),
+    ("the runs", ("runs",)),
+    ("the output", ("display", "tables", "plots")),
+    ("the application", ("patching", "conversation", "document_states", "doc_cache", "generate", "perplexity",
+                         "prompts", "documents", "estimate", "server", "evaluation", "repetition", "seam_check")),
+    ("the methods", ("methods",)),
+    ("the engine's checks", ("engine.checks",)),
+    ("the engine's seam", ("engine.seam",)),
+    ("the contract", ("engine.contract",)),
+    ("the attention routes", ("engine.attention",)),
+    ("the kernels", ("engine.kernels",)),
+    ("the engine's math", ("engine.math", "engine")),
+    ("the model", ("model",)),
+)
+# Imports that still run up the order, each to go (issue 47): a GGUF's packed weights are the engine's modules,
+# built by model/ while loading moves up to the application; windowed.py's shared helpers move next to the methods.
+KNOWN_UPWARD = {
+    ("gali_cli.model.gguf_weights", "gali_cli.engine.seam.grid_weights"),
+    ("gali_cli.model.gguf_weights", "gali_cli.engine.seam.packed_modules"),
+    ("gali_cli.engine.attention.windowed", "gali_cli.engine.contract"),
+}
+
+
+def layer_of(name: str) -> int:
+    """The index of `name`'s layer in LAYERS (the base: len(LAYERS))."""
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(name == f"{PACKAGE}.{prefix}" or name.startswith(f"{PACKAGE}.{prefix}.") for prefix in prefixes):
+            return index
+    return len(LAYERS)
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    graph = import_graph()
+    upward = {(name, target) for name, targets in graph.items() for target in targets
+              if layer_of(target) < layer_of(name)}
+    new = sorted(upward - KNOWN_UPWARD)
+    assert not new, "imports up the layers: " + ", ".join(
+        f"{name} ({LAYERS[layer_of(name)][0] if layer_of(name) < len(LAYERS) else 'the base'}) -> {target} "
+        f"({LAYERS[layer_of(target)][0]})" for name, target in new)
+    assert not KNOWN_UPWARD - upward, f"gone, take them off KNOWN_UPWARD: {sorted(KNOWN_UPWARD - upward)}"
+    base = sorted(name for name in graph if layer_of(name) == len(LAYERS) and name != PACKAGE)
+    assert base, "the base holds the modules every layer reads"
+
+
+def test_the_architecture_page_lists_the_layers_in_this_order() -> None:
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    rows = [line.split("|")[1].strip() for line in page.splitlines() if line.startswith("| the ")]
+    assert rows == ["the front", "the runs", "the application", "the methods", "the engine", "the model"]
+
+
 @pytest.mark.parametrize("graph, expected", [
     ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
     ({"a": {"b"}, "b": {"c"}, "c": set()}, None),

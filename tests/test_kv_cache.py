@@ -9,7 +9,7 @@ from gali_cli.config import MethodSettings
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.seam.kv_cache import GrowingLayer, new_cache, reserve
 from gali_cli.generate import decode, prefill, truncate_cache
-from gali_cli.methods import METHODS
+from gali_cli.methods.registry import NAMES
 from gali_cli.patching import apply_method, prefill_spans
 
 
@@ -86,7 +86,7 @@ def test_under_autograd_it_appends_as_transformers_does():
     assert torch.equal(key.grad, torch.ones_like(key))
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(NAMES))
 def test_every_method_generates_the_same_with_it(make_llama, method):
     """Prefill in the method's forwards, then greedy decoding: logits equal to transformers' own DynamicCache."""
     torch.manual_seed(0)

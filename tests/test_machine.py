@@ -51,7 +51,8 @@ def test_device_and_dtype_choices():
 
 
 def test_environment_facts_agree_with_torch():
-    facts = environment_facts("auto", "auto")
+    facts = environment_facts("auto", "auto", lambda device, dtype: f"{device} {dtype}")
+    assert facts["noisy_attention"] == f"{facts['device']} {facts['dtype']}"
     assert facts["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert facts["torch"] == torch.__version__ and len(facts["cuda"]) == torch.cuda.device_count()
     assert facts["bitsandbytes"].startswith(("bitsandbytes ", "unavailable"))
@@ -87,8 +88,8 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
 
     monkeypatch.setenv("GALI_CPU_BF16", "1")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
-    assert environment_facts("cpu", "auto")["dtype"] == "bfloat16"
+    assert environment_facts("cpu", "auto", lambda *_: "")["dtype"] == "bfloat16"
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     monkeypatch.setenv("GALI_CPU_BF16", "0")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert environment_facts("cpu", "auto")["dtype"] == "float32"
+    assert environment_facts("cpu", "auto", lambda *_: "")["dtype"] == "float32"

@@ -8,7 +8,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import gali_cli.methods.gali as gali_module
 from gali_cli import ConfigError, GaliConfig
-from gali_cli.config import METHOD_NAMES, PREVIEWED_METHODS, MethodSettings, parse_methods
+from gali_cli.config import MethodSettings
 from gali_cli.engine.checks.reference_model import (
     NaiveDPE,
     NaiveDualChunk,
@@ -22,8 +22,9 @@ from gali_cli.engine.math.positions import chunk_plan
 from gali_cli.engine.seam import with_cache
 from gali_cli.engine.seam.hooks import installed_method
 from gali_cli.generate import truncate_cache
-from gali_cli.methods import METHODS, preview_method
 from gali_cli.methods.dpe import published_settings
+from gali_cli.methods.registry import NAMES, PREVIEWED, REGISTRY, all_methods, get_method, parse_methods
+from gali_cli.methods.resolving import preview_method
 from gali_cli.methods.rope_scaling import ntk_theta
 from gali_cli.methods.self_logistic import LogisticSelfExtend, grouped_positions, smallest_capacity, smallest_rate
 from gali_cli.methods.self_logistic import reach as self_reach
@@ -359,13 +360,13 @@ def test_one_model_runs_every_method_in_turn(make_llama):
     ids = prompt(50)
     unpatched = model(ids).logits
     outputs = {}
-    for name in METHODS:
+    for name in NAMES:
         apply_method(model, name, MethodSettings(), 50)
         outputs[name] = model(ids).logits
     remove_method(model)
     assert torch.equal(model(ids).logits, unpatched) and torch.equal(outputs["original"], unpatched)
-    changed = [name for name in METHODS if name != "original" and not torch.equal(outputs[name], unpatched)]
-    assert sorted(changed) == sorted(set(METHODS) - {"original"})
+    changed = [name for name in NAMES if name != "original" and not torch.equal(outputs[name], unpatched)]
+    assert sorted(changed) == sorted(set(NAMES) - {"original"})
     apply_method(model, "gali", MethodSettings(noise=False), 50)
     again = model(ids).logits
     apply_method(model, "gali", MethodSettings(noise=False), 50)
@@ -373,8 +374,8 @@ def test_one_model_runs_every_method_in_turn(make_llama):
 
 
 def test_dynamic_ntk_prefills_in_one_forward(make_llama):
-    assert METHODS["dynamic-ntk"].boundaries(None, 0, 100, []) == [100]
-    assert METHODS["self-extend"].boundaries is None and METHODS["yarn"].boundaries is None
+    assert get_method("dynamic-ntk").boundaries(None, 0, 100, []) == [100]
+    assert get_method("self-extend").boundaries is None and get_method("yarn").boundaries is None
     model = make_llama(train_len=16)
     apply_method(model, "gali", MethodSettings(chunk_size=5), 40)
     assert forward_ends(model, "gali", 0, 40) == [16, 21, 26, 31, 36, 40]
@@ -408,10 +409,18 @@ def test_gali_plans_a_prefill_once_and_its_forwards_take_their_chunks_from_the_p
 
 
 def test_the_command_line_knows_every_method_by_name():
-    """config.METHOD_NAMES lets the command line refuse a name before torch loads; it must list what METHODS has."""
-    assert tuple(METHODS) == METHOD_NAMES
-    assert tuple(name for name, method in METHODS.items() if method.previewable) == PREVIEWED_METHODS
-    assert parse_methods("all") == METHOD_NAMES and parse_methods(" yarn, gali,yarn ") == ("yarn", "gali")
+    """The registry names every method without importing one: the command line refuses a name before torch loads,
+    and each name leads to its module's Method of that name."""
+    import subprocess
+    import sys
+
+    light = subprocess.run([sys.executable, "-c", "import sys, gali_cli.options, gali_cli.methods.registry as r; "
+                            "r.parse_methods('all'); print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
+                           capture_output=True, text=True, check=True)
+    assert light.stdout.strip() == "[]"
+    assert {name: method.name for name, method in all_methods().items()} == {name: name for name in NAMES}
+    assert tuple(name for name in NAMES if REGISTRY[name].previewable) == PREVIEWED and "gali" not in PREVIEWED
+    assert parse_methods("all") == NAMES and parse_methods(" yarn, gali,yarn ") == ("yarn", "gali")
     for bad in ("magic", "gali,magic", ",", ""):
         with pytest.raises(ConfigError, match="--method must be one of"):
             parse_methods(bad)
@@ -631,7 +640,7 @@ def test_lampe_defaults_follow_train_len_and_the_authors_model(make_llama):
     model = make_llama(train_len=64)
     settings = apply_method(model, "lampe", MethodSettings(), 300)
     assert (settings["neighbor_window"], settings["lampe_tail"], settings["lampe_length"]) == (4, 2, 12)
-    assert not METHODS["lampe"].prefix_reusable  # its map follows the input's length
+    assert not REGISTRY["lampe"].prefix_reusable  # its map follows the input's length
     preview = preview_method(llama3_config("3"), "lampe", MethodSettings())
     assert (preview["neighbor_window"], preview["lampe_tail"], preview["lampe_length"]) == (512, 200, 1536)
     assert preview["lampe_published"] == "Meta-Llama-3-8B-Instruct"

@@ -47,7 +47,7 @@ def test_every_flagged_setting_is_an_option_that_reaches_the_settings(monkeypatc
 def test_the_command_line_answers_without_torch(tiny_model_dir, tiny_gguf, tmp_path):
     """--help, --version, gali info (a GGUF's and the default model's too), usage errors and a document that is not
     there answer before torch or transformers is imported (the runs that load a model import them; so does gali info
-    when it previews the settings of rerope, leaky-rerope or dpe: config.PREVIEWED_METHODS)."""
+    when it previews the settings of rerope, leaky-rerope or dpe: methods.registry.PREVIEWED)."""
     from gali_cli.model.config import smollm2_gguf
 
     script = ("import sys; from gali_cli.cli import main; "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gali_cli import display
+from gali_cli import display, plots
 
 pytest.importorskip("matplotlib")
 
@@ -18,7 +18,7 @@ def drawn(monkeypatch, rows: list[dict], window: int, saved: dict | None = None)
         (saved if saved is not None else {}).update(keywords)
 
     monkeypatch.setattr(Figure, "savefig", save)
-    display.plot_ppl(rows, "unused.png", "title", window)
+    plots.plot_ppl(rows, "unused.png", "title", window)
     figure, = figures
     figure.canvas.draw()
     return figure.axes[0]
@@ -51,7 +51,7 @@ def test_twelve_methods_each_have_their_own_colour_and_marker_and_the_axis_fits_
 
 
 def test_more_lines_than_colours_never_repeat_colour_marker_and_dashes_together():
-    styles = [display.line_style(index) for index in range(60)]
+    styles = [plots.line_style(index) for index in range(60)]
     assert len({(s["color"], s["marker"], s["linestyle"]) for s in styles}) == 60
     assert len({(s["color"], s["marker"]) for s in styles}) == 60
 
@@ -68,9 +68,9 @@ def test_infinite_and_huge_perplexities_are_clipped_and_said(monkeypatch):
 
 
 def test_the_title_names_the_model_and_the_window():
-    assert display.plot_title("Perplexity of book.txt", "demo", 1024, 8192) == (
+    assert plots.plot_title("Perplexity of book.txt", "demo", 1024, 8192) == (
         "Perplexity of book.txt\ndemo, --train-len 1k")
-    assert display.plot_title("Perplexity of book.txt", "demo", None, 8192).endswith("train_len 8k (the model's)")
+    assert plots.plot_title("Perplexity of book.txt", "demo", None, 8192).endswith("train_len 8k (the model's)")
 
 
 def test_axes_in_tokens_window_marked_legend_outside(monkeypatch):
@@ -99,5 +99,5 @@ def test_a_divergent_method_does_not_flatten_the_others(monkeypatch):
 
 
 def test_counts_as_people_write_them():
-    assert [display._count(n) for n in (512, 1024, 2048, 3000, 32768, 12345)] == [
+    assert [display.short_count(n) for n in (512, 1024, 2048, 3000, 32768, 12345)] == [
         "512", "1k", "2k", "3,000", "32k", "12,345"]

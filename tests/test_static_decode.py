@@ -5,18 +5,23 @@ import warnings
 
 import pytest
 import torch
+from conftest import save_tiny_llama, write_gguf
 
 from gali_cli.config import MethodSettings
 from gali_cli.engine.attention.dense import Partial, biased_partial
 from gali_cli.engine.seam import static_decode, with_cache
-from gali_cli.engine.seam.kv_cache import new_cache
+from gali_cli.engine.seam.kv_cache import new_cache, reserve
+from gali_cli.engine.seam.packed_modules import PackedLinear
 from gali_cli.engine.seam.static_decode import StaticDecoder, why_not_static
 from gali_cli.errors import ConfigError, GaliWarning
-from gali_cli.generate import DecodePath, decode, prefill
-from gali_cli.methods import METHODS
+from gali_cli.generate import DecodePath, decode, prefill, stream_generate
+from gali_cli.methods.registry import NAMES
+from gali_cli.model.families import GLOBAL, LOCAL
+from gali_cli.model.loading import load_model
 from gali_cli.patching import apply_method, prefill_spans
+from gali_cli.seam_check import tiny_model
 
-STATIC = [name for name in sorted(METHODS) if name != "dynamic-ntk"]
+STATIC = [name for name in sorted(NAMES) if name != "dynamic-ntk"]
 SETTINGS = {"gali-noise": MethodSettings(train_len=32, noise=True), "gali-window-0": MethodSettings(
     train_len=32, local_window=0, chunk_size=8), "leaky-rerope": MethodSettings(train_len=32, leaky_factor=4),
     "dpe": MethodSettings(train_len=32, dpe_scales=(1, 2, 4, 8))}
@@ -37,8 +42,6 @@ def read_prompt(make_llama, method: str, prompt: int, answer: int, dtype=torch.f
     apply_method(model, name, SETTINGS.get(method, MethodSettings(train_len=32)), prompt + answer)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt + answer))
     cache = new_cache(model)
-    from gali_cli.engine.seam.kv_cache import reserve
-
     reserve(cache, prompt + answer)
     logits = prefill(model, ids[:, :prompt], cache, prefill_spans(model, name, 0, prompt, step=24))
     return model, cache, ids[0].tolist(), logits
@@ -292,3 +295,126 @@ def test_a_method_whose_offsets_leave_its_reach_is_attended_in_pytorch(make_llam
             decoder.first_step(tokens[0], 40, lambda: model(input_ids=torch.tensor([[tokens[0]]]), **given,
                                                                use_cache=True).logits[0, -1].float())
         assert decoder.route == "torch" and decoder.checked
+
+
+# Gemma 3 (static_layers.py): three layers, local, global, local, the local ones on a window of 6 tokens and a RoPE
+# base of 100 (seam_check.tiny_model), its four norms a layer, q/k norms and query_pre_attn_scalar. From a 4-token
+# prompt, the window (6) and then the method's window (32) are crossed while decoding.
+WINDOW = 6
+NATIVE = {"heads": 4, "kv_heads": 2, "hidden": 64}  # heads of 16, which the native kernel attends
+
+
+def make_gemma(**sizes):
+    return tiny_model("gemma3_text", **{"sliding_window": WINDOW, **sizes})
+
+
+@pytest.mark.parametrize("method", [*STATIC, "gali-noise", "gali-window-0"])
+@pytest.mark.parametrize("sizes", [{}, NATIVE], ids=["torch", "native"])
+def test_gemma3s_every_step_equals_its_forward(method, sizes):
+    """Gemma 3's static step, the global layer placed by the method and the local ones at true positions over their
+    window, equals the eager forward at every index from 4 to 63: past the local window and past train_len, on the
+    PyTorch route and on the native kernel's."""
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(make_gemma, method, 4, 60, **sizes)
+        assert why_not_static(model, cache) is None
+        decoder = StaticDecoder(model, cache)
+        assert decoder.route == ("native" if sizes else "torch") and decoder.kinds == (LOCAL, GLOBAL, LOCAL)
+        worst = worst_step_difference(decoder, model, cache, tokens, 4)
+    assert worst < 2e-5, worst
+
+
+@pytest.mark.parametrize("method", ["original", "gali-noise", "self-extend"])
+@pytest.mark.parametrize("route", ["torch", "triton"])
+def test_gemma3s_windows_gathered_by_the_index_tensor_equal_the_forward(method, route):
+    """As a GPU takes the local window (gathered by the index tensor, no host read, for a CUDA graph), on the
+    PyTorch route and through the Triton kernel (its interpreter, on the CPU)."""
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(make_gemma, method, 4, 16 if route == "triton" else 40, **NATIVE)
+        decoder = StaticDecoder(model, cache, route=route)
+        decoder.gather_windows = True
+        worst = worst_step_difference(decoder, model, cache, tokens, 4)
+    assert worst < 2e-5, worst
+
+
+@pytest.mark.parametrize("shift", [-1, 1])
+@pytest.mark.parametrize("method", ["original", "gali"])
+@pytest.mark.parametrize("sizes", [{}, NATIVE], ids=["torch", "native"])
+def test_gemma3s_local_window_one_key_off_is_caught(method, sizes, shift):
+    """A window of W - 1 or W + 1 keys (j >= i - W, or j > i - W + 1) instead of transformers' i - W < j <= i is far
+    from the forward once the window is full: the tests above would see it."""
+    with torch.inference_mode():
+        model, cache, tokens = prefilled(make_gemma, method, 4, 12, **sizes)
+        decoder = StaticDecoder(model, cache)
+        decoder.window += shift
+        worst = worst_step_difference(decoder, model, cache, tokens, 4)
+    assert worst > 0.1, worst
+
+
+@pytest.mark.parametrize("method", ["original", "gali", "self-extend", "ntk"])
+@pytest.mark.parametrize("sizes", [{}, NATIVE], ids=["torch", "native"])
+def test_gemma3s_step_is_held_to_the_prefills_logits(method, sizes):
+    """`check` against the prefill's logits of a 40-token prompt (past both windows, cut at the method's chunks):
+    it agrees, puts the row it wrote back, and the steps after it equal the forward."""
+    with torch.inference_mode():
+        model, cache, ids, logits = read_prompt(make_gemma, method, 40, 20, **sizes)
+        rows = [[buffer[:, :, :40].clone() for buffer in layer.storage()] for layer in cache.layers]
+        decoder = StaticDecoder(model, cache)
+        assert decoder.check(ids[39], 39, logits) and decoder.difference < 1e-5, decoder.difference
+        for layer, before in zip(cache.layers, rows, strict=True):
+            assert all(torch.equal(buffer[:, :, :40], row) for buffer, row in zip(layer.storage(), before))
+        worst = worst_step_difference(decoder, model, cache, ids[40:], 40)
+    assert worst < 2e-5, worst
+
+
+@pytest.mark.parametrize("method", ["gali", "original"])
+def test_gemma3_generates_through_the_static_step(method, monkeypatch):
+    """`stream_generate` on Gemma 3 (GALI_DECODE auto, heads the native kernel takes) decodes its answer with the
+    static step, checked against the prefill, never falling back to eager decoding (no warning); the answer is eager
+    decoding's token for token, past the local window and the method's (unless the repetition guard ends both)."""
+    answers = {}
+    for choice in ("eager", "auto"):
+        monkeypatch.setenv("GALI_DECODE", choice)
+        torch.manual_seed(0)
+        model = make_gemma(train_len=32, **NATIVE)
+        apply_method(model, method, MethodSettings(train_len=32), 80)
+        prompt = torch.randint(0, model.config.vocab_size, (20,)).tolist()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            events = list(stream_generate(model, _Tokens(), prompt, lambda x: int(x.argmax()), 40, set(),
+                                          prefill_spans(model, method, 0, 20, step=8)))
+        answers[choice] = events[-1].decode_path, events[-1].answer_ids
+    assert answers["eager"][0] == "eager"
+    assert answers["auto"][0] == "static step, native attention"
+    assert answers["auto"][1] == answers["eager"][1] and len(answers["auto"][1]) > 24
+
+
+class _Tokens:
+    """A tokenizer that decodes ids as their numbers (stream_generate's detokenizer asks no more)."""
+
+    def decode(self, ids, **_) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q8_0"])
+def test_a_gemma3_gguf_decodes_through_the_static_step(quant, tmp_path):
+    """A Gemma 3 GGUF as llama.cpp writes one (six layers, every sixth global, heads of 256), loaded with its
+    projections as grids: the static step attends by the native kernel and multiplies through the grids, and equals
+    the forward past the window."""
+    pytest.importorskip("gguf")
+    sizes = {"hidden": 256, "head_dim": 256, "layers": 6, "query_pre_attn_scalar": 256, "sliding_window": WINDOW,
+             "layer_types": [LOCAL] * 5 + [GLOBAL],
+             "rope_parameters": {GLOBAL: {"rope_type": "default", "rope_theta": 10000.0},
+                                 LOCAL: {"rope_type": "default", "rope_theta": 10000.0}}}
+    directory = save_tiny_llama(tmp_path / "model", "gemma3_text", **sizes)
+    model = load_model(str(write_gguf(tmp_path / "tiny.gguf", directory, quant=quant)), device="cpu").model
+    assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
+    with torch.inference_mode():
+        apply_method(model, "gali", MethodSettings(train_len=16), 40)
+        ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+        cache = new_cache(model)
+        reserve(cache, 40)
+        prefill(model, ids[:, :8], cache, prefill_spans(model, "gali", 0, 8))
+        decoder = StaticDecoder(model, cache)
+        assert decoder.route == "native"
+        worst = worst_step_difference(decoder, model, cache, ids[0, 8:].tolist(), 8)
+    assert worst < 1e-4, worst

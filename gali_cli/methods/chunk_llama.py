@@ -11,11 +11,15 @@ while decoding the keys are kept rotated from token to token (engine/attention/k
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
+from ..config import MethodSettings
 from ..engine.attention.dense import causal_partial, merge_partials, partial_attention
+from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate
 from ..errors import ConfigError
+from .method import Method, SeamExample
 
 
 class DualChunkAttention(PositionalAttention):
@@ -102,3 +106,15 @@ class DualChunkAttention(PositionalAttention):
         within = torch.arange(forward.start, forward.stop, device=query.device) % size
         successive = torch.where(within < window, size + within, top)
         return tuple((table.cos[rows], table.sin[rows]) for rows in (within, successive, within.new_full((1,), top)))
+
+
+def _settings(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    size = settings.dca_chunk_size if settings.dca_chunk_size is not None else 3 * train_len // 4
+    window = settings.local_window if settings.local_window is not None else train_len - size
+    return {"train_len": train_len, "dca_chunk_size": size, "local_window": window}
+
+
+METHOD = Method("chunk-llama", _settings, lambda config, settings, s: DualChunkAttention(
+    s["dca_chunk_size"], s["local_window"], s["train_len"] - 1), examples=(SeamExample(
+        "chunk-llama", MethodSettings(dca_chunk_size=12, local_window=4),
+        lambda model, s: ref.NaiveDualChunk(model, s["dca_chunk_size"], s["local_window"], s["train_len"])),))

@@ -18,10 +18,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..config import MethodSettings
 from ..engine.attention.windowed import kept_far_keys, windowed_attend
+from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
+from .method import Method, SeamExample, head_dim, neighbor_window, smallest_group
 
 # Settings from the official repository's config/dpe_config.yaml (eight equal groups of Llama-3's 64 frequencies,
 # highest frequency first), chosen there by a needle sweep for each model.
@@ -125,3 +128,24 @@ class DPE(PositionalAttention):
             positions = positions + self.window - torch.div(self.window, scales, rounding_mode="floor")
         rotary = forward.installed.rotary
         return rotation(positions, rotary.inv_freq, rotary.attention_scaling, dtype)
+
+
+def _settings(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    # The authors' settings hold for the model's own window only.
+    published = published_settings(config) if train_len == config.max_position_embeddings else None
+    window = neighbor_window(settings, train_len, published[1] if published else train_len // 8)
+    if settings.dpe_scales or published:
+        scales = list(settings.dpe_scales or published[2])
+        check_scales(tuple(scales), head_dim(config))
+    elif tokens is None:
+        scales = "the smallest that reaches the input, in every group"
+    else:
+        scales = [smallest_group(window, train_len, tokens)] * default_groups(head_dim(config))
+    return {"train_len": train_len, "neighbor_window": window, "dpe_scales": scales,
+            "dpe_published": published[0] if published and not settings.dpe_scales else None}
+
+
+METHOD = Method("dpe", _settings, lambda config, settings, s: DPE(
+    tuple(s["dpe_scales"]), s["neighbor_window"], s["train_len"], head_dim(config)), examples=(SeamExample(
+        "dpe", MethodSettings(neighbor_window=2, dpe_scales=(2, 4)),
+        lambda model, s: ref.NaiveDPE(model, s["dpe_scales"], s["neighbor_window"])),))

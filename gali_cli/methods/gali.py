@@ -1,16 +1,23 @@
 """GALI (paper §3, Algorithms 1-3) as a position-remapping attention (its public apply / remove functions are in
 gali_cli/patching.py, which installs it)."""
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
-from ..config import GaliConfig
+from ..config import GaliConfig, MethodSettings
 from ..engine.attention.decode import DecodeStep, decode_attention, decode_step
 from ..engine.attention.gali_attention import chunk_contexts, gali_attention, noisy
+from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.noise import Noise
 from ..engine.math.positions import chunk_plan, key_positions
 from ..engine.math.rope import absolute_table
+from ..model.families import default_train_len
+from .method import Method, SeamExample
 
 
 class Gali(PositionalAttention):
@@ -118,3 +125,22 @@ class Gali(PositionalAttention):
         self._kept.keep(forward.cache, layer, stop, (step.group, step.grouped), rotated)
         return output.transpose(1, 2)
 
+
+def gali_config(config: PretrainedConfig, settings: MethodSettings, train_len: int) -> GaliConfig:
+    """GALI's settings for a model with this config, every None filled in."""
+    return replace(settings.gali(), train_len=train_len).resolved(default_train_len(config))
+
+
+def _reference(noise: tuple[int, float] | None = None) -> Callable[[nn.Module, dict], ref.NaiveGali]:
+    """GALI's float64 restatement on the seam check's patched model, with its resolved settings."""
+    return lambda model, s: ref.NaiveGali(model, s["train_len"], s["chunk_size"], s["local_window"], noise=noise)
+
+
+METHOD = Method("gali", lambda config, settings, train_len, tokens: gali_config(config, settings, train_len).facts(),
+                lambda config, settings, s: Gali(gali_config(config, settings, s["train_len"])),
+                boundaries=lambda method, start, stop, cuts: method.chunk_ends(start, stop, cuts),
+                plan=lambda method, start, stop, cuts: method.keep_plan(start, stop, cuts),
+                step=lambda method: 8 * method.config.chunk_size,  # 8 chunks a forward
+                examples=(SeamExample("gali", MethodSettings(chunk_size=4, local_window=2), _reference()),
+                          SeamExample("gali with noise", MethodSettings(chunk_size=4, local_window=2, noise=True,
+                                                                        noise_seed=3), _reference(noise=(3, 1.0)))))

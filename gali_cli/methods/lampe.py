@@ -34,12 +34,15 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..config import MethodSettings
 from ..engine.attention.dense import Partial, PartialAttention, causal_partial, merge_partials, partial_attention
 from ..engine.attention.windowed import far_attention, near_attention
+from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 from .dpe import published_settings as llama3_match
+from .method import Method, SeamExample, neighbor_window
 
 # The official code multiplies cos and sin by this for queries and keys alike (YaRN's 0.1 ln s + 1 at s = 2).
 SCALE = 0.1 * math.log(2) + 1
@@ -210,3 +213,26 @@ def _masked(partial: PartialAttention, query: torch.Tensor, key: torch.Tensor, v
     part = partial(query, key, value, scale, mask=seen | ~any_seen.unsqueeze(-1))
     return Partial(part.output.float().masked_fill(~any_seen[:, None], 0.0),
                    part.lse.masked_fill(~any_seen, float("-inf")))
+
+
+def _settings(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    # The authors' settings hold for the model's own window only.
+    published = published_settings(config) if train_len == config.max_position_embeddings else None
+    head = neighbor_window(settings, train_len, published[1] if published else max(2, train_len // 16))
+    tail = settings.lampe_tail or (published[2] if published else min(head - 1, max(1, round(train_len * 200 / 8192))))
+    length = settings.lampe_length or (published[3] if published else 3 * train_len // 16)
+    check_tail(tail, head)
+    resolved = {"train_len": train_len, "neighbor_window": head, "lampe_tail": tail,
+                "lampe_length": length if tokens is None else min(length, tokens),
+                "lampe_published": published[0] if published else None}
+    if tokens is not None:
+        resolved["tokens"] = tokens  # the map follows the input's length: part of the settings it ran with
+        resolved["reach"] = Layout.of(head, tail, resolved["lampe_length"], tokens).reach()
+    return resolved
+
+
+METHOD = Method("lampe", _settings, lambda config, settings, s: LaMPE(
+    s["neighbor_window"], s["lampe_tail"], s["lampe_length"], s["tokens"], s["train_len"]), examples=(SeamExample(
+        "lampe", MethodSettings(neighbor_window=4, lampe_tail=2, lampe_length=6),
+        lambda model, s: ref.NaiveLaMPE(model, s["neighbor_window"], s["lampe_tail"], s["lampe_length"],
+                                        s["tokens"])),))

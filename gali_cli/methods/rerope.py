@@ -15,11 +15,15 @@ import math
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
+from ..config import MethodSettings
 from ..engine.attention.windowed import kept_far_keys, windowed_attend
+from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
+from .method import Method, SeamExample, neighbor_window
 
 
 def leaky_reach(window: int, factor: float, train_len: int) -> int:
@@ -94,3 +98,30 @@ class ReRoPE(PositionalAttention):
         rotary = forward.installed.rotary
         positions = tokens.double().unsqueeze(-1) / self.factor + offset
         return rotation(positions, rotary.inv_freq, rotary.attention_scaling, dtype)
+
+
+def _rerope(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    return {"train_len": train_len, "neighbor_window": neighbor_window(settings, train_len, train_len // 4),
+            "logn": settings.logn}
+
+
+def _leaky_rerope(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    window = neighbor_window(settings, train_len, train_len // 4)
+    # The official code's k = 16, raised to the smallest whole k whose distances stay within train_len.
+    factor = settings.leaky_factor or max(16, math.ceil(((tokens or 0) - 1 - window) / (train_len - 1 - window)))
+    reaches = leaky_reach(window, factor, train_len)
+    if tokens is not None and reaches < tokens:
+        raise ConfigError(f"--leaky-factor {factor} with --neighbor-window {window} reaches {reaches} tokens within "
+                          f"train_len {train_len}; the input has {tokens}: raise --leaky-factor")
+    resolved = {"train_len": train_len, "neighbor_window": window, "leaky_factor": factor, "logn": settings.logn}
+    return resolved if tokens is not None else {**resolved, "reaches": reaches}
+
+
+RE_ROPE = Method("rerope", _rerope, lambda config, settings, s: ReRoPE(
+    s["neighbor_window"], s["train_len"], None, s["logn"]), examples=(SeamExample(
+        "rerope", MethodSettings(neighbor_window=4),
+        lambda model, s: ref.NaiveReRoPE(model, s["neighbor_window"], None, s["train_len"])),))
+LEAKY_RE_ROPE = Method("leaky-rerope", _leaky_rerope, lambda config, settings, s: ReRoPE(
+    s["neighbor_window"], s["train_len"], s["leaky_factor"], s["logn"]), examples=(SeamExample(
+        "leaky-rerope", MethodSettings(neighbor_window=4, leaky_factor=8.0),
+        lambda model, s: ref.NaiveReRoPE(model, s["neighbor_window"], s["leaky_factor"], s["train_len"])),))

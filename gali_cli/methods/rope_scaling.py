@@ -5,12 +5,17 @@ module is kept inside the replacement, to be put back.
 """
 
 import copy
+import math
 
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from ..config import MethodSettings
+from ..engine.checks import reference_model as ref
 from ..errors import ConfigError
 from ..model.families import GLOBAL, family_of, rope_parameters
+from .method import Method, SeamExample
 
 
 class RescaledRope(nn.Module):
@@ -77,3 +82,28 @@ def restore(base: nn.Module) -> bool:
         return False
     base.rotary_emb = base.rotary_emb.original
     return True
+
+
+def default_factor(settings: MethodSettings, train_len: int, tokens: int | None) -> float:
+    return settings.factor if settings.factor is not None else max(1, math.ceil((tokens or 0) / train_len))
+
+
+def _factor(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    return {"train_len": train_len, "factor": default_factor(settings, train_len, tokens)}
+
+
+def _plain_rope(label: str, settings: MethodSettings, decodes: bool = True) -> tuple[SeamExample, ...]:
+    """The seam check's example of a method that changes only the rotary's frequencies (and scaling): plain RoPE
+    with the patched rotary is its restatement."""
+    return (SeamExample(label, settings, lambda model, s: ref.NaiveRoPE(model), decodes),)
+
+
+ORIGINAL = Method("original", lambda config, settings, train_len, tokens: {},
+                  examples=_plain_rope("original", MethodSettings()))
+NTK = Method("ntk", _factor, rope="ntk", examples=_plain_rope("ntk", MethodSettings(factor=3)))
+# Dynamic NTK picks its frequencies from the longest position of each forward: one forward for the whole input. The
+# unpatched model caches keys rotated by the frequencies of their own forward: only the one-forward prefill has a
+# plain restatement.
+DYNAMIC_NTK = Method("dynamic-ntk", _factor, rope="dynamic-ntk", boundaries=lambda method, start, stop, cuts: [stop],
+                     examples=_plain_rope("dynamic-ntk", MethodSettings(factor=3), decodes=False))
+YARN = Method("yarn", _factor, rope="yarn", examples=_plain_rope("yarn", MethodSettings(factor=3)))

@@ -11,10 +11,14 @@ grow along a logistic curve), over the windowed attention ReRoPE and DPE use too
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
+from ..config import MethodSettings
 from ..engine.attention.windowed import grouped_attention, grouped_placement
+from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..errors import ConfigError
+from .method import Method, SeamExample, neighbor_window, smallest_group
 
 
 def group_shift(group_size: int, neighbor_window: int) -> int:
@@ -58,3 +62,20 @@ class SelfExtend(PositionalAttention):
         size, window = self.group_size, self.neighbor_window
         return grouped_attention(forward, self._kept, module, query, key, value, window, lambda j: j // size,
                                  lambda i: i // size + group_shift(size, window), scaling, dropout)
+
+
+def _settings(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    window = neighbor_window(settings, train_len, train_len // 4)
+    size = settings.group_size or smallest_group(window, train_len, tokens)
+    if reach(size, window, train_len) < tokens:
+        raise ConfigError(
+            f"--group-size {size} with --neighbor-window {window} reaches {reach(size, window, train_len)} tokens "
+            f"within train_len {train_len}; the input has {tokens}: raise --group-size"
+        )
+    return {"train_len": train_len, "group_size": size, "neighbor_window": window}
+
+
+METHOD = Method("self-extend", _settings, lambda config, settings, s: SelfExtend(
+    s["group_size"], s["neighbor_window"], s["train_len"]), examples=(SeamExample(
+        "self-extend", MethodSettings(group_size=4, neighbor_window=4),
+        lambda model, s: ref.NaiveSelfExtend(model, s["group_size"], s["neighbor_window"])),))

@@ -19,10 +19,14 @@ import math
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
+from ..config import MethodSettings
 from ..engine.attention.windowed import grouped_attention, grouped_placement
+from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..errors import ConfigError
+from .method import Method, SeamExample, neighbor_window
 
 OFFICIAL_RATE = 0.02  # r as the official code runs it: its position generator's default, the only one it reaches
 FASTEST_RATE = 100.0  # e^(-100 x) vanishes beside 1 from x = 1 on: every group past the first holds c - 1
@@ -173,3 +177,24 @@ class LogisticSelfExtend(PositionalAttention):
         positions = self.positions(forward.stop, key.device)
         return grouped_attention(forward, self._kept, module, query, key, value, window, lambda j: positions[j],
                                  lambda i: window + positions[(i - window).clamp(min=0)], scaling, dropout)
+
+
+def _settings(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    # W = L/8: the official PG19 script's 512 of Llama-2's 4096.
+    window = neighbor_window(settings, train_len, max(1, train_len // 8))
+    resolved = {"train_len": train_len, "neighbor_window": window}
+    if tokens is not None:
+        capacity, rate = resolve(settings.group_size, settings.self_rate, window, train_len, tokens)
+        return {**resolved, "self_rate": rate, "group_size": capacity}
+    rate = settings.self_rate or OFFICIAL_RATE
+    if settings.group_size is None:
+        return {**resolved, "self_rate": rate, "group_size": "the smallest that reaches the input"}
+    check(settings.group_size, rate, window, train_len)
+    return {**resolved, "self_rate": rate, "group_size": settings.group_size,
+            "reaches": reach(settings.group_size, rate, window, train_len)}
+
+
+METHOD = Method("self", _settings, lambda config, settings, s: LogisticSelfExtend(
+    s["group_size"], s["self_rate"], s["neighbor_window"], s["train_len"]), examples=(SeamExample(
+        "self", MethodSettings(group_size=6, neighbor_window=4, self_rate=0.5),
+        lambda model, s: ref.NaiveSELF(model, s["group_size"], s["self_rate"], s["neighbor_window"])),))

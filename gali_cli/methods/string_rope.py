@@ -23,11 +23,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..config import MethodSettings
 from ..engine.attention.windowed import decoding_at_token_index, windowed_attend
+from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 from .dpe import llama3_8b
+from .method import Method, SeamExample
 
 SHIFT_RATIO = 0.33  # S = int(0.33 L), as the official README and RULER scripts set it
 LOCAL_WINDOW = 128  # W, the official default
@@ -103,3 +106,19 @@ class StringRoPE(PositionalAttention):
     def _rotation(forward: Forward, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         rotary = forward.installed.rotary
         return rotation(positions.unsqueeze(-1), rotary.inv_freq, rotary.attention_scaling, dtype)
+
+
+def _settings(config: PretrainedConfig, settings: MethodSettings, train_len: int, tokens: int | None) -> dict:
+    shift = settings.shifted_offset if settings.shifted_offset is not None else default_shift(train_len)
+    window = settings.local_window if settings.local_window is not None else default_window(shift)
+    check(shift, window, train_len)
+    authors = settings.shifted_offset is None and settings.local_window is None
+    return {"train_len": train_len, "shifted_offset": shift, "local_window": window,
+            "string_scale": settings.string_scale, "reaches": reach(shift, window, train_len),
+            "string_published": published(config, train_len) if authors else None}
+
+
+METHOD = Method("string", _settings, lambda config, settings, s: StringRoPE(
+    s["shifted_offset"], s["local_window"], s["train_len"], s["string_scale"]), examples=(SeamExample(
+        "string", MethodSettings(shifted_offset=5, local_window=2),
+        lambda model, s: ref.NaiveString(model, s["shifted_offset"], s["local_window"])),))

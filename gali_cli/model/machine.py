@@ -10,11 +10,11 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import compat
-from ..engine.attention.plan import decide
 from ..errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -142,8 +142,9 @@ def choose_dtype(dtype: str, device_type: str, bf16_supported: bool) -> str:
     return dtype
 
 
-def environment_facts(device: str, dtype: str) -> dict:
-    """Where a model would run: device and dtype as resolved, GPUs, bitsandbytes, noisy attention's path, library
+def environment_facts(device: str, dtype: str, noisy_attention: Callable[[str, str], str]) -> dict:
+    """Where a model would run: device and dtype as resolved, GPUs, bitsandbytes, noisy attention's path (as
+    `noisy_attention(device, dtype)` names it: the engine's words, which this layer does not import), library
     versions (`gali info`; keys as its --json has always had them)."""
     found = gpus()
     target = choose_device(device, bool(found.devices))
@@ -151,7 +152,7 @@ def environment_facts(device: str, dtype: str) -> dict:
     resolved = choose_dtype(dtype, target, found.bf16 if target == "cuda" else cpu_bf16())
     return {"device": target, "dtype": resolved, "cuda": list(found.devices),
             "bitsandbytes": _bitsandbytes(imported_torch="torch" in sys.modules),
-            "noisy_attention": decide(target, resolved, forward_only=True, noise=True).noisy_words(),
+            "noisy_attention": noisy_attention(target, resolved),
             "torch": build.version if build else "not installed", "transformers": _version("transformers"),
             "transformers_tested": _tested_transformers()}
 

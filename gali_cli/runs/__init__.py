@@ -9,8 +9,9 @@ info).
 import functools
 from dataclasses import dataclass
 
-from ..config import MAX_INPUT_BYTES, PREVIEWED_METHODS, MethodSettings, parse_methods
+from ..config import MAX_INPUT_BYTES, MethodSettings
 from ..errors import ConfigError
+from ..methods.registry import PREVIEWED, parse_methods
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,9 @@ class ModelChoice:
         elif self.settings.train_len is not None and self.settings.train_len > window:
             raise ConfigError(f"--train-len ({self.settings.train_len}) exceeds the model's training window "
                               f"({window})")
-        previewed = [method for method in self.methods if method in PREVIEWED_METHODS]
+        previewed = [method for method in self.methods if method in PREVIEWED]
         if previewed:  # their checks need transformers' config (and torch): only when they are chosen
-            from ..methods import preview_method
+            from ..methods.resolving import preview_method
             from ..model.loading import load_config
 
             config = load_config(self.model)

@@ -1,5 +1,6 @@
 """summarize, ask and ppl over many documents (--out): the model loads once, each document appends its JSON lines,
-and under a launcher each process takes its share and rank 0 merges (gali_cli.runs.batch_files keeps the books)."""
+and under a launcher each process takes its share and rank 0 merges (batch_inputs.py, launcher.py, results_file.py
+and batch_run.py keep the books)."""
 
 import time
 from collections.abc import Callable, Iterator
@@ -7,27 +8,21 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import display
+from .. import display, plots
 from ..display import print_json, say
 from ..documents import read_document
 from ..errors import ConfigError
 from ..generate import TextPiece, make_sampler
-from ..methods import kept_window
+from ..methods.registry import DEFAULT
+from ..methods.resolving import kept_window
 from ..model.loading import resolve_device, resolve_dtype
-from ..prechecks import batch_documents
 from . import Answering, ModelChoice, Reading
-from .batch_files import (
-    Collective,
-    Outcome,
-    Rank,
-    ResultsFile,
-    Step,
-    batch_summary,
-    corpus_perplexities,
-    run_batch,
-)
+from .batch_run import Outcome, Step, run_batch
 from .common import conversation, entry_point, finished_facts, load, prompt_limit, store, with_windows
+from .launcher import Collective, Rank
 from .ppl import method_perplexities, ppl_ids, print_rows
+from .prechecks import batch_documents
+from .results_file import ResultsFile, batch_summary, corpus_perplexities
 
 Within = Callable[[int, int], None]  # how far the document under way is read: (tokens done, tokens)
 
@@ -99,10 +94,10 @@ def perplexity_batch(specs: list[str], out: str | None, choice: ModelChoice, rea
             elif rows:
                 print_rows(rows, csv, single=len(rows) == 1)
             if plot and lengths and rows:
-                window = kept_window("gali", choice.settings.train_len, loaded.train_len)
-                title = display.plot_title(f"Perplexity of {len(batch.documents)} documents", choice.model,
-                                           choice.settings.train_len, loaded.train_len)
-                display.plot_ppl(rows, plot, title, window)
+                window = kept_window(DEFAULT, choice.settings.train_len, loaded.train_len)
+                title = plots.plot_title(f"Perplexity of {len(batch.documents)} documents", choice.model,
+                                         choice.settings.train_len, loaded.train_len)
+                plots.plot_ppl(rows, plot, title, window)
                 say(f"Saved {plot}.")
         return failed
 

@@ -1,7 +1,7 @@
 """gali cache list / clear / prune: the document cache's entries and the model cache's (GGUF tokenizers, and the
 float copies older gali versions wrote), and emptying them."""
 
-from .. import display
+from .. import display, tables
 from ..display import print_json, say
 from ..errors import GaliError
 from ..model.companions import GgufCompanions, ModelEntry
@@ -27,8 +27,8 @@ def list_cache(cache_dir: str | None, json_output: bool) -> None:
                                 "unusable_because": copy.reason_unusable, "path": str(copy.path)}
                                for copy in copies]})
     else:
-        display.print_cache_entries(entries, cache.directory, cache.limit)
-        display.print_model_entries(copies, models.directory)
+        tables.print_cache_entries(entries, cache.directory, cache.limit)
+        tables.print_model_entries(copies, models.directory)
 
 
 @entry_point

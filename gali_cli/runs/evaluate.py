@@ -9,7 +9,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .. import display
+from .. import display, plots, tables
 from ..conversation import Conversation
 from ..display import print_json, say
 from ..errors import ConfigError, InputError
@@ -18,14 +18,16 @@ from ..evaluation.longbench_paper import is_paper_model, paper_scores
 from ..evaluation.sample import Request, Sample
 from ..evaluation.tasks import LONGBENCH, build_samples
 from ..generate import Finished, TextPiece, make_sampler
-from ..methods import kept_window
+from ..methods.registry import DEFAULT
+from ..methods.resolving import kept_window
 from ..model.loading import LoadedModel
-from ..prechecks import read
 from ..prompts import ASK_STYLES, ask_instruction, check_prompt_length, conversation_ids, text_ids
 from . import ModelChoice, Reading
-from .batch_files import Rank, ResultsFile, job_hash, latest_records
 from .batches import batch_job, held
 from .common import entry_point, finished_facts, load, prompt_limit, store, with_windows
+from .launcher import Rank
+from .prechecks import read
+from .results_file import ResultsFile, job_hash, latest_records
 
 TASK_STYLE = "task"  # --prompt-style: each task's own wording (RULER's, LongBench's)
 PROMPT_STYLES = (TASK_STYLE, *ASK_STYLES)
@@ -147,14 +149,14 @@ def evaluate(choice: ModelChoice, evaluation: Evaluation, reading: Reading) -> N
     if evaluation.json_output:
         print_json({"results": rows, "model": choice.model, "out": str(results.path) if results else None})
     elif evaluation.csv:
-        display.print_eval_csv(rows)
+        tables.print_eval_csv(rows)
     elif rows:
-        display.print_eval_table(rows)
+        tables.print_eval_table(rows)
     if evaluation.plot and rows:
-        window = kept_window("gali", choice.settings.train_len, loaded.train_len)
+        window = kept_window(DEFAULT, choice.settings.train_len, loaded.train_len)
         tasks = ", ".join(evaluation.tasks) if len(evaluation.tasks) <= 3 else f"{len(evaluation.tasks)} tasks"
-        title = display.plot_title(f"gali eval: {tasks}", choice.model, choice.settings.train_len, loaded.train_len)
-        display.plot_eval(rows, evaluation.plot, title, window)
+        title = plots.plot_title(f"gali eval: {tasks}", choice.model, choice.settings.train_len, loaded.train_len)
+        plots.plot_eval(rows, evaluation.plot, title, window)
         say(f"Saved {evaluation.plot}.")
 
 

@@ -6,12 +6,12 @@ import itertools
 import os
 import time
 
-from .. import display
+from .. import display, tables
 from ..compat import TESTED_TRANSFORMERS, installed_transformers
-from ..config import PREVIEWED_METHODS
 from ..display import print_json, say
 from ..engine.attention.plan import decide
 from ..errors import GaliError
+from ..methods.registry import PREVIEWED
 from ..model.config import ModelConfig, read_model_config
 from ..model.machine import environment_facts
 from . import ModelChoice
@@ -23,7 +23,7 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbo
     needed: it runs even when the model cannot load). `verbose`: every attention route, and the path noise would
     take when it is off."""
     noise = bool(choice.settings.gali().noise)
-    facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype),
+    facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype, _noisy_words),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
     if not noise and not verbose:
         del facts["noisy_attention"]  # which kernel noise would take: not a fact of this run
@@ -36,7 +36,7 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbo
         config = read_model_config(choice.model)
     except GaliError:
         if not check:
-            display.print_facts(facts, json_output)  # what is known without the model, then the error
+            tables.print_facts(facts, json_output)  # what is known without the model, then the error
             raise
         config = None
     if config is not None:
@@ -44,13 +44,13 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbo
                   "gali": choice.settings.gali().resolved(config.train_len).facts(), **_previews(choice),
                   "max_prompt_tokens": _holdable(config, facts)}
     if not check:
-        display.print_facts(facts, json_output)
+        tables.print_facts(facts, json_output)
         return
     from ..model.loading import resolve_device
 
     device = resolve_device(choice.device)
     if not json_output:
-        display.print_facts(facts, json_output)
+        tables.print_facts(facts, json_output)
     checks = run_self_check(device, json_output)
     if json_output:
         print_json({**facts, "check": {"device": str(device), "checks": [
@@ -87,7 +87,7 @@ def run_self_check(device, json_output: bool) -> list:
     for item in itertools.chain(seam_checks(), self_check(device, triton_interpreted=interpreted)):
         checks.append(item)
         if not json_output:
-            display.print_check(item)
+            tables.print_check(item)
     if not json_output:
         passed = sum(item.ok for item in checks)
         say(f"self-check: {passed} of {len(checks)} passed in {display.elapsed(time.perf_counter() - started)}")
@@ -118,11 +118,16 @@ def _holdable(config: ModelConfig, facts: dict) -> int | None:
 def _previews(choice: ModelChoice) -> dict:
     """The settings of the chosen methods whose settings follow the model's config (torch and transformers are
     imported for them only)."""
-    previewed = [method for method in choice.methods if method in PREVIEWED_METHODS]
+    previewed = [method for method in choice.methods if method in PREVIEWED]
     if not previewed:
         return {}
-    from ..methods import preview_method
+    from ..methods.resolving import preview_method
     from ..model.loading import load_config
 
     config = load_config(choice.model)
     return {method: preview_method(config, method, choice.settings) for method in previewed}
+
+
+def _noisy_words(device: str, dtype: str) -> str:
+    """The path noisy attention takes on `device` in `dtype`, in the words of the engine's plan."""
+    return decide(device, dtype, forward_only=True, noise=True).noisy_words()

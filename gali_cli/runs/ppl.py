@@ -6,13 +6,15 @@ from collections.abc import Callable
 
 import torch
 
-from .. import display
+from .. import display, plots, tables
 from ..display import print_json, say
 from ..documents import Document
+from ..engine.seam.packed_modules import model_device
 from ..errors import InputError
 from ..estimate import JobClock
 from ..generate import peak_memory_bytes, reset_peak_memory
-from ..methods import kept_window
+from ..methods.registry import DEFAULT
+from ..methods.resolving import kept_window
 from ..model.loading import LoadedModel
 from ..patching import apply_method, forward_ends, prefill_spans
 from ..perplexity import Perplexity, perplexities
@@ -61,10 +63,10 @@ def perplexity(document: Document, choice: ModelChoice, reading: Reading, max_to
     else:
         print_rows(rows, csv, single)
     if plot:
-        window = kept_window("gali", choice.settings.train_len, loaded.train_len)
-        title = display.plot_title(f"Perplexity of {os.path.basename(document.name)}", choice.model,
-                                   choice.settings.train_len, loaded.train_len)
-        display.plot_ppl(rows, plot, title, window)
+        window = kept_window(DEFAULT, choice.settings.train_len, loaded.train_len)
+        title = plots.plot_title(f"Perplexity of {os.path.basename(document.name)}", choice.model,
+                                 choice.settings.train_len, loaded.train_len)
+        plots.plot_ppl(rows, plot, title, window)
         say(f"Saved {plot}.")
 
 
@@ -90,7 +92,7 @@ def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice
     `clock`: the run's methods, this one the next of them: the bar and a line when it is done say "k/N" and how
     long the rest should take. Without `show_progress`, `progress` hears (done, total, ppl) instead of a bar of its
     own (batch mode's bar shows the document's)."""
-    device = loaded.model.get_input_embeddings().weight.device
+    device = model_device(loaded.model)
     settings = apply_method(loaded.model, method, choice.settings, len(ids))
     spans = prefill_spans(loaded.model, method, 0, len(ids))
     boundaries = forward_ends(loaded.model, method, 0, len(ids))
@@ -119,8 +121,8 @@ def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice
 def print_rows(rows: list[dict], csv: bool, single: bool) -> None:
     """PPL rows on stdout: the number alone for one, else a table (or CSV)."""
     if csv:
-        display.print_ppl_csv(rows)
+        tables.print_ppl_csv(rows)
     elif single:
         display.print_number(rows[0]["ppl"])
     else:
-        display.print_ppl_table(rows)
+        tables.print_ppl_table(rows)

@@ -23,7 +23,7 @@ from ..doc_cache import DocumentCache
 from ..document_states import DocumentStates
 from ..engine.seam.kv_cache import new_cache
 from ..generate import truncate_cache
-from ..methods import METHODS
+from ..methods.registry import REGISTRY
 from ..model.loading import LoadedModel
 from ..patching import forward_ends
 from ..prompts import ServedPrompt
@@ -81,7 +81,7 @@ class States:
         """A KV cache holding the keys and values of the longest reusable prefix of `prompt`, and how many tokens
         that is. The kept state is handed over: it changes now. `check` runs before each lookup in the document
         cache, and raises to stop (a request cancelled meanwhile)."""
-        model, method = self.loaded.model, METHODS[self.method]
+        model, method = self.loaded.model, REGISTRY[self.method]
         kept, self.kept = self.kept, None
         memory = 0
         if kept is not None and method.prefix_reusable and kept.resolved == resolved:
@@ -100,7 +100,7 @@ class States:
     def keep(self, cache: DynamicCache, prompt: ServedPrompt, read: int, resolved: dict) -> None:
         """Keep the state of the first `read` tokens of `prompt` (all of them, or as far as a stopped prefill got)
         for the next request; whatever the answer added is dropped."""
-        if read <= 0 or not METHODS[self.method].prefix_reusable:
+        if read <= 0 or not REGISTRY[self.method].prefix_reusable:
             return
         truncate_cache(cache, read)  # also evens out layers a failed forward left uneven
         self.kept = Prefilled(cache, prompt.ids[:read], [cut for cut in prompt.cuts if cut <= read], resolved)

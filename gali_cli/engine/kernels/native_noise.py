@@ -30,9 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
 
+from ...cache_ownership import user_cache_directory
 from ...errors import GaliError
 from ..math.noise import GOLDEN, MULTIPLIER_A, MULTIPLIER_B, Noise, head_streams, mix32
 from ..math.partials import Partial
@@ -57,7 +57,8 @@ class KernelBuildError(GaliError):
 
 
 def kernel_directory() -> Path:
-    return Path(platformdirs.user_cache_dir("gali")) / "kernels"
+    """Where compiled kernels are kept: the user cache's kernels folder."""
+    return user_cache_directory("kernels")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ un-rotated and each key is rotated by its offset, recomputed every step from the
 (`attention_route`), else in PyTorch first. The unpatched model and the rope-scaling methods cache rotated keys as
 transformers does: the step rotates the new query and key with the model's own rotary at the token's index.
 
-The step is the Llama layer written out over the model's own modules (norms, projections, MLP), as gpt-fast
-writes it; `generate.decode` holds it to the model's own forward (the prefill's logits of the prompt's last
-token) before any graph is captured, and one that differs decodes eagerly. Shapes: B batch, H query heads, Hkv
-key/value heads, C the cache's rows, D head dim.
+The step is the decoder layer written out over the model's own modules (norms, projections, MLP), as gpt-fast
+writes it, a family's differences declared as data (static_layers.py: Gemma 3's norms, and its local layers, which
+attend their window's rows at true positions); `generate.decode` holds it to the model's own forward (the
+prefill's logits of the prompt's last token) before any graph is captured, and one that differs decodes eagerly.
+Shapes: B batch, H query heads, Hkv key/value heads, C the cache's rows, D head dim.
 """
 
 import functools
@@ -25,22 +26,24 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ...errors import ConfigError, GaliWarning
-from ...model.families import family_of
+from ...model.families import LOCAL, family_of
 from ..attention.dense import Partial, biased_partial, merge_partials
 from ..contract import Placement, PositionalAttention
 from ..kernels.kernel_choice import kernel_choice, triton_installed
 from ..math.noise import Noise, head_streams, standard_normal
 from ..math.rope import rotate, rotate_fused
 from ..math.rope import rotation as rope_rotation
-from .hooks import installed_method, llama_model, original_rotary
+from . import static_layers
+from .hooks import installed_method, llama_model
 from .kv_cache import GrowingLayer
-from .projections import Projections, grid_projections, module_projections
+from .packed_modules import model_device, model_dtype
+from .projections import Projections
+from .static_layers import Rope, Rotation, Span, decoder_layer, step_projections
 
 DECODE_CHOICES = ("auto", "eager", "static")
 ROUTES = ("triton", "native", "torch")  # how a static step attends over the cache (`attention_route`)
@@ -53,20 +56,6 @@ HALF_TOLERANCE = 0.15
 # Keys per block of a decoding step's attention, per device type (`split_key_attention`): a GPU needs blocks to be
 # busy; on a CPU (2 threads) one call was faster (SmolLM2: 34 against 38 ms a token after 1k tokens).
 KEY_BLOCK = {"cuda": 256}
-
-
-class _Rotation(NamedTuple):
-    """What a step's layers share: with `placement` None, cos/sin (B, 1, 1, D) of the token's index, rotating the new
-    query and key (the cache holds keys rotated as transformers rotates them); else cos/sin (C, D or D/2) rotating each
-    cached key by its offset from the un-rotated query, with the rest of the method's `placement`; or, with
-    `table_rows`, cos/sin (reach + 2, D) float32 of the offsets 0, -1, -2, ..., key j rotated by row table_rows[j]
-    (minus its offset) mixed towards the next row by `mix` (GALI's weight; None: not mixed)."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    placement: Placement | None
-    table_rows: torch.Tensor | None = None
-    mix: torch.Tensor | None = None
 
 
 def decode_choice() -> str:
@@ -87,6 +76,8 @@ def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
         return f"{type(model).__name__} is not a plain {family.causal_lm}"
     if family.no_static_step is not None:
         return family.no_static_step
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        return "its attention logits are soft-capped, which the static step's attention does not apply"
     devices = {parameter.device for parameter in model.parameters()}
     if len(devices) != 1:
         return "the model is spread over several devices"
@@ -94,8 +85,8 @@ def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
         return "the KV cache is not gali's, with rows reserved"
     method = installed_method(model)
     if method is None:
-        rotary = getattr(base.rotary_emb, "rescaled", base.rotary_emb)
-        if "dynamic" in getattr(rotary, "rope_type", "default"):
+        rope_type = getattr(getattr(base.rotary_emb, "rescaled", base.rotary_emb), "rope_type", "default")
+        if any("dynamic" in kind for kind in (rope_type.values() if isinstance(rope_type, dict) else [rope_type])):
             return "dynamic NTK changes its frequencies with the length"
         return None
     if type(method).decode_placement is PositionalAttention.decode_placement:
@@ -149,16 +140,16 @@ def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecode
     if choice == "eager" or why_not_static(model, cache):
         return None
     route = model_route(model)
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     pays = device.type == "cuda" or route == "native" or installed_method(model) is None
     return StaticDecoder(model, cache, route) if choice == "static" or pays else None
 
 
 def model_route(model: PreTrainedModel) -> str:
     """`attention_route` for `model`'s device, dtype and heads."""
-    embedding, config = model.get_input_embeddings().weight, model.config
+    config = model.config
     head_dim = llama_model(model).layers[0].self_attn.head_dim
-    return attention_route(embedding.device, embedding.dtype, head_dim,
+    return attention_route(model_device(model), model_dtype(model), head_dim,
                            config.num_attention_heads // config.num_key_value_heads)
 
 
@@ -181,26 +172,28 @@ class StaticDecoder:
             count = layer.keys.shape[-2]  # attends over them masked, and NaN times 0 is NaN, so they are zeroed
             for buffer in layer.storage():
                 buffer[:, :, count:].zero_()
-        embedding = model.get_input_embeddings().weight
-        self.device, self.dtype = embedding.device, embedding.dtype
+        self.device, self.dtype = model_device(model), model_dtype(model)
         self.key_block = KEY_BLOCK.get(self.device.type)
         if route not in (None, *ROUTES):
             raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
         self.route = route or model_route(model)
         self.streams: dict[int, torch.Tensor] = {}  # each layer's noise streams, for the Triton kernel
-        self.offset_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by reach (`_offset_table`)
+        self.offset_tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # `_offset_table`
         self.kernel_splits: int | None = None  # runs per key head (None: the kernel's own choice)
         batch = self.layers[0].keys.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.index = torch.zeros((), dtype=torch.long, device=self.device)
         self.keys = torch.arange(self.capacity, device=self.device)
-        rotary = original_rotary(model)
-        if rotary is not None:
-            self.inv_freq = rotary.inv_freq.to(self.device, torch.float64)
-            self.scaling = float(rotary.attention_scaling) ** 2  # on the query and the key: RoPE's m times m
-        self.qk_norm = family_of(model.config).qk_norm  # Qwen3: q and k normed per head before RoPE
+        self.family = family_of(model.config)
+        self.kinds = static_layers.layer_kinds(model.config, len(self.layers))  # global, or local (Gemma 3)
+        self.window = model.config.sliding_window if LOCAL in self.kinds else None
+        self.gather_windows = self.device.type != "cpu"  # a local layer's window: no host read where graphed
+        self.final_cap = getattr(model.config, "final_logit_softcapping", None)
+        # The ropes the method's keys are rotated by (the global layers', and the local layers' own), per layer kind
+        self.ropes: dict[str, Rope] = {} if self.method is None else static_layers.method_ropes(
+            model, self.kinds, self.device)
         self.grid_weights = grid_weights
-        self.projections: Projections = module_projections(model)  # grids on the native route (`_first_static`)
+        self.projections: Projections = step_projections(model, False)  # grids on the native route (`_first_static`)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output
         self.checked = False  # the step agreed with the model's own forward (`check`)
@@ -246,7 +239,7 @@ class StaticDecoder:
             self.difference = difference(self._first_static(token, index), expected)
             if self.route != "torch" and not agrees(self.dtype, self.difference):
                 kernel_difference, self.route = self.difference, "torch"
-                self.projections = module_projections(self.model)
+                self.projections = step_projections(self.model, False)
                 self.difference = difference(self.step(token, index), expected)
                 if agrees(self.dtype, self.difference):
                     warnings.warn(f"the decoding kernel differs from the model's own forward here (relative "
@@ -292,14 +285,14 @@ class StaticDecoder:
         if self.route == "torch":
             return self.step(token, index).clone()
         if self.route == "native" and self.grid_weights:
-            self.projections = grid_projections(self.model)
+            self.projections = step_projections(self.model, True)
         try:
             self._check_reach(index)
             return self.step(token, index).clone()
         except Exception as failure:  # whatever Triton raises compiling or launching is this check's finding
             warnings.warn(f"the decoding kernel cannot run here ({type(failure).__name__}: "
                           f"{' '.join(str(failure).split())[:160]}); attending in PyTorch", GaliWarning, stacklevel=3)
-            self.route, self.projections = "torch", module_projections(self.model)
+            self.route, self.projections = "torch", step_projections(self.model, False)
             return self.step(token, index).clone()
 
     def _check_reach(self, index: int) -> None:
@@ -319,94 +312,95 @@ class StaticDecoder:
 
     def _step(self) -> torch.Tensor:
         """The step itself: (B, 1, vocab) float32 logits. Every tensor it reads that changes from token to token is
-        `self.token`, `self.index` or the cache's buffers."""
-        mask = None  # the kernels read the index themselves, and no key past it
-        if self.route == "torch":
-            mask = torch.zeros(self.capacity, dtype=self.dtype, device=self.device).masked_fill_(
-                self.keys > self.index, torch.finfo(self.dtype).min).view(1, 1, 1, self.capacity)  # finite: a
-            # block of keys all past the index then has a finite log-sum-exp, and weighs nothing in the merge
+        `self.token`, `self.index` or the cache's buffers (on the CPU, a local layer's window is read from the index:
+        nothing is graphed there)."""
+        masked = self.route == "torch"  # the kernels read the index themselves, and no key past it
+        spans = {kind: static_layers.span(kind, self.index, self.window, self.capacity, self.dtype, masked,
+                                          self.gather_windows) for kind in set(self.kinds)}
         hidden = self.base.embed_tokens(self.token)
-        if self.method is None:  # the token's own rotation, shared by the layers (in the hidden states' dtype)
-            cos, sin = self.base.rotary_emb(hidden, self.index.view(1, 1).expand(self.token.shape[0], 1))
-            rotation = _Rotation(cos.unsqueeze(1), sin.unsqueeze(1), None)
-        else:
-            rotation = self._key_rotation(self.method.decode_placement(self.index, self.keys))
+        rotations = {kind: self._rotation(kind, hidden, span) for kind, span in spans.items()}  # shared by layers
         for number, parts in enumerate(self.projections.layers):  # the model's layers, their projections on grids
-            attention = parts.layer.self_attn
-            shape = (hidden.shape[0], 1, -1, attention.head_dim)
-            query, key, value = parts.attention_inputs(hidden)  # of the input norm
-            query = query.view(shape).transpose(1, 2)  # (B, H, 1, D)
-            key = key.view(shape).transpose(1, 2)  # (B, Hkv, 1, D)
-            value = value.view(shape).transpose(1, 2)
-            if self.qk_norm:
-                query, key = attention.q_norm(query), attention.k_norm(key)
-            output = self._attend(number, attention.scaling, query, key, value, rotation, mask)
-            hidden = parts.add_attention_output(hidden, output.transpose(1, 2).reshape(hidden.shape[0], 1, -1))
-            hidden = parts.add_mlp(hidden)
-        return self.projections.logits(hidden).float()
+            kind = self.kinds[number]
+            hidden = decoder_layer(parts, self.family.qk_norm, hidden, functools.partial(
+                self._attend, number, rotations[kind], spans[kind]))
+        return static_layers.soft_capped(self.projections.logits(hidden).float(), self.final_cap)
 
-    def _key_rotation(self, placement: Placement) -> _Rotation:
+    def _rotation(self, kind: str, hidden: torch.Tensor, span: Span) -> Rotation:
+        """How a layer of `kind` rotates: the unpatched model's new query and key at the index (in the hidden
+        states' dtype), or each key by its offset from the method's placement (a local layer's: its window's)."""
+        if self.method is None:
+            return static_layers.token_rotation(self.model, hidden, self.index, kind, self.family.layer_kinds)
+        if kind == LOCAL:
+            return self._key_rotation(static_layers.window_placement(span), kind)
+        return self._key_rotation(self.method.decode_placement(self.index, self.keys), kind)
+
+    def _key_rotation(self, placement: Placement, kind: str) -> Rotation:
         """cos/sin (C, D) in the model's dtype rotating each key by its offset (float64 angles, as the methods'
-        far rotations), shared by the layers; (C, D/2) for the kernels, which need one of the equal halves; or, for
-        a kernel and offsets within a reach, a row per key of `_offset_table`."""
+        far rotations) on the rope of layers of `kind`, shared by them; (C, D/2) for the kernels, which need one of
+        the equal halves; or, for a kernel and offsets within a reach, a row per key of `_offset_table`."""
         if placement.reach is not None and placement.offset.dim() == 1 and self.route != "torch":
-            cos, sin = self._offset_table(placement.reach)
+            # no key of the cache lies farther than its capacity: a table past it (GALI's reach is train_len, 32k
+            # for Gemma 3) would only take memory
+            cos, sin = self._offset_table(min(placement.reach, self.capacity), kind)
             mix = None if placement.weight is None else placement.weight.float()
-            return _Rotation(cos, sin, placement, placement.offset.neg().int(), mix)
+            return Rotation(cos, sin, placement, placement.offset.neg().int(), mix)
+        inv_freq, scaling = self.ropes[kind]
         offset = placement.offset if placement.offset.dim() == 2 else placement.offset.unsqueeze(-1)
-        angles = offset * self.inv_freq
+        angles = offset * inv_freq
         cos, sin = angles.cos(), angles.sin()
         if placement.weight is not None:  # GALI: (1 - c) R(p) + c R(p - 1)
-            below = angles - self.inv_freq
+            below = angles - inv_freq
             weight = placement.weight.unsqueeze(-1)
             cos, sin = torch.lerp(cos, below.cos(), weight), torch.lerp(sin, below.sin(), weight)
         if self.route == "torch":  # the kernels read the first half of a table whose halves are equal
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        cos, sin = (x.mul(self.scaling).to(self.dtype) for x in (cos, sin))
-        return _Rotation(cos, sin, placement)
+        cos, sin = (x.mul(scaling).to(self.dtype) for x in (cos, sin))
+        return Rotation(cos, sin, placement)
 
-    def _offset_table(self, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (reach + 2, D) float32 of the offsets 0, -1, ..., -(reach + 1) (row d: offset -d; the last row
-        is GALI's R(p - 1) at the farthest key; the kernels read the first of the equal halves), as `_key_rotation`'s
-        table. Made at the first step, before a CUDA graph is recorded, and kept."""
-        if reach not in self.offset_tables:
+    def _offset_table(self, reach: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (reach + 2, D) float32 of the offsets 0, -1, ..., -(reach + 1) on the rope of layers of `kind`
+        (row d: offset -d; the last row is GALI's R(p - 1) at the farthest key; the kernels read the first of the
+        equal halves), as `_key_rotation`'s table. Made at the first step, before a CUDA graph is recorded, and
+        kept."""
+        if (reach, kind) not in self.offset_tables:
             offsets = torch.arange(reach + 2, device=self.device).neg().unsqueeze(-1)
-            self.offset_tables[reach] = rope_rotation(offsets, self.inv_freq, self.scaling, torch.float32)
-        return self.offset_tables[reach]
+            self.offset_tables[reach, kind] = rope_rotation(offsets, *self.ropes[kind], torch.float32)
+        return self.offset_tables[reach, kind]
 
-    def _attend(self, number: int, scaling: float, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                rotation: _Rotation, mask: torch.Tensor | None) -> torch.Tensor:
-        """The layer's attention of the one query over the cache's rows, its key and value written at the index."""
+    def _attend(self, number: int, rotation: Rotation, span: Span, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Layer `number`'s attention of the one query over the cache's rows of its `span`, its key and value written
+        at the index."""
         key_buffer, value_buffer = self.layers[number].storage()
         where = rotation.placement
         if where is None:  # the cache holds keys rotated at their token indices, as transformers rotates them
             query, key = rotate(query, rotation.cos, rotation.sin), rotate(key, rotation.cos, rotation.sin)
         key_buffer.index_copy_(2, self.index.view(1), key.to(key_buffer.dtype))
         value_buffer.index_copy_(2, self.index.view(1), value.to(value_buffer.dtype))
-        keys, values = key_buffer[:, :, : self.capacity], value_buffer[:, :, : self.capacity]
+        keys, values = span.take(key_buffer), span.take(value_buffer)
         if self.route != "torch":
-            return self._kernel_attend(number, scaling, query, keys, values, rotation)
-        bias = mask
+            return self._kernel_attend(number, scaling, query, keys, values, rotation, span.index)
+        bias = span.mask
         if where is not None:
             keys = rotate_fused(keys, rotation.cos, rotation.sin)
             query = query * where.query_scale
             if where.noise_sigma is not None:
                 config = self.method.config
                 noise = Noise(config.seed, number, config.noise_scale)
-                draws = standard_normal(noise, query.shape[0], query.shape[1], self.index.view(1), self.capacity)
-                bias = (draws * where.noise_sigma).to(self.dtype) + mask  # (B, H, 1, C), on the scaled logits
+                draws = standard_normal(noise, query.shape[0], query.shape[1], self.index.view(1), span.rows)
+                bias = (draws * where.noise_sigma).to(self.dtype) + bias  # (B, H, 1, C), on the scaled logits
         batch, heads, _, dim = query.shape
         kv_heads = keys.shape[1]
         rows = query.to(keys.dtype).view(batch, kv_heads, heads // kv_heads, dim)  # heads sharing a key head as rows
         if bias.shape[1] > 1:
-            bias = bias.view(batch, kv_heads, heads // kv_heads, self.capacity)
+            bias = bias.view(batch, kv_heads, heads // kv_heads, span.rows)
         output = split_key_attention(rows, keys, values, bias, scaling, self.key_block)
         return output.view(batch, heads, 1, dim).to(values.dtype)
 
     def _kernel_attend(self, number: int, scaling: float, query: torch.Tensor, keys: torch.Tensor,
-                       values: torch.Tensor, rotation: _Rotation) -> torch.Tensor:
-        """`_attend` through the route's kernel (triton_decode's or native_decode's): the keys rotated as they are
-        read, GALI's noise drawn in it, nothing past the index read."""
+                       values: torch.Tensor, rotation: Rotation, index: torch.Tensor) -> torch.Tensor:
+        """`_attend` through the route's kernel (triton_decode's or native_decode's) over `keys` up to row `index`:
+        the keys rotated as they are read, GALI's noise drawn in it, nothing past the index read."""
         where = rotation.placement
         cos = sin = sigma = streams = None
         if where is not None:
@@ -419,12 +413,12 @@ class StaticDecoder:
         if self.route == "triton":
             from ..kernels.triton_decode import rotating_decode_attention
 
-            output = rotating_decode_attention(rows, keys, values, self.index, scaling, cos, sin, sigma, streams,
+            output = rotating_decode_attention(rows, keys, values, index, scaling, cos, sin, sigma, streams,
                                                self.kernel_splits, rotation.table_rows, rotation.mix)
         else:  # nothing is graphed on a CPU: the index is read here
             from ..kernels.native_decode import native_decode_attention
 
-            output = native_decode_attention(rows, keys, values, int(self.index), scaling, cos, sin, sigma, streams,
+            output = native_decode_attention(rows, keys, values, int(index), scaling, cos, sin, sigma, streams,
                                              self.kernel_splits, rotation.table_rows, rotation.mix)
         return output.view(batch, heads, 1, dim).to(values.dtype)
 

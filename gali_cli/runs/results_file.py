@@ -1,14 +1,12 @@
-"""Many documents in one run: which documents, which are already done, which are this process's, and the results
-file that makes a run resumable.
+"""The results file of a batch: what makes a run resumable, and what is read back from it.
 
 A results file is JSON lines, one per finished document (and method, for ppl). Each line carries the document's
 path and content hash and the hash of the job's settings; a rerun skips the documents whose line says they were done
 with the same settings, so an interrupted run resumes where it stopped. Lines are written whole and flushed to disk;
 a line cut by a kill or a full disk is skipped when read and removed before the next line is written.
 
-Under torchrun or `accelerate launch` (RANK / WORLD_SIZE in the environment) each process takes every WORLD_SIZE-th
-document of the sorted list, writes its own part file next to the results file, and rank 0 merges the parts once all
-processes are done.
+Under a launcher (launcher.py) each process writes its own part file next to the results file, and rank 0 merges
+the parts once all processes are done.
 
 One run at a time per results file: a run holds a lock on a hidden file beside it (`.NAME.lock`, with its process id)
 from before it merges or appends anything until it is done, and a second run refuses to start. The lock is the
@@ -21,109 +19,15 @@ import json
 import math
 import os
 import socket
-import stat
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Iterator
 from pathlib import Path
 
-from ..documents import link_problem
-from ..errors import ConfigError, GaliError, InputError
+from ..errors import ConfigError, GaliError
 from ..file_locks import is_held_elsewhere, lock_exclusive
 from ..printable import json_text
+from .launcher import Rank
 
-# Files a directory contributes; anything else in it (images, binaries, code) is left alone.
-DOCUMENT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".org", ".html", ".htm", ".pdf")
-_GLOB_CHARACTERS = set("*?[")
-MANIFEST_DEPTH = 16  # @manifests within @manifests, at most (a deeper chain is a mistake; Python's stack is finite)
-_MANIFEST_BYTES = 64 * 2**20  # a manifest larger than this is not a list of paths (@/dev/zero)
 _LONGEST_LINE = 64 * 2**20  # bytes: no line gali writes in a results file comes near (an answer is a few KB)
-
-
-def expand_documents(specs: list[str]) -> list[Path]:
-    """The documents named by `specs`, in order, each once: files, directories (searched recursively for
-    DOCUMENT_SUFFIXES, hidden entries skipped), glob patterns (`**` recurses), and `@list.txt` manifests with one
-    path, directory or pattern per line (relative to the manifest's folder; blank lines and # comments skipped)."""
-    found: dict[Path, None] = {}
-    for spec in specs:
-        for path in _expand(spec, Path.cwd(), manifests_seen=set()):
-            found.setdefault(path, None)
-    if not found:
-        raise InputError(f"no documents in {' '.join(specs)}")
-    return list(found)
-
-
-def _expand(spec: str, base: Path, manifests_seen: set[Path]) -> Iterator[Path]:
-    if spec == "-":
-        raise ConfigError("several documents are read from files, not from standard input ('-')")
-    if "\0" in spec:
-        raise InputError(f"{spec}: a path cannot hold a NUL byte (is this a list of paths?)")
-    if spec.startswith("@"):
-        manifest = (base / Path(spec[1:]).expanduser()).resolve()
-        if manifest in manifests_seen:
-            raise InputError(f"manifest {manifest} includes itself")
-        if len(manifests_seen) >= MANIFEST_DEPTH:
-            raise InputError(f"manifest {spec[1:]}: @manifests nested more than {MANIFEST_DEPTH} deep")
-        lines = _manifest_lines(manifest, spec[1:])
-        for number, line in enumerate(lines, 1):
-            line = line.strip()
-            if line and not line.startswith("#"):
-                try:
-                    yield from _expand(line, manifest.parent, manifests_seen | {manifest})
-                except InputError as error:
-                    raise InputError(f"{spec[1:]}, line {number}: {error}") from None
-        return
-    path = base / Path(spec).expanduser()
-    try:
-        is_file, is_dir = path.is_file(), path.is_dir()
-    except OSError as error:  # e.g. a folder on the way that gali may not enter
-        raise InputError(f"{spec}: {error.strerror or error}") from None
-    if is_file:
-        yield path.resolve()
-    elif is_dir:
-        files = [found for found in path.rglob("*") if found.is_file() and found.suffix.lower() in DOCUMENT_SUFFIXES
-                 and not any(part.startswith(".") for part in found.relative_to(path).parts)]
-        if not files:
-            raise InputError(f"{spec}: no documents ({', '.join(DOCUMENT_SUFFIXES)}) in this directory")
-        yield from sorted(found.resolve() for found in files)
-    elif _GLOB_CHARACTERS & set(spec):
-        matches = sorted((base / match).resolve() for match in glob.glob(os.path.expanduser(spec), root_dir=base,
-                                                                          recursive=True)
-                         if (base / match).is_file())
-        if not matches:
-            raise InputError(f"{spec}: no file matches")
-        yield from matches
-    else:
-        raise InputError(f"{spec}: {_special_kind(path) or link_problem(path) or 'no such file or directory'}")
-
-
-def _manifest_lines(manifest: Path, name: str) -> list[str]:
-    """The lines of a manifest: a file, or a named pipe or process substitution (@<(ls *.txt)), read once."""
-    try:
-        with open(manifest, "rb") as file:
-            data = file.read(_MANIFEST_BYTES + 1)
-        if len(data) > _MANIFEST_BYTES:
-            raise InputError(f"manifest {name} is larger than {_MANIFEST_BYTES // 2**20}M: not a list of paths")
-        return data.decode("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise InputError(f"cannot read manifest {name}: {error}") from error
-
-
-def _special_kind(path: Path) -> str | None:
-    """What a path that is there but neither a file nor a directory is, and why batch mode cannot take it."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    if stat.S_ISFIFO(mode):
-        return ("a named pipe or process substitution, which can be read only once: batch mode reads each document "
-                "twice (its hash, then its text); save it to a file, or give it alone (gali reads it once)")
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device, not a document (it may never end): save what it gives to a file"
-    if stat.S_ISSOCK(mode):
-        return "a socket, not a document"
-    return None
 
 
 def content_hash(path: Path) -> str:
@@ -138,37 +42,6 @@ def content_hash(path: Path) -> str:
 def job_hash(job: dict) -> str:
     """A short name for everything that decides a document's output besides its content."""
     return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Rank:
-    """This process's place among the launcher's processes (0 of 1 when run alone)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_environment(cls) -> "Rank":
-        """From RANK / WORLD_SIZE / LOCAL_RANK, which torchrun and `accelerate launch` set."""
-        try:
-            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        except ValueError as error:
-            raise ConfigError(f"RANK / WORLD_SIZE / LOCAL_RANK must be whole numbers: {error}") from None
-        if not 0 <= rank < world:
-            raise ConfigError(f"RANK {rank} is not within WORLD_SIZE {world}")
-        return cls(rank, world, local_rank)
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-    def shard(self, documents: list[Path]) -> list[Path]:
-        """This process's documents: every world-th of the list, starting at its rank (the same split on every
-        process, as each expands the same arguments)."""
-        return documents[self.rank :: self.world]
-
 
 class ResultsFile:
     """The results file `path` (JSON lines) and, when distributed, this process's part file next to it."""
@@ -406,102 +279,6 @@ def _records(path: Path) -> Iterator[dict]:
         return
     except OSError as error:
         raise GaliError(f"cannot read results file {path}: {error.strerror}") from None
-
-
-class Collective:
-    """The processes of a distributed batch, over torch.distributed's gloo backend (CPU or GPU machines alike)."""
-
-    def __init__(self, rank: Rank, hours: float = 72.0) -> None:
-        import torch.distributed as dist
-
-        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-        if missing:
-            raise ConfigError(f"WORLD_SIZE is {rank.world} but {' and '.join(missing)} are not set: start gali "
-                              "with torchrun or accelerate launch")
-        self.dist = dist
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=rank.rank, world_size=rank.world, timeout=timedelta(hours=hours))
-
-    def total(self, value: int) -> int:
-        """The sum of `value` over all processes; returns when every process has called it."""
-        import torch
-
-        tensor = torch.tensor([value])
-        self.dist.all_reduce(tensor)
-        return int(tensor.item())
-
-    def wait(self) -> None:
-        self.dist.barrier()
-
-    def close(self) -> None:
-        self.dist.destroy_process_group()
-
-
-@dataclass
-class Outcome:
-    """What one process did with its share of a batch."""
-
-    documents: int = 0  # its share
-    done: int = 0
-    skipped: int = 0  # finished by an earlier run with the same settings
-    failed: int = 0
-    tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Step:
-    """One document of a batch as `run_batch` reports it: "started", then "ok" (with its records), "skipped"
-    (finished by an earlier run with the same settings) or "error" (with why)."""
-
-    path: Path
-    status: str
-    records: tuple[dict, ...] = ()
-    error: str = ""
-    seconds: float = 0.0
-
-
-def run_batch(
-    documents: list[Path],
-    results: ResultsFile,
-    job: dict,
-    work: Callable[[Path], list[dict]],
-    rank: Rank,
-    progress: Callable[[Outcome, Step], None] = lambda outcome, step: None,
-) -> Outcome:
-    """Run `work` on this process's share of `documents` not already finished, appending its records (one or
-    more per document, each with its "tokens") to `results`; a document that fails gets an error record and the
-    batch goes on. `progress` hears about each document as it starts and once it is finished."""
-    key = job_hash(job)
-    finished = results.finished()
-    share = rank.shard(documents)
-    outcome = Outcome(documents=len(share))
-    for path in share:
-        progress(outcome, Step(path, "started"))
-        base = {"path": str(path), "job": key}
-        try:
-            base["sha256"] = content_hash(path)
-            if (base["path"], base["sha256"], key) in finished:
-                outcome.skipped += 1
-                progress(outcome, Step(path, "skipped"))
-                continue
-            started = time.perf_counter()
-            records = work(path)
-            seconds = round(time.perf_counter() - started, 3)
-        except KeyboardInterrupt:
-            raise
-        except Exception as error:  # one document's failure must not stop the batch
-            message = str(error) if isinstance(error, GaliError) else f"{type(error).__name__}: {error}"
-            results.append([{**base, "status": "error", "error": message, **job}])
-            outcome.failed += 1
-            progress(outcome, Step(path, "error", error=message))
-            continue
-        results.append([{**base, "status": "ok", **job, **record, "seconds": seconds, "line": [index, len(records)]}
-                        for index, record in enumerate(records)])
-        outcome.done += 1
-        outcome.tokens += sum(record.get("tokens", 0) for record in records)
-        progress(outcome, Step(path, "ok", tuple(records), seconds=seconds))
-    return outcome
-
 
 def latest_records(records: list[dict], job: dict, documents: list[Path], ok_only: bool = False) -> dict:
     """Each document's (and method's) last line of this job, by (path, method), for the documents given; in the

@@ -16,14 +16,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import display
-from .display import warn
-from .errors import ConfigError, InputError
-from .runs import ModelChoice, Reading
+from .. import display
+from ..display import warn
+from ..errors import ConfigError, InputError
+from ..methods.registry import UNPATCHED
+from . import ModelChoice, Reading
 
 if TYPE_CHECKING:
-    from .documents import Document
-    from .runs.batch_files import ResultsFile
+    from ..documents import Document
+    from .results_file import ResultsFile
 
 
 # Below this many tokens (or a quarter of the model's own window, for the tests' tiny models) a --train-len keeps
@@ -36,7 +37,7 @@ def checked(choice: ModelChoice) -> None:
     without a word), said once: the run checks again, silently."""
     window = choice.check()
     train_len = choice.settings.train_len
-    if train_len is not None and train_len < min(MIN_TRAIN_LEN, window // 4) and choice.methods != ("original",):
+    if train_len is not None and train_len < min(MIN_TRAIN_LEN, window // 4) and choice.methods != (UNPATCHED,):
         warn(f"--train-len {train_len} keeps positions within {train_len} tokens, about a sentence: answers lose "
              f"their sense that narrow (the model's window is {window}; the README's try-out narrows SmolLM2's "
              "8192 to 1024)")
@@ -44,7 +45,7 @@ def checked(choice: ModelChoice) -> None:
 
 def check_first(choice: ModelChoice, source: str) -> None:
     """The settings against the model's window, then the document's path: a typo costs no wait."""
-    from .documents import check_source
+    from ..documents import check_source
 
     checked(choice)
     check_source(source)
@@ -60,7 +61,7 @@ def read_first(choice: ModelChoice, source: str, reading: Reading) -> "Document"
 def read(source: str, reading: Reading) -> "Document":
     """The document, with a bar over its pages and its warnings on stderr (pypdf's own notes on a damaged file kept
     off it: the warnings say what matters)."""
-    from .documents import read_document
+    from ..documents import read_document
 
     with _quiet_pdf_reader(), display.progress_bar("Pages") as bar:
         document = read_document(source, password=reading.password, progress=bar, max_bytes=reading.max_bytes,
@@ -85,7 +86,9 @@ def _quiet_pdf_reader() -> Iterator[None]:
 def batch_documents(specs: list[str], out: str | None, choice: ModelChoice) -> tuple[list[Path], "ResultsFile"]:
     """A batch's documents and results file (this process's part of it under a launcher), after the checks that
     need no model: --out given, the settings, the documents found. The results file is not yet looked into."""
-    from .runs.batch_files import Rank, ResultsFile, expand_documents
+    from .batch_inputs import expand_documents
+    from .launcher import Rank
+    from .results_file import ResultsFile
 
     if not out:
         raise ConfigError("several documents need --out FILE.jsonl for their results")
@@ -107,7 +110,7 @@ def check_batch(specs: list[str], out: str | None, choice: ModelChoice) -> None:
 
 def check_serving(choice: ModelChoice) -> None:
     """gali serve's extra installed (one line saying what to install), then the settings, before anything loads."""
-    from .server import require_extra
+    from ..server import require_extra
 
     require_extra()
     checked(choice)
