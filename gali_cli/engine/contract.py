@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from .attention.choice import plan_for
 from .attention.kept_keys import KeptKeys, Rotation
 from .attention.plan import AttentionPlan
+from .math.noise import Noise
 from .math.rope import RopeTable, rotate, rotation
 
 __all__ = ["Forward", "Installed", "KeptKeys", "Placement", "PositionalAttention", "Rotation"]
@@ -55,6 +56,11 @@ class PositionalAttention(ABC):
         `query` in Python, so that a CUDA graph replays it for any index. A method that does not say decodes
         eagerly."""
         raise NotImplementedError
+
+    def noise(self, layer: int) -> Noise | None:
+        """The logit noise layer `layer` draws where a placement gives a `noise_sigma` (GALI's), whichever route
+        attends: the forward's or the static step's. None: the method adds none."""
+        return None
 
 
 @dataclass

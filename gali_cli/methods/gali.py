@@ -83,10 +83,14 @@ class Gali(PositionalAttention):
         # largest: offsets in [-train_len, 0] (tests/test_static_decode.py).
         return Placement(positions.ceil - at, positions.weight, sigma, reach=train_len)
 
+    def noise(self, layer: int) -> Noise | None:
+        """The paper's logit noise for layer `layer`, where --noise asks for it."""
+        return Noise(self.config.seed, layer, self.config.noise_scale) if self.config.noise else None
+
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         config = self.config
-        noise = Noise(config.seed, module.layer_idx, config.noise_scale) if config.noise else None
+        noise = self.noise(module.layer_idx)
         if forward.cache is not None:
             if self.fast_decode and forward.stop - forward.start == 1 and not torch.is_grad_enabled():
                 return self._decode(forward, module, query, key, value, scaling, noise)

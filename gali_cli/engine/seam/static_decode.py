@@ -35,7 +35,7 @@ from ...model.families import LOCAL, family_of
 from ..attention.dense import Partial, biased_partial, merge_partials
 from ..contract import Placement, PositionalAttention
 from ..kernels.kernel_choice import kernel_choice, triton_installed
-from ..math.noise import Noise, head_streams, standard_normal
+from ..math.noise import head_streams, standard_normal
 from ..math.rope import rotate, rotate_fused
 from ..math.rope import rotation as rope_rotation
 from . import static_layers
@@ -385,9 +385,8 @@ class StaticDecoder:
             keys = rotate_fused(keys, rotation.cos, rotation.sin)
             query = query * where.query_scale
             if where.noise_sigma is not None:
-                config = self.method.config
-                noise = Noise(config.seed, number, config.noise_scale)
-                draws = standard_normal(noise, query.shape[0], query.shape[1], self.index.view(1), span.rows)
+                draws = standard_normal(self.method.noise(number), query.shape[0], query.shape[1], self.index.view(1),
+                                        span.rows)
                 bias = (draws * where.noise_sigma).to(self.dtype) + bias  # (B, H, 1, C), on the scaled logits
         batch, heads, _, dim = query.shape
         kv_heads = keys.shape[1]
@@ -426,8 +425,7 @@ class StaticDecoder:
         """Layer `number`'s noise.head_streams in the kernel's format (int64 on the device for Triton, made on the
         first step, before any graph is recorded; int32 on the CPU for the native kernel, as its noise kernel keeps
         them)."""
-        config = self.method.config
-        noise = Noise(config.seed, number, config.noise_scale)
+        noise = self.method.noise(number)
         if self.route == "native":
             from ..kernels.native_noise import cpu_head_streams
 
