@@ -1,5 +1,5 @@
-"""The authors' GALI code (adlnlp/Gali) run on tiny random Llamas: the outputs tests/test_authors_gali.py holds gali
-to, on every transformers release gali supports.
+"""The authors' GALI code (adlnlp/Gali) run on tiny random Llamas: the outputs tests/methods/test_authors_gali.py holds
+gali to, on every transformers release gali supports.
 
 It runs in an environment of its own, with the transformers the authors pinned and their repository on the path:
 

@@ -37,8 +37,8 @@ timeout "$(cap 120)" python3 benchmarks/bench_graph_decode.py --shape llama3-8b 
 timeout "$(cap 120)" python3 benchmarks/bench_graph_decode.py --shape llama3-8b --dtype bfloat16 --train-len 8192 \
   --lengths 131072 --tokens 8 --methods original,gali --routes triton 2>&1 | grep -E "^\||Warn" | tee "$OUT/graph-128k.md"
 step "the kernel's and the plan's tests, compiled"
-TRITON_INTERPRET=0 timeout "$(cap 120)" python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_attention.py \
-  tests/test_triton_decode.py tests/test_plan.py 2>&1 | tail -30
+TRITON_INTERPRET=0 timeout "$(cap 120)" python3 -m pytest -p no:cacheprovider -q -rfE tests/engine/kernels/test_triton_attention.py \
+  tests/engine/kernels/test_triton_decode.py tests/engine/attention/test_plan.py 2>&1 | tail -30
 step "prefill and decode: Llama-3-8B shape, bfloat16, every method, 8k and 32k"
 timeout "$(cap 200)" python3 benchmarks/bench_speed.py --device cuda --dtype bfloat16 --shape llama3-8b \
   --train-len 8192 --factors 1,4 --one-process --rounds 1 --decode-tokens 16 --decode-factors "" \
@@ -49,9 +49,9 @@ timeout "$(cap 150)" python3 benchmarks/bench_speed.py --device cuda --dtype bfl
   --train-len 8192 --factors 16 --one-process --rounds 1 --decode-tokens 8 --decode-factors "" \
   --variants sdpa,gali,gali-noise --json "$OUT/bench-128k.json" >"$OUT/bench-128k.md" 2>"$OUT/bench-128k.err"
 cat "$OUT/bench-128k.md"
-step "the commands on CUDA (tests/test_cuda_commands.py), then the default suite: each result as it happens"
+step "the commands on CUDA (tests/cli/test_cuda_commands.py), then the default suite: each result as it happens"
 TRITON_INTERPRET=0 timeout -k 5 "$(cap 120)" python3 -m pytest -p no:cacheprovider -v --timeout 100 --tb=short \
-  tests/test_cuda_commands.py >"$OUT/cuda-commands.log" 2>&1; grep -E "FAILED|passed|failed" "$OUT/cuda-commands.log"
+  tests/cli/test_cuda_commands.py >"$OUT/cuda-commands.log" 2>&1; grep -E "FAILED|passed|failed" "$OUT/cuda-commands.log"
 # Straight into a file, no pipe: xdist's workers outlive a timeout and would hold a pipe open. The whole suite took
 # 231 s with -n 14 on a machine that gave it 2 CPUs.
 TRITON_INTERPRET=0 timeout -k 5 "$(cap 300)" python3 -m pytest -p no:cacheprovider -v -n 8 --timeout 100 \

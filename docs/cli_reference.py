@@ -1,4 +1,4 @@
-"""Write docs/cli.md from the `gali` command's own --help (tests/test_docs.py fails when it is stale).
+"""Write docs/cli.md from the `gali` command's own --help (tests/project/test_docs.py fails when it is stale).
 
     python docs/cli_reference.py > docs/cli.md
 """
@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from gali_cli.cli import app
 
-# The codes are gali_cli/exits.py's EXIT_CODES plus click's usage errors and Ctrl-C; tests/test_docs.py checks the set.
+# The codes are gali_cli/exits.py's EXIT_CODES plus click's usage errors and Ctrl-C; tests/project/test_docs.py
+# checks the set.
 EXIT_CODE_MEANINGS = [
     (0, "done"),
     (1, "a runtime error; in batch mode, a document that failed (the others were still done)"),

@@ -9,7 +9,7 @@ carrying the directory's token and the cache's kind. A folder is gali's when its
 a user's files cannot hold by accident; what it holds is then gali's too, whatever its names (safetensors' own
 `.tmpXXXX` files among them). A marked folder whose lock nobody holds was left by a killed writer (`leftovers`),
 and is deleted whole. An empty folder named like a workspace (a writer killed before it wrote the marker) is only
-ever removed with `rmdir`, which cannot delete data.
+ever removed with `rmdir`, which cannot delete data (`remove_empty_partials`: listing never deletes).
 
 A token file that is not gali's (a user's file of that name) makes the cache refuse to write there: it says so, and
 deletes nothing. A lost token file makes everything written before it foreign: left alone and named in a warning,
@@ -161,25 +161,37 @@ def is_marked(folder: Path, token: str | None, kind: str) -> bool:
 
 def workspaces(directory: Path, kind: str) -> list[Path]:
     """The `kind` cache's workspaces in `directory`, running or left by a killed writer (each proven by its
-    marker); on the way, empty folders named like one that no writer holds are removed with rmdir."""
+    marker)."""
     try:
         token = cache_token(directory, create=False)
     except OSError:
         return []
+    return [folder for folder in _named_like_workspaces(directory) if is_marked(folder, token, kind)]
+
+
+def remove_empty_partials(directory: Path) -> None:
+    """Remove, with rmdir, the empty folders in `directory` named like a workspace that no writer holds: what a
+    writer killed before it wrote its marker left (rmdir cannot delete data). Nothing where the token file is not
+    gali's: such a cache deletes nothing."""
+    try:
+        cache_token(directory, create=False)
+    except OSError:
+        return
+    for folder in _named_like_workspaces(directory):
+        if _empty(folder) and left_behind(folder):  # a marked folder is never empty: it holds its marker
+            with suppress(OSError):
+                folder.rmdir()
+
+
+def _named_like_workspaces(directory: Path) -> list[Path]:
+    """The folders (not links) in `directory` named like a workspace, whoever made them; none where it cannot be
+    read."""
     try:
         with os.scandir(directory) as found:
-            candidates = [Path(entry.path) for entry in found
-                          if entry.name.startswith(PARTIAL) and entry.is_dir(follow_symlinks=False)]
+            return [Path(entry.path) for entry in found
+                    if entry.name.startswith(PARTIAL) and entry.is_dir(follow_symlinks=False)]
     except OSError:
         return []
-    marked = []
-    for folder in candidates:
-        if is_marked(folder, token, kind):
-            marked.append(folder)
-        elif _empty(folder) and left_behind(folder):
-            with suppress(OSError):
-                folder.rmdir()  # only ever an empty folder: nothing can be lost
-    return marked
 
 
 def leftovers(directory: Path, kind: str) -> list[Path]:

@@ -161,9 +161,11 @@ class MethodSettings:
     """
 
     train_len: int | None = _flag(None, _GALI, "The training window to stay within (default: the model's).")
-    chunk_size: int | None = _flag(None, _GALI, "Tokens per chunk beyond it (default: train-len / 4).")
+    chunk_size: int | None = _flag(None, _GALI, "Tokens per chunk beyond it (default: train-len / 4; "
+                                                "reattention: train-len / 8).")
     local_window: int | None = _flag(None, _GALI, "Newest tokens kept at exact positions (default: train-len / 2; "
-                                                  "chunk-llama: train-len - dca-chunk-size; string: 128).")
+                                                  "chunk-llama: train-len - dca-chunk-size; string: 128; "
+                                                  "reattention: its local window, train-len / 2).")
     noise: bool = _flag(False, _GALI, "The paper's Gaussian logit noise (off by default: on real prose it raised "
                                           "perplexity, and it slows each forward).",
                         "--noise/--no-noise")
@@ -200,6 +202,15 @@ class MethodSettings:
     self_rate: float | None = _flag(None, _OTHER, "self: r, the rate at which its groups grow along the logistic "
                                                   "curve c / (1 + (c - 1) e^(-r x)) of the grouped position x "
                                                   "(default: the official code's 0.02, more if the input needs it).")
+    sink_tokens: int | None = _flag(None, _OTHER, "reattention: the first tokens every query attends (default: 32, "
+                                                  "at most train-len / 16).")
+    top_keys: int | None = _flag(None, _OTHER, "reattention: the keys each query head picks by its un-rotated logits "
+                                            "(default: 4).")
+    span_size: int | None = _flag(None, _OTHER, "reattention: the tokens around each picked key that it brings "
+                                                "(default: 32, at most train-len / 16).")
+    recall_clip: int | None = _flag(None, _OTHER, "reattention: at most this many picked keys, the most picked "
+                                                  "first (default: as many spans as fit train-len beside the sink "
+                                                  "and the local window).")
 
     def __post_init__(self) -> None:
         self.gali()  # validates the settings GALI shares
@@ -209,6 +220,10 @@ class MethodSettings:
         _check_int("--shifted-offset", self.shifted_offset, minimum=1)
         _check_int("--lampe-tail", self.lampe_tail, minimum=1)
         _check_int("--lampe-length", self.lampe_length, minimum=1)
+        _check_int("--sink-tokens", self.sink_tokens, minimum=0)
+        _check_int("--top-keys", self.top_keys, minimum=1)
+        _check_int("--span-size", self.span_size, minimum=1)
+        _check_int("--recall-clip", self.recall_clip, minimum=1)
         if self.factor is not None and (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
                                         or not 1 <= self.factor < float("inf")):
             raise ConfigError(f"--factor must be a number >= 1, got {self.factor!r}")

@@ -49,6 +49,7 @@ from .cache_ownership import (
     cache_token,
     known_token,
     leftovers,
+    remove_empty_partials,
     user_cache_directory,
     workspace,
     workspaces,
@@ -221,7 +222,13 @@ class DocumentCache:
 
     def entries(self) -> list[Entry]:
         """Every entry, most recently used first, and what a killed gali left of a write (LEFTOVER); a file gali did
-        not write is no entry (it is named in one warning: `foreign`)."""
+        not write is no entry (it is named in one warning: `foreign`). On the way, the empty folders of writers
+        killed before they marked them are removed (`remove_empty_partials`)."""
+        return self._entries(list(self._owned_files()))
+
+    def _entries(self, owned: list[tuple[Path, dict[str, str]]]) -> list[Entry]:
+        """`entries`, of the files gali wrote as the caller listed them (`_owned_files`: no header is read again)."""
+        remove_empty_partials(self.directory)
         found = []
         for path in leftovers(self.directory, KIND):
             try:
@@ -229,7 +236,7 @@ class DocumentCache:
             except OSError:
                 continue  # gone meanwhile
             found.append(Entry(path, _size(path), stat.st_mtime, 0, LEFTOVER, "?", "?", {}))
-        for path, metadata in self._owned_files():
+        for path, metadata in owned:
             try:
                 stat = path.stat()
             except OSError:
@@ -243,25 +250,27 @@ class DocumentCache:
                                _identity(metadata)))
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
 
-    def foreign(self) -> list[Path]:
+    def foreign(self, owned: list[tuple[Path, dict[str, str]]] | None = None) -> list[Path]:
         """What the directory holds that gali did not write (a model's files, say), largest first: never listed,
-        moved or deleted."""
+        moved or deleted. `owned`: the files gali wrote where the caller has listed them (`_owned_files`), so that
+        no header is read twice in one operation."""
         try:
             with os.scandir(self.directory) as found:
                 names = [Path(entry.path) for entry in found]
         except OSError:
             return []
-        ours = ({path for path, _ in self._owned_files()} | set(workspaces(self.directory, KIND))
+        owned = self._owned_files() if owned is None else owned
+        ours = ({path for path, _ in owned} | set(workspaces(self.directory, KIND))
                 | {self.directory / TOKEN_FILE})
         return sorted((path for path in names if path not in ours), key=lambda path: (-_size(path), path.name))
 
-    def warn_about_foreign_files(self) -> None:
+    def warn_about_foreign_files(self, owned: list[tuple[Path, dict[str, str]]] | None = None) -> None:
         """One warning naming the files in the directory that are not the cache's; looked for once per DocumentCache
-        (every save would read every entry's header again)."""
+        (every save would read every entry's header again). `owned`: as `foreign` takes it."""
         if self._looked_for_foreign:
             return
         self._looked_for_foreign = True
-        foreign = self.foreign()
+        foreign = self.foreign(owned)
         if foreign:
             self.warn(f"the document cache directory {self.directory} also holds {some_names(foreign)}, which gali did "
                       "not write: they are left alone (give the cache a folder of its own: --cache-dir, "
@@ -277,8 +286,9 @@ class DocumentCache:
             return Cleared((), ())
         except OSError as error:
             return Cleared((), ((self.directory, 0, error.strerror or str(error)),))
-        self.warn_about_foreign_files()
-        for entry in self.entries():
+        owned = list(self._owned_files())  # each header read once: for the warning and the entries
+        self.warn_about_foreign_files(owned)
+        for entry in self._entries(owned):
             try:
                 _remove(entry.path)
                 removed.append((entry.path, entry.size))
@@ -311,9 +321,10 @@ class DocumentCache:
     def _evict(self, keep: int) -> None:
         """Delete what killed writers left, then least recently used entries until the others, with what running
         writers are writing, take at most `keep` bytes. Files gali did not write are neither counted nor touched."""
-        self.warn_about_foreign_files()
+        owned = list(self._owned_files())  # each header read once: for the warning and the entries
+        self.warn_about_foreign_files(owned)
         entries = []
-        for entry in self.entries():
+        for entry in self._entries(owned):
             if entry.document == LEFTOVER:
                 with suppress(OSError):
                     _remove(entry.path)

@@ -8,11 +8,12 @@ from .display import method_labels, short_count, short_path
 from .errors import ConfigError
 from .extras import install_hint
 
-# One colour and one marker a line, none repeated among the first 13; past them the dash pattern changes too, so
-# that no two lines share colour, marker and dashes. Colours: matplotlib's tab10, then black, navy and goldenrod.
+# One colour and one marker a line, none repeated among the first 14; past them the dash pattern changes too, so
+# that no two lines share colour, marker and dashes. Colours: matplotlib's tab10, then black, navy, goldenrod and
+# dark green.
 LINE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-                "#17becf", "#000000", "#000080", "#b8860b")
-LINE_MARKERS = ("o", "s", "D", "^", "v", "P", "*", "X", "h", "p", "<", ">", "d")
+                "#17becf", "#000000", "#000080", "#b8860b", "#006400")
+LINE_MARKERS = ("o", "s", "D", "^", "v", "P", "*", "X", "h", "p", "<", ">", "d", "8")
 LINE_STYLES = ("-", "--", "-.", ":")
 PLOT_DPI = 150
 

@@ -14,7 +14,7 @@ from ..engine.attention.gali_attention import chunk_contexts, gali_attention, no
 from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.noise import Noise
-from ..engine.math.positions import chunk_plan, key_positions
+from ..engine.math.positions import chunk_plan, key_positions, planned_chunks
 from ..engine.math.rope import absolute_table
 from ..model.families import default_train_len
 from .method import Method, SeamExample
@@ -49,9 +49,7 @@ class Gali(PositionalAttention):
         return [last for stretch in self._plan for _, last in stretch]
 
     def _planned(self, start: int, stop: int, cuts: list[int]) -> list[list[tuple[int, int]]]:
-        ends = [*sorted({cut for cut in cuts if start < cut < stop}), stop]
-        return [chunk_plan(first, last, self.config.train_len, self.config.chunk_size)
-                for first, last in zip([start, *ends[:-1]], ends)]
+        return planned_chunks(start, stop, cuts, self.config.train_len, self.config.chunk_size)
 
     def chunks(self, start: int, stop: int) -> list[tuple[int, int]]:
         """GALI's chunks of a forward over [start, stop): a run of the planned ones where it starts and ends at chunk

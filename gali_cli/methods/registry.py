@@ -83,6 +83,12 @@ REGISTRY: dict[str, Registered] = {
         "self_logistic", "METHOD", "SELF: SelfExtend whose groups grow along a logistic curve, from 1 token to c - 1",
         "`--neighbor-window` W (L/8), `--self-rate` r (0.02, raised if no c reaches N with it), `--group-size` c "
         "(smallest reaching N)", "W + the positions holding one token (35 to 70 at r = 0.02)", previewable=True),
+    "reattention": Registered(
+        "reattention", "METHOD",
+        "ReAttention: each chunk attends the first tokens, the spans its queries' un-rotated top-k pick and the "
+        "local window, at positions inside L",
+        "`--sink-tokens` (32, at most L/16), `--top-keys` (4), `--span-size` (32, at most L/16), `--local-window` "
+        "(L/2), `--recall-clip` (the spans that fit L), `--chunk-size` (L/8)", "L", previewable=True),
 }
 NAMES = tuple(REGISTRY)  # in the order gali lists them
 DEFAULT = "gali"  # what --method is when not given

@@ -44,6 +44,7 @@ from ..cache_ownership import (
     is_marked,
     known_token,
     leftovers,
+    remove_empty_partials,
     user_cache_directory,
     workspace,
     workspaces,
@@ -144,7 +145,9 @@ class GgufCompanions:
 
     def entries(self) -> list[ModelEntry]:
         """Every entry, most recently used first (an unreadable directory holds none), and each build a killed gali
-        left unfinished, as an unusable entry (what prune and clear delete)."""
+        left unfinished, as an unusable entry (what prune and clear delete). On the way, the empty folders of builds
+        killed before they marked them are removed (`remove_empty_partials`)."""
+        remove_empty_partials(self.directory)
         token = known_token(self.directory)
         try:
             paths = [path for path in self.directory.iterdir()
@@ -155,23 +158,25 @@ class GgufCompanions:
             _unfinished(path) for path in leftovers(self.directory, CACHE)]
         return sorted((entry for entry in entries if entry), key=lambda entry: -entry.last_used)
 
-    def foreign(self) -> list[Path]:
-        """What the directory holds that gali did not write: never listed, pruned or cleared."""
+    def foreign(self, entries: list[ModelEntry] | None = None) -> list[Path]:
+        """What the directory holds that gali did not write: never listed, pruned or cleared. `entries`: the cache's,
+        where the caller has listed them, so that no manifest is read twice in one operation."""
         try:
             found = list(self.directory.iterdir())
         except OSError:
             return []
-        ours = ({entry.path for entry in self.entries()} | set(workspaces(self.directory, CACHE))
+        entries = self.entries() if entries is None else entries
+        ours = ({entry.path for entry in entries} | set(workspaces(self.directory, CACHE))
                 | {self.directory / TOKEN_FILE})
         return sorted(path for path in found if path not in ours)
 
-    def warn_about_foreign_files(self) -> None:
+    def warn_about_foreign_files(self, entries: list[ModelEntry] | None = None) -> None:
         """One warning naming what the directory holds that gali did not write (they are left alone); looked for
-        once per DequantizedModels (it reads every entry's manifest)."""
+        once per GgufCompanions (it reads every entry's manifest). `entries`: as `foreign` takes them."""
         if self._looked_for_foreign:
             return
         self._looked_for_foreign = True
-        foreign = self.foreign()
+        foreign = self.foreign(entries)
         if foreign:
             warnings.warn(f"the model cache {self.directory} also holds {some_names(foreign)}, which gali did not "
                           "write: they are left alone (give the cache a folder of its own: GALI_MODEL_CACHE)",
@@ -180,9 +185,8 @@ class GgufCompanions:
     def prune(self, unused_seconds: float = 0.0) -> tuple[list[ModelEntry], list[ModelEntry]]:
         """Delete the entries this installation cannot use (another transformers release, a GGUF gone or changed,
         damaged) that have been unused for `unused_seconds`; returns (deleted, those that could not be)."""
-        stale = time.time() - unused_seconds
         self.warn_about_foreign_files()
-        return _remove([entry for entry in self.entries() if not entry.usable and entry.last_used <= stale])
+        return _remove(_stale(self.entries(), unused_seconds))
 
     def clear(self) -> tuple[list[ModelEntry], list[ModelEntry]]:
         """Delete every entry (a later load dequantizes again); returns (deleted, those that could not be)."""
@@ -209,8 +213,10 @@ class GgufCompanions:
     def _build(self, gguf: GgufFile, entry: Path) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._remove_leftovers(gguf)
-            self.prune(UNUSED_DAYS * 86400)
+            entries = self.entries()  # listed once (each manifest read once): what goes, what is foreign
+            left = _remove_leftovers(gguf, entries)
+            self.warn_about_foreign_files(entries)  # all of them: one whose removal failed is still gali's
+            _remove(_stale(left, UNUSED_DAYS * 86400))  # as prune(UNUSED_DAYS * 86400) would
             # built in a workspace this process locks and marks as gali's, renamed whole into the entry, marker
             # and all; also on Ctrl-C no half entry stays (after kill -9, the next build or prune deletes it)
             with workspace(self.directory, CACHE) as temporary:
@@ -224,16 +230,6 @@ class GgufCompanions:
                     # another gali built the same entry meanwhile: theirs serves
         except OSError as error:  # e.g. a full disk
             raise self._unwritable(error) from error
-
-    def _remove_leftovers(self, gguf: GgufFile) -> None:
-        """Delete the builds a killed gali left, and the entries of an earlier file at the same path (replaced
-        since): only what gali proves it wrote."""
-        for path in leftovers(self.directory, CACHE):
-            shutil.rmtree(path, ignore_errors=True)
-        for entry in self.entries():
-            if (entry.gguf == str(gguf.path) and entry.path.name.startswith(f"{gguf.path.stem}-")
-                    and not entry.path.name.startswith(_stem(gguf))):
-                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _read_into(gguf: GgufFile, directory: Path) -> None:
@@ -336,6 +332,26 @@ def _stem_of(fingerprint: dict) -> str:
 
 def _entry_name(gguf: GgufFile) -> str:
     return f"{_stem(gguf)}.{KIND}.{_TRANSFORMERS}"
+
+
+def _remove_leftovers(gguf: GgufFile, entries: list[ModelEntry]) -> list[ModelEntry]:
+    """Delete, of `entries` (as `GgufCompanions.entries` lists them: only what gali proves it wrote), the builds a
+    killed gali left and the entries of an earlier file at the same path (replaced since); returns the others."""
+    left = []
+    for entry in entries:
+        if entry.path.name.startswith(PARTIAL) or (  # only a killed build is listed under a workspace's name
+                entry.gguf == str(gguf.path) and entry.path.name.startswith(f"{gguf.path.stem}-")
+                and not entry.path.name.startswith(_stem(gguf))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            left.append(entry)
+    return left
+
+
+def _stale(entries: list[ModelEntry], unused_seconds: float) -> list[ModelEntry]:
+    """The `entries` this installation cannot use that have been unused for `unused_seconds`: what prune deletes."""
+    stale = time.time() - unused_seconds
+    return [entry for entry in entries if not entry.usable and entry.last_used <= stale]
 
 
 def _remove(entries: list[ModelEntry]) -> tuple[list[ModelEntry], list[ModelEntry]]:

@@ -21,7 +21,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ..cache_ownership import leftovers, user_cache_directory, workspace
+from ..cache_ownership import leftovers, remove_empty_partials, user_cache_directory, workspace
 from ..errors import GaliWarning, ModelLoadError
 
 GEMMA3_270M = "gemma3-270m"
@@ -97,11 +97,12 @@ def gemma3_gguf(directory: Path | None = None) -> Path:
 
 
 def _join(parts: list[Path], target: Path, expected: str) -> None:
-    """`parts` joined in a workspace beside `target` and renamed to `target` when their digest is `expected`, else
-    deleted and refused."""
+    """`parts` joined in a workspace beside `target` and renamed to `target` when their digest is `expected`, its
+    record written in the same workspace and renamed beside it; else deleted and refused."""
     directory = target.parent
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        remove_empty_partials(directory)
         for leftover in leftovers(directory, CACHE):
             shutil.rmtree(leftover, ignore_errors=True)
         target.unlink(missing_ok=True)  # a bad file is never used, even if this join fails
@@ -109,9 +110,9 @@ def _join(parts: list[Path], target: Path, expected: str) -> None:
         with workspace(directory, CACHE) as folder:
             _join_in(parts, folder / GEMMA3_FILE, expected)
             os.replace(folder / GEMMA3_FILE, target)
+            _place_record(folder, target, expected)
     except OSError as error:
         raise _unwritable(directory, error) from error
-    _write_record(target, expected)
 
 
 def _join_in(parts: list[Path], temporary: Path, expected: str) -> None:
@@ -171,13 +172,22 @@ def _read_record(target: Path) -> dict | None:
 
 
 def _write_record(target: Path, sha256: str) -> None:
-    """Record `target` as verified, written as the GGUF is (temporary file, then renamed). A record that cannot be
-    written costs a re-hash next run, not this one."""
-    record = target.with_name(target.name + VERIFIED_SUFFIX)
+    """Record `target`, verified but not joined here (touched, or copied in by hand), in a workspace of its own. A
+    record that cannot be written costs a re-hash next run, not this one."""
     try:
         with workspace(target.parent, CACHE) as folder:
-            (folder / record.name).write_text(json.dumps(_record(target.stat(), sha256)), encoding="utf-8")
-            os.replace(folder / record.name, record)
+            _place_record(folder, target, sha256)
+    except OSError:
+        pass  # a re-hash next run
+
+
+def _place_record(folder: Path, target: Path, sha256: str) -> None:
+    """Record `target` as verified, written as the GGUF is: in `folder` (a workspace of this cache), then renamed
+    beside it. A record that cannot be written costs a re-hash next run, not this one."""
+    record = target.with_name(target.name + VERIFIED_SUFFIX)
+    try:
+        (folder / record.name).write_text(json.dumps(_record(target.stat(), sha256)), encoding="utf-8")
+        os.replace(folder / record.name, record)
     except OSError:
         pass  # a re-hash next run
 

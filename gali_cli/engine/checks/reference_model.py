@@ -125,6 +125,8 @@ class NaiveLlama:
             self.keys[layer].append(k)
             self.values[layer].append(self._projection(h, p + "self_attn.v_proj").view(new, kv_heads, head_dim))
             keys, values = torch.cat(self.keys[layer]), torch.cat(self.values[layer])
+            if not local:
+                self.prepare(q, keys, first, layer)
             heads_out = []
             query_index = torch.arange(first, total).unsqueeze(1)
             masked = torch.arange(total).unsqueeze(0) > query_index
@@ -176,6 +178,10 @@ class NaiveLlama:
     def logit_scale(self, query: torch.Tensor) -> float:
         """What a logit q.k is multiplied by: the config's query_pre_attn_scalar^-1/2 (Gemma), else 1/sqrt(d)."""
         return self.pre_attn_scale if self.pre_attn_scale is not None else 1 / math.sqrt(query.shape[-1])
+
+    def prepare(self, queries, keys, first, layer):
+        """Before a global layer's heads: what a method decides from all its queries (n, H, D) and keys (T, Hkv, D)
+        at once (ReAttention's selection)."""
 
     def logits(self, query, keys, first, layer, head):
         raise NotImplementedError
@@ -434,3 +440,61 @@ class NaiveLaMPE(NaiveRelative):
 
     def query_scale(self, i):
         return torch.full((len(i),), (0.1 * math.log(2) + 1) ** 2, dtype=torch.float64)
+
+
+class NaiveReAttention(NaiveLlama):
+    """ReAttention (Liu et al. 2025), one chunk per forward: the first of train_len tokens, then chunks of
+    `chunk_size` (Algorithm 1's sizes), one token per forward after. A forward of T <= train_len keys is the plain
+    model. Past it, each query head h scores the middle keys [G, T - W) by its un-rotated query against the
+    un-rotated keys of head h // group; every (head, query) votes for its `top_keys` best (scores within
+    tie * |q| * max |k| of the k-th best tie, the earlier key first); the `clip` most voted (ties: the earlier) each
+    bring the keys c - S//2 .. c + S - S//2 - 1 inside the middle; the first G, those and the last W keys sit at
+    0..n-1 in order, query i at n - (T - i); every other key is masked."""
+
+    def __init__(self, model, train_len, sink, local_window, top_keys, span, clip, chunk_size, tie):
+        super().__init__(model)
+        self.tie = tie  # scores within tie * |q| * max |k| of each other are equal: the earlier key wins
+        self.train_len, self.sink, self.local_window = train_len, sink, local_window
+        self.top_keys, self.span, self.clip, self.chunk_size = top_keys, span, clip, chunk_size
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        logits, start = [], 0
+        for size in alg1_chunk_sizes(len(ids), self.train_len, self.chunk_size):
+            logits.append(self.forward(ids[start : start + size]))
+            start += size
+        return torch.cat(logits)
+
+    def best(self, scores: list[float], tolerance: float) -> list[int]:
+        """The top_keys scores' indices; scores within `tolerance` of the k-th best tie, the earlier index first."""
+        keep = min(self.top_keys, len(scores))
+        threshold = sorted(scores, reverse=True)[keep - 1]
+        above = [j for j, score in enumerate(scores) if score > threshold + tolerance]
+        tied = [j for j, score in enumerate(scores) if threshold - tolerance <= score <= threshold + tolerance]
+        return above + tied[: keep - len(above)]
+
+    def prepare(self, queries, keys, first, layer):
+        total, heads, kv_heads = len(keys), queries.shape[1], keys.shape[1]
+        self.kept = list(range(total))
+        if total <= self.train_len:
+            return
+        middle = range(self.sink, total - self.local_window)
+        votes = {}
+        for head in range(heads):
+            middle_keys = keys[middle.start : middle.stop, head // (heads // kv_heads)]
+            largest = float(middle_keys.norm(dim=-1).max())
+            for query in queries[:, head]:
+                scores = (middle_keys @ query).tolist()
+                for index in self.best(scores, self.tie * float(query.norm()) * largest):
+                    votes[index] = votes.get(index, 0) + 1
+        ranked = sorted(votes, key=lambda index: (-votes[index], index))[: self.clip]
+        spans = {min(max(c + offset, 0), len(middle) - 1) for c in ranked
+                 for offset in range(-(self.span // 2), self.span - self.span // 2)}
+        self.kept = [*range(self.sink), *sorted(middle.start + index for index in spans),
+                     *range(middle.stop, total)]
+
+    def logits(self, query, keys, first, layer, head):
+        total, n = len(keys), len(self.kept)
+        logits = torch.full((len(query), total), float("-inf"), dtype=torch.float64)
+        query_positions = torch.arange(first, total) - (total - n)
+        logits[:, self.kept] = self.rope_logits(query, keys[self.kept], query_positions, torch.arange(n))
+        return logits

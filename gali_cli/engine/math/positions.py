@@ -33,6 +33,14 @@ def chunk_plan(start: int, stop: int, train_len: int, chunk_size: int) -> list[t
     return pieces
 
 
+def planned_chunks(start: int, stop: int, cuts: list[int], train_len: int,
+                   chunk_size: int) -> list[list[tuple[int, int]]]:
+    """`chunk_plan` of each stretch between the `cuts` inside (start, stop): a prefill whose forwards end at these
+    chunks' ends (each cut among them) gives the results of one forward per stretch (GALI's chunks, ReAttention's)."""
+    ends = [*sorted({cut for cut in cuts if start < cut < stop}), stop]
+    return [chunk_plan(first, last, train_len, chunk_size) for first, last in zip([start, *ends[:-1]], ends)]
+
+
 def _where(condition, if_true, otherwise):
     """torch.where for 0-d tensors, a conditional for Python integers: the position arithmetic below runs on both."""
     if isinstance(condition, torch.Tensor):

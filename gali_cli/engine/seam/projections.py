@@ -157,7 +157,7 @@ def grid_projections(model: PreTrainedModel) -> Projections:
             m._forward_hooks or m._forward_pre_hooks for m in (*linears, *norms)):  # hooks the grids would skip
         return module_projections(model)
     if all(isinstance(m, PackedLinear) for m in linears):
-        return packed_already(base, head)
+        return gguf_grids(base, head)
     if not all(isinstance(m, nn.Linear) for m in linears):
         return module_projections(model)
     # The weights as packed: the same tensors, not changed in place since (tensors made in inference mode count no
@@ -192,7 +192,7 @@ def _pack(base: nn.Module, head: nn.Linear) -> Projections:
     return Projections(tuple(layers), base.norm, head, to_grid([head.weight]))
 
 
-def packed_already(base: nn.Module, head: PackedLinear) -> Projections:
+def gguf_grids(base: nn.Module, head: PackedLinear) -> Projections:
     """A GGUF model's projections, whose modules hold grids already: a group is its members' shared grid where
     they were stacked as one (`PackedLinear.group`, in order), a lone projection its own; a group without one grid
     (a float tensor among them) stays with its modules."""

@@ -33,7 +33,7 @@ from ...model.families import GLOBAL, LOCAL, family_of, layer_is_local
 from ..contract import Placement
 from .hooks import KindRotary, llama_model, original_rotary
 from .packed_modules import PackedLinear, grid_product_available
-from .projections import LayerProjections, Projections, grid_projections, module_projections, packed_already
+from .projections import LayerProjections, Projections, gguf_grids, grid_projections, module_projections
 
 
 class Rotation(NamedTuple):
@@ -219,7 +219,7 @@ def step_projections(model: nn.Module, grids: bool) -> Projections:
     linears = [m for m in modules if isinstance(m, nn.Linear | PackedLinear)]
     packed = grids and grid_product_available() and all(isinstance(m, PackedLinear) for m in linears) and not any(
         m._forward_hooks or m._forward_pre_hooks for m in modules)
-    plain = packed_already(base, head) if packed else module_projections(model)
+    plain = gguf_grids(base, head) if packed else module_projections(model)
     offset = family.norm_offset
     layers = tuple(SandwichProjections(
         parts.layer, parts.qkv, parts.output, parts.gate_up, parts.down,

@@ -1,0 +1,74 @@
+"""Every command on the bundled demo model, in-process and as a real `gali` process."""
+
+import json
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+from helpers.timing import scaled
+from typer.testing import CliRunner
+
+import gali_cli.cli as cli
+from gali_cli.model.loading import demo_model_path
+
+HELD_OUT = [line for line in (demo_model_path() / "heldout.txt").read_text().splitlines() if line]
+
+
+def held_out_file(min_bytes: int) -> Path:
+    """A standard-library module the demo model never saw in training."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((root / name for name in HELD_OUT if (root / name).exists()), key=lambda p: p.stat().st_size)
+    return next(p for p in files if p.stat().st_size >= min_bytes)
+
+
+def gali(*args: str):
+    result = CliRunner().invoke(cli.app, [*args, "-m", "demo"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    return result
+
+
+def test_demo_model_describes_itself():
+    facts = json.loads(gali("info", "--json").stdout)
+    assert facts["train_len"] == 256 and facts["gali"] == {
+        "train_len": 256, "chunk_size": 64, "local_window": 128, "noise": False}
+
+
+def test_demo_answers_in_format(tmp_path):
+    """Just past its window the demo model answers in the trained format and stops with <|eot_id|>."""
+    module = tmp_path / "module.py"
+    module.write_text(held_out_file(3000).read_text()[:900])
+    summary = json.loads(gali("summarize", str(module), "--max-new-tokens", "64", "--json").stdout)
+    assert summary["prompt_tokens"] > 256 and summary["answer"] and summary["finish_reason"] == "stop"
+    answer = json.loads(gali("ask", str(module), "What does the module do?", "--max-new-tokens", "64",
+                             "--json").stdout)
+    assert answer["answer"] and answer["finish_reason"] == "stop"
+
+
+def test_demo_reads_many_times_its_window():
+    module = held_out_file(6000)
+    summary = json.loads(gali("summarize", str(module), "--max-new-tokens", "16", "--json").stdout)
+    assert summary["prompt_tokens"] > 4 * 256 and summary["answer"]
+
+
+def test_gali_reads_past_the_window_better_than_the_unpatched_model():
+    module = str(held_out_file(8000))
+    lengths = ["--lengths", "256,1024", "--max-tokens", "1024", "--json"]
+    gali_ppl = {r["length"]: r["ppl"] for r in json.loads(gali("ppl", module, *lengths).stdout)["results"]}
+    original = {r["length"]: r["ppl"] for r in
+                json.loads(gali("ppl", module, *lengths, "--method", "original").stdout)["results"]}
+    assert gali_ppl[256] == pytest.approx(original[256], rel=1e-4)  # inside the window GALI changes nothing
+    assert gali_ppl[1024] < original[1024]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gali") is None, reason="the console script is installed by pip install -e .")
+def test_console_script_runs_the_demo():
+    module = held_out_file(3000)
+    result = subprocess.run(["gali", "summarize", str(module), "-m", "demo", "--max-new-tokens", "32"],
+                            capture_output=True, text=True, timeout=scaled(300), env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and str(module) in result.stderr
+    assert subprocess.run(["gali", "--version"], capture_output=True, text=True).stdout.startswith("gali ")
