@@ -32,7 +32,7 @@ from gali_cli.config import MethodSettings
 from gali_cli.conversation import Conversation
 from gali_cli.doc_cache import DocumentCache, checksums
 from gali_cli.generate import TextPiece, make_sampler
-from gali_cli.model.loading import DEMO, load_model
+from gali_cli.loading import DEMO, load_model
 from gali_cli.prompts import ask_instruction
 
 

@@ -46,12 +46,12 @@ import torch  # noqa: E402
 from gali_cli.cli import main as main_command  # noqa: E402
 from gali_cli.doc_cache import DocumentCache  # noqa: E402
 from gali_cli.documents import read_document  # noqa: E402
-from gali_cli.engine.seam import with_cache  # noqa: E402
+from gali_cli.engine.seam.cache_argument import with_cache  # noqa: E402
 from gali_cli.engine.seam.static_decode import StaticDecoder  # noqa: E402
 from gali_cli.generate import make_sampler, truncate_cache  # noqa: E402
 from gali_cli.prompts import ask_instruction  # noqa: E402
-from gali_cli.runs import Answering, ModelChoice  # noqa: E402
 from gali_cli.runs.answer import _stream_answer  # noqa: E402
+from gali_cli.runs.choices import Answering, ModelChoice  # noqa: E402
 from gali_cli.runs.common import conversation, load  # noqa: E402
 from gali_cli.threads import cpu_threads  # noqa: E402
 

@@ -43,10 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speed import SHAPES, build_model, check_choices, run_context, synchronize
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.attention.decode_route import ROUTES
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache, reserve
 from gali_cli.engine.seam.packed_modules import model_device
-from gali_cli.engine.seam.static_decode import ROUTES, StaticDecoder, difference, model_route
+from gali_cli.engine.seam.static_decode import StaticDecoder, difference, model_route
 from gali_cli.generate import truncate_cache
 from gali_cli.methods.registry import NAMES
 from gali_cli.patching import apply_method, prefill_spans

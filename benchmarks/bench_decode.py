@@ -19,9 +19,9 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache
-from gali_cli.model.loading import load_model
+from gali_cli.loading import load_model
 from gali_cli.patching import apply_method, remove_method
 
 

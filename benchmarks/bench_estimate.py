@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings
 from gali_cli.estimate import PrefillClock
 from gali_cli.generate import prefill
-from gali_cli.model.loading import DEMO, load_model
+from gali_cli.loading import DEMO, load_model
 from gali_cli.patching import apply_method, prefill_spans
 
 

@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> None:
     import torch
     from bench_real import text
 
+    from gali_cli.loading import load_model
     from gali_cli.methods.registry import NAMES
-    from gali_cli.model.loading import load_model
     from gali_cli.prompts import text_ids
 
     if args.threads:

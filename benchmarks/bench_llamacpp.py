@@ -132,7 +132,7 @@ def worker(spec: dict) -> dict:
     from gali_cli.engine.seam.kv_cache import new_cache, reserve
     from gali_cli.generate import DecodePath, decode, make_sampler, prefill
     from gali_cli.patching import apply_method, prefill_spans
-    from gali_cli.runs import ModelChoice
+    from gali_cli.runs.choices import ModelChoice
     from gali_cli.runs.common import load
     from gali_cli.threads import cpu_threads
 

@@ -26,8 +26,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings
+from gali_cli.loading import demo_model_path
 from gali_cli.methods.registry import NAMES
-from gali_cli.model.loading import demo_model_path
 from gali_cli.patching import apply_method, forward_ends, prefill_spans
 from gali_cli.perplexity import perplexities
 

@@ -222,7 +222,7 @@ def calibrate(run: Callable[[], object], seconds: float) -> int:
 
 def measure_step(model: nn.Module, kernels: list[str], length: int, tokens: int, rounds: int) -> list[dict]:
     """The static decoding step through each kernel, side by side on one prefilled cache."""
-    from gali_cli.engine.seam import with_cache
+    from gali_cli.engine.seam.cache_argument import with_cache
     from gali_cli.engine.seam.kv_cache import new_cache, reserve
     from gali_cli.engine.seam.static_decode import StaticDecoder
     from gali_cli.generate import truncate_cache

@@ -36,8 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "real.jsonl"
-ALL_METHODS = ["original", "gali", "self-extend", "chunk-llama", "ntk", "dynamic-ntk", "yarn", "rerope", "leaky-rerope",
-               "dpe", "string", "lampe"]
+from gali_cli.methods.registry import NAMES  # noqa: E402  (torch-free; after the path is set)
+
+ALL_METHODS = list(NAMES)  # every method, in the registry's order
 PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
 
 
@@ -92,7 +93,7 @@ def _measure(spec: dict) -> dict:
     import torch
 
     from gali_cli.config import MethodSettings
-    from gali_cli.model.loading import load_model
+    from gali_cli.loading import load_model
 
     torch.set_num_threads(spec["threads"])
     torch.set_grad_enabled(False)
@@ -237,7 +238,7 @@ def report(args: argparse.Namespace) -> None:
         for record in group:
             accuracy = record["results"]["accuracy"]
             mean = sum(accuracy.values()) / len(accuracy)
-            print(f"| {_label(record)} | " + " | ".join(f"{accuracy[c]:.2f}" for c in cells)
+            print(f"| {_label(record)} | " + " | ".join(f"{accuracy[c]:.2f}" if c in accuracy else "" for c in cells)
                   + f" | {mean:.2f} | {record['seconds']:.0f} |")
     if args.plot:
         _plot(records, args.plot)

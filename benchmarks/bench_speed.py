@@ -62,7 +62,7 @@ METHOD_VARIANTS = ("rerope", "leaky-rerope", "dpe", "string", "lampe")  # applie
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     if args.model:
-        from gali_cli.model.loading import load_model
+        from gali_cli.loading import load_model
 
         model = load_model(args.model, device=args.device, dtype=args.dtype).model
         if args.layers:  # its first layers only: each layer costs the same, so the ratios hold, in less time
@@ -211,7 +211,7 @@ def side_by_side(args: argparse.Namespace, variants: list[str], runs: list[tuple
     on a shared machine the load shifts alike for all of them, so their ratios hold. Peak memory per forward (CUDA:
     the allocator's peak; CPU: VmHWM), reset before each."""
 
-    from gali_cli.engine.seam import with_cache
+    from gali_cli.engine.seam.cache_argument import with_cache
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model = build_model(args)
@@ -261,7 +261,7 @@ def worker(args: argparse.Namespace) -> dict:
     """One variant: prefill `factor` x train_len tokens, then decode; returns times (s) and peak memory (MiB)."""
     from transformers import DynamicCache
 
-    from gali_cli.engine.seam import with_cache
+    from gali_cli.engine.seam.cache_argument import with_cache
     from gali_cli.patching import forward_ends
 
     torch.set_num_threads(args.threads or torch.get_num_threads())

@@ -23,8 +23,8 @@ from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gali_cli.config import MethodSettings
 from gali_cli.generate import decode, make_sampler, prefill
+from gali_cli.loading import demo_model_path
 from gali_cli.methods.registry import NAMES
-from gali_cli.model.loading import demo_model_path
 from gali_cli.patching import apply_method, prefill_spans
 
 WINDOW = 256

@@ -19,7 +19,7 @@ _PUBLIC = {
     "gali_settings": ".patching",
     "apply_method": ".patching",
     "remove_method": ".patching",
-    "with_cache": ".engine.seam",
+    "with_cache": ".engine.seam.cache_argument",
 }
 __all__ = [  # the keys of _PUBLIC, sorted; a literal so that linters and IDEs can read it
     "ConfigError",

@@ -46,7 +46,7 @@ from .options import (
     with_model_options,
 )
 from .prompts import SUMMARIZE, ask_instruction
-from .runs import Answering, ModelChoice, Reading, Serving
+from .runs.choices import Answering, ModelChoice, Reading, Serving
 from .runs.prechecks import check_batch, check_first, check_serving, read_first
 
 app = typer.Typer(name="gali", cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

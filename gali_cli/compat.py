@@ -15,8 +15,8 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import GaliWarning
 
-# Kept equal to the transformers requirement in pyproject.toml (tests/test_compat.py). Raise the upper bound only
-# after `python scripts/compat.py` has passed on the new release and its row is in docs/compatibility.md.
+# Kept equal to the transformers requirement in pyproject.toml (tests/engine/seam/test_compat.py). Raise the upper
+# bound only after `python scripts/compat.py` has passed on the new release and its row is in docs/compatibility.md.
 TESTED_TRANSFORMERS = ">=5.6,<5.26"
 
 _warned = False

@@ -28,8 +28,8 @@ from .generate import (
     stream_generate,
     truncate_cache,
 )
+from .loading import LoadedModel
 from .methods.registry import REGISTRY
-from .model.loading import LoadedModel
 from .patching import apply_method, prefill_spans
 from .prompts import Prompt, ask_instruction, check_prompt_characters, check_prompt_length, conversation_ids, text_ids
 

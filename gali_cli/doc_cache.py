@@ -22,9 +22,9 @@ document and its settings, which only gali computes.
 
 Why CRC-32: the checksum guards against damage (a disk, a copy, a stray write), not against someone who can write the
 cache directory (they could rewrite any digest stored beside the data). CRC-32 catches every burst of up to 32 bits
-and any other damage but one in 2^32, and zlib computes it at about 3 GiB/s, 2.6x SHA-256 and 4.7x BLAKE2b on our
-CPUs; each tensor is checked on its own thread (zlib lets go of the GIL), so more cores check faster.
-docs/performance.md has its cost against a prefill.
+and any other damage but one in 2^32, and zlib computes it several times faster than SHA-256 or BLAKE2b; each
+tensor is checked on its own thread (zlib lets go of the GIL), so more cores check faster. docs/performance.md ("The
+document cache's checksums") has those rates and its cost against a prefill.
 """
 
 import hashlib

@@ -17,8 +17,8 @@ from transformers import DynamicCache
 
 from . import __version__
 from .doc_cache import DocumentCache, entry_key
+from .loading import LoadedModel
 from .methods.registry import REGISTRY
-from .model.loading import LoadedModel
 from .patching import forward_ends
 
 

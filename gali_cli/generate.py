@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .engine.seam import with_cache
+from .engine.seam.cache_argument import with_cache
 from .engine.seam.kv_cache import new_cache, reserve
 from .engine.seam.packed_modules import model_device
 from .engine.seam.static_decode import static_decoder
@@ -324,8 +324,8 @@ class _Detokenizer:
     Each token decodes only the tokens not shown yet, after those of the last piece shown: their context, so that a
     tokenizer that drops a leading space at the start of what it decodes, or joins one to what follows, writes them
     as in the whole answer; the pieces join to the answer decoded as a whole. The cost per token stays the same
-    however long the answer's lines: decoding the whole line again for each token cost SmolLM2's tokenizer 1.2 ms
-    a token over a line of 2,048 tokens, and 2.5 ms a token at its end.
+    however long the answer's lines, where decoding the whole line again for each token grew with the line
+    (docs/performance.md, "The CLI's decoding against its step (2026-12-07)").
     """
 
     def __init__(self, tokenizer) -> None:

@@ -18,7 +18,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from .config import MAX_INPUT_BYTES, MethodSettings, format_size, parse_size
 from .errors import ConfigError
 from .methods.registry import DEFAULT, NAMES
-from .runs import ModelChoice
+from .runs.choices import ModelChoice
 from .threads import check_threads
 
 
@@ -216,7 +216,7 @@ def _finite(value: float) -> float:
 
 # At most 2, as `gali serve` and OpenAI's API take it: past that a model's distribution is near uniform (inf and
 # 1e308 sampled every token of the vocabulary alike). --top-p 0 keeps only the most likely token: greedy
-# (runs.Answering), as the server treats it.
+# (runs.choices.Answering), as the server treats it.
 Temperature = Annotated[float, typer.Option(min=0.0, max=2.0, callback=_finite, metavar="X", help="0 is greedy.")]
 TopP = Annotated[float, typer.Option(min=0.0, max=1.0, callback=_finite, metavar="X",
                                      help="Nucleus sampling; 0 is greedy.")]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from .engine.seam import with_cache
+from .engine.seam.cache_argument import with_cache
 from .engine.seam.kv_cache import new_cache, reserve
 from .errors import ConfigError
 

@@ -115,7 +115,7 @@ CASES = tuple(SeamCase(example.label, name, example.settings, example.reference,
 
 
 # The other families' checks: the unpatched model and GALI, each through gali's prefill and decode (every method on
-# every family: tests/test_families.py).
+# every family: tests/model/test_families.py).
 FAMILY_CASES = (UNPATCHED, DEFAULT)
 
 

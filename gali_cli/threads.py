@@ -1,10 +1,11 @@
 """How many CPU threads torch runs on, and how its OpenMP threads wait, so that a busy machine does not collapse.
 
 torch's CPU wheel runs on GNU OpenMP (libgomp), whose threads by default spin at each barrier before they sleep.
-When other processes want the same cores, a spinning thread burns the time slice its partner needs: on 2 cores at
-load 5, `gali summarize -m smollm2` decoded 0.6 tokens/s with torch's defaults and 9.3 with OMP_WAIT_POLICY=PASSIVE
-(benchmarks/bench_threads.py). libgomp reads that variable once, when torch loads it, so `prepare_openmp` runs
-before torch is imported (gali_cli.entry). KMP_BLOCKTIME is Intel OpenMP's and does nothing to libgomp.
+When other processes want the same cores, a spinning thread burns the time slice its partner needs: on a loaded
+machine `gali summarize` decoded many times slower with torch's defaults than with OMP_WAIT_POLICY=PASSIVE
+(docs/usage.md, "CPU threads"; benchmarks/bench_threads.py). libgomp reads that variable once, when torch loads
+it, so `prepare_openmp` runs before torch is imported (gali_cli.entry). KMP_BLOCKTIME is Intel OpenMP's and does
+nothing to libgomp.
 
 The thread count: --threads (GALI_THREADS), else torch's own (OMP_NUM_THREADS, else the physical cores). Nothing
 here imports torch at module level.
@@ -56,8 +57,8 @@ class CpuThreads:
 
 def choose_threads(requested: int | None, torch_default: int) -> CpuThreads:
     """The count for `requested` (--threads; None: torch's own default, which follows OMP_NUM_THREADS and is
-    otherwise the physical cores). Under load, fewer threads did not help once OpenMP waits passively: 2 threads
-    decoded 9.3 and 3.5 tokens/s where 1 did 4.7 and 1.6 (2 CPUs, load 6-12, benchmarks/bench_threads.py)."""
+    otherwise the physical cores). Under load, fewer threads did not help once OpenMP waits passively
+    (docs/performance.md, "Threads on a loaded machine")."""
     if requested:
         return CpuThreads(requested, "--threads")
     load = f"; load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/engine/seam/test_compat.py", "tests/engine/seam/test_hooks.py", "tests/engine/seam/test_kv_cache.py",
          "tests/methods",  # every method against its restatement, and the authors' GALI outputs
          "tests/app/test_generate.py", "tests/server/test_server.py", "tests/model/test_gguf.py",
-         "tests/model/test_gguf_weights.py", "tests/model/test_families.py"]
+         "tests/app/test_gguf_weights.py", "tests/model/test_families.py"]
 TABLE = ROOT / "docs" / "compatibility.md"
 BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
 

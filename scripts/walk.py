@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--method", default="gali")
     args = parser.parse_args()
     import gali_cli.cli as cli
-    from gali_cli.model.loading import demo_model_path
+    from gali_cli.loading import demo_model_path
 
     root = Path(sysconfig.get_paths()["stdlib"])
     held_out = [line for line in (demo_model_path() / "heldout.txt").read_text().splitlines() if line]

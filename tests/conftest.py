@@ -38,11 +38,11 @@ def cache_argument_renamed(monkeypatch):
     import transformers
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from gali_cli.engine import seam
+    from gali_cli.engine.seam import cache_argument
     from gali_cli.model.families import FAMILIES
 
     def renamed(model_class):
-        current, model_forward = seam.cache_parameter(model_class), model_class.forward
+        current, model_forward = cache_argument.cache_parameter(model_class), model_class.forward
 
         def renamed_model_forward(self, input_ids=None, attention_mask=None, position_ids=None, kv_cache=None,
                                   inputs_embeds=None, use_cache=None, **kwargs):
@@ -62,9 +62,9 @@ def cache_argument_renamed(monkeypatch):
         model_class = transformers.AutoModel._model_mapping[getattr(transformers, family.causal_lm).config_class]
         monkeypatch.setattr(model_class, "forward", renamed(model_class))
         monkeypatch.setattr(getattr(transformers, family.causal_lm), "forward", renamed_causal_forward)
-    seam.forward_parameters.cache_clear()  # it remembers each class's declared parameters
+    cache_argument.forward_parameters.cache_clear()  # it remembers each class's declared parameters
     yield
-    seam.forward_parameters.cache_clear()
+    cache_argument.forward_parameters.cache_clear()
 
 
 @pytest.fixture(autouse=True)
@@ -126,3 +126,17 @@ def running_workspace():
             return folder
 
         yield writing
+
+
+@pytest.fixture
+def fresh_kernel(tmp_path, monkeypatch):
+    """A native kernel directory of the test's own and no remembered build or check (restored afterwards)."""
+    from gali_cli.engine.attention import noisy_attention
+    from gali_cli.engine.kernels import native_library
+
+    monkeypatch.setattr(native_library, "kernel_directory", lambda: tmp_path / "kernels")
+    native_library.load_kernel.cache_clear()
+    noisy_attention.native_verified.cache_clear()
+    yield tmp_path / "kernels"
+    native_library.load_kernel.cache_clear()
+    noisy_attention.native_verified.cache_clear()

@@ -184,8 +184,9 @@ class Placement(NamedTuple):
     `query_scale`: multiplies the query (ReRoPE's log n, STRING's and LaMPE's logit scale).
     `reach`: the offsets of the keys up to the query are whole numbers in [-reach, 0] (GALI's: inside the training
         window). A kernel then rotates each key from a table of RoPE per offset, reach + 2 rows made once, instead of
-        a (C, D/2) table of float64 angles made every step (after 128k tokens on an H200 that table cost GALI 10% of
-        the unpatched step) and read by every layer. None: no such bound.
+        a (C, D/2) table of float64 angles made every step (a cost that grows with the cache and kept GALI's step
+        behind the unpatched one on a GPU: docs/notes/2026-11-performance-history.md, "GPU: decoding as a CUDA graph
+        (issue 26)") and read by every layer. None: no such bound.
     """
 
     offset: torch.Tensor

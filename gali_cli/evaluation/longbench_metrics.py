@@ -1,6 +1,7 @@
 """LongBench v1's metrics, as its official eval.py scores an answer (THUDM/LongBench, LongBench/metrics.py and
 eval.py): the code is gali's own, the definitions theirs, quirks included, so that a table of ours is comparable with
-the published ones (tests/test_longbench.py checks each against values worked out from those definitions).
+the published ones (tests/evaluation/test_longbench.py checks each against values worked out from those
+definitions).
 
 - qa F1: lower-cased, punctuation and English articles removed, whitespace tokens, F1 of the token multisets.
 - ROUGE-L: the `rouge` package (pltrdy/rouge 1.0.1, what the official code calls): summary-level union LCS over

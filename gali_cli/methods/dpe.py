@@ -19,12 +19,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..config import MethodSettings
-from ..engine.attention.windowed import kept_far_keys, windowed_attend
 from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 from .method import Method, SeamExample, head_dim, neighbor_window, smallest_group
+from .windowed import kept_far_keys, windowed_attend
 
 # Settings from the official repository's config/dpe_config.yaml (eight equal groups of Llama-3's 64 frequencies,
 # highest frequency first), chosen there by a needle sweep for each model.

@@ -78,7 +78,7 @@ class Gali(PositionalAttention):
             sigma = torch.where(fractional, (query - keys).float() * self.config.noise_scale / total.float(), 0.0)
         at = positions.ceil.gather(0, query.view(1))  # the query's own position (gather: no index read on the host)
         # Positions lie in [0, train_len - 1] (train_len: a query's own, with no local window), the query's the
-        # largest: offsets in [-train_len, 0] (tests/test_static_decode.py).
+        # largest: offsets in [-train_len, 0] (tests/engine/seam/test_static_decode.py).
         return Placement(positions.ceil - at, positions.weight, sigma, reach=train_len)
 
     def noise(self, layer: int) -> Noise | None:

@@ -36,13 +36,13 @@ from transformers import PretrainedConfig
 
 from ..config import MethodSettings
 from ..engine.attention.dense import Partial, PartialAttention, causal_partial, merge_partials, partial_attention
-from ..engine.attention.windowed import far_attention, near_attention
 from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 from .dpe import published_settings as llama3_match
 from .method import Method, SeamExample, neighbor_window
+from .windowed import far_attention, near_attention
 
 # The official code multiplies cos and sin by this for queries and keys alike (YaRN's 0.1 ln s + 1 at s = 2).
 SCALE = 0.1 * math.log(2) + 1
@@ -124,7 +124,7 @@ class LaMPE(PositionalAttention):
         self._kept = KeptKeys()
 
     def table_rows(self, start: int, stop: int) -> int:
-        return 2 * self.layout.head  # head keys are rotated relative to their tile (engine.windowed)
+        return 2 * self.layout.head  # head keys are rotated relative to their tile (windowed.py)
 
     def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
         """The head window at true distances; the tail (j <= i - (N - R)) against the query at i - b2; the middle

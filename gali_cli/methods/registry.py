@@ -33,6 +33,8 @@ class Registered:
     # False when results depend on one forward over the whole input: no prefilled prefix can then be reused
     prefix_reusable: bool = True
     honours_train_len: bool = True  # False: the unrestricted model, whatever --train-len says
+    # False: it decodes eagerly (the static decoding step needs a placement that depends on token indices alone)
+    static_step: bool = True
 
 
 REGISTRY: dict[str, Registered] = {
@@ -44,7 +46,7 @@ REGISTRY: dict[str, Registered] = {
         "`--factor` (ceil(N/L), at least 1)", "-"),
     "dynamic-ntk": Registered(
         "rope_scaling", "DYNAMIC_NTK", "transformers' `dynamic` rope type, scaling once a forward passes L",
-        "`--factor` (ceil(N/L))", "L, per forward", prefix_reusable=False),
+        "`--factor` (ceil(N/L))", "L, per forward", prefix_reusable=False, static_step=False),
     "yarn": Registered(
         "rope_scaling", "YARN", "transformers' `yarn` rope type, `original_max_position_embeddings = L`",
         "`--factor` (ceil(N/L))", "-"),
@@ -88,7 +90,8 @@ REGISTRY: dict[str, Registered] = {
         "ReAttention: each chunk attends the first tokens, the spans its queries' un-rotated top-k pick and the "
         "local window, at positions inside L",
         "`--sink-tokens` (32, at most L/16), `--top-keys` (4), `--span-size` (32, at most L/16), `--local-window` "
-        "(L/2), `--recall-clip` (the spans that fit L), `--chunk-size` (L/8)", "L", previewable=True),
+        "(L/2), `--recall-clip` (the spans that fit L), `--chunk-size` (L/8)", "L", previewable=True,
+        static_step=False),  # what it attends depends on the query's content
 }
 NAMES = tuple(REGISTRY)  # in the order gali lists them
 DEFAULT = "gali"  # what --method is when not given

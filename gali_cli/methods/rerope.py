@@ -4,7 +4,7 @@ A query i and a key j closer than the window w keep their true distance d = i - 
 to w (ReRoPE) or compressed to w + (d - w) / k (Leaky ReRoPE), so that it never leaves the trained range. As in the
 official code, queries past train_len are also scaled by log(i + 1) / log(train_len) ("log n" scaling, optional).
 
-The official code builds two logit matrices. Here neither part has one (engine.windowed): beyond the window,
+The official code builds two logit matrices. Here neither part has one (windowed.py): beyond the window,
 ReRoPE's logit is q.R(w)^T k for every pair, one attention of queries rotated at w over the un-rotated keys the cache
 holds anyway; Leaky ReRoPE's distance is linear in d, so it is RoPE with positions i / k + w - w / k for queries and
 j / k for keys (rotated once per key and kept while decoding). Positions depend on (i, j) only, so any split of the
@@ -18,12 +18,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..config import MethodSettings
-from ..engine.attention.windowed import kept_far_keys, windowed_attend
 from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 from .method import Method, SeamExample, neighbor_window
+from .windowed import kept_far_keys, windowed_attend
 
 
 def leaky_reach(window: int, factor: float, train_len: int) -> int:

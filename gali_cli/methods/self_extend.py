@@ -5,7 +5,7 @@ attend with grouped positions: the key at j // G, the query at i // G + W - W //
 continue where the window ends. Keys are cached without RoPE, like GALI's. Positions depend on (i, j) only, so any
 split of the input into forwards gives the same result; a key's grouped position depends on j alone, so while
 decoding the grouped keys are kept rotated from token to token, and those of the window at their token indices
-(KeptKeys.split). The attention is engine/attention/windowed.py's grouped_attention, which SELF shares (its groups
+(KeptKeys.split). The attention is windowed.py's grouped_attention, which SELF shares (its groups
 grow along a logistic curve), over the windowed attention ReRoPE and DPE use too.
 """
 
@@ -14,11 +14,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..config import MethodSettings
-from ..engine.attention.windowed import grouped_attention, grouped_placement
 from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..errors import ConfigError
 from .method import Method, SeamExample, neighbor_window, smallest_group
+from .windowed import grouped_attention, grouped_placement
 
 
 def group_shift(group_size: int, neighbor_window: int) -> int:
@@ -47,7 +47,7 @@ class SelfExtend(PositionalAttention):
 
     def table_rows(self, start: int, stop: int) -> int:
         grouped = (stop - 1) // self.group_size + group_shift(self.group_size, self.neighbor_window) + 1
-        return max(grouped, 2 * self.neighbor_window)  # neighbour positions are relative to a tile (engine.windowed)
+        return max(grouped, 2 * self.neighbor_window)  # neighbour positions are relative to a tile (windowed.py)
 
     def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
         size, window = self.group_size, self.neighbor_window
@@ -58,7 +58,7 @@ class SelfExtend(PositionalAttention):
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         """The neighbours at true distances, the grouped keys at j // G, the queries at i // G + W - W // G
-        (engine.windowed.grouped_attention)."""
+        (windowed.grouped_attention)."""
         size, window = self.group_size, self.neighbor_window
         return grouped_attention(forward, self._kept, module, query, key, value, window, lambda j: j // size,
                                  lambda i: i // size + group_shift(size, window), scaling, dropout)

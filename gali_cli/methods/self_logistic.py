@@ -11,7 +11,7 @@ the query at W + G(i - W), so that the nearest grouped key (j = i - W) is W away
 G is a tensor of cumulative group sizes searched once (`grouped_positions`), so every lookup is indexing, and it
 depends on j alone: any split of the input into forwards gives the same result, decoding keeps the grouped keys
 rotated from token to token, and the static decoding step places keys by tensor indexing. The attention itself is
-SelfExtend's (engine.attention.windowed.grouped_attention) with these two maps. docs/methods.md says where this
+SelfExtend's (windowed.grouped_attention) with these two maps. docs/methods.md says where this
 follows the official code and where it does not (its decoding path).
 """
 
@@ -22,11 +22,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..config import MethodSettings
-from ..engine.attention.windowed import grouped_attention, grouped_placement
 from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..errors import ConfigError
 from .method import Method, SeamExample, neighbor_window
+from .windowed import grouped_attention, grouped_placement
 
 OFFICIAL_RATE = 0.02  # r as the official code runs it: its position generator's default, the only one it reaches
 FASTEST_RATE = 100.0  # e^(-100 x) vanishes beside 1 from x = 1 on: every group past the first holds c - 1
@@ -159,7 +159,7 @@ class LogisticSelfExtend(PositionalAttention):
         return self.neighbor_window + int(self.positions(index + 1, torch.device("cpu"))[index])
 
     def table_rows(self, start: int, stop: int) -> int:
-        # Grouped rows up to the last query's; neighbour positions are relative to a tile (engine.windowed).
+        # Grouped rows up to the last query's; neighbour positions are relative to a tile (windowed.py).
         return max(self._query_row(stop - 1) + 1, 2 * self.neighbor_window)
 
     def decode_placement(self, query: torch.Tensor, keys: torch.Tensor) -> Placement:
@@ -172,7 +172,7 @@ class LogisticSelfExtend(PositionalAttention):
     def attend(self, forward: Forward, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         """The neighbours at true distances, the grouped keys at G(j), the queries at W + G(i - W)
-        (engine.windowed.grouped_attention)."""
+        (windowed.grouped_attention)."""
         window = self.neighbor_window
         positions = self.positions(forward.stop, key.device)
         return grouped_attention(forward, self._kept, module, query, key, value, window, lambda j: positions[j],

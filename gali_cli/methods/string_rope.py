@@ -11,7 +11,7 @@ model's, run beyond L.
 As in the official code (string_for_llama.py, which scales the rotary's cos/sin by 1 + 0.1 ln 2, "similar with
 Yarn"), every logit is multiplied by (1 + 0.1 ln 2)^2 (applied here to the softmax scale), unless --no-string-scale.
 
-Two attentions merged by log-sum-exp (engine.windowed): the near keys at their true distances, the far keys at their
+Two attentions merged by log-sum-exp (windowed.py): the near keys at their true distances, the far keys at their
 true positions j against queries rotated at i - S + W. Keys are cached without RoPE; the far keys' rotations depend
 on j only, so they are rotated once and kept while decoding. Positions depend on (i, j) only: any split of the input
 into forwards gives the same result, and a document's prefilled state serves any later question.
@@ -24,13 +24,13 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..config import MethodSettings
-from ..engine.attention.windowed import decoding_at_token_index, windowed_attend
 from ..engine.checks import reference_model as ref
 from ..engine.contract import Forward, KeptKeys, Placement, PositionalAttention
 from ..engine.math.rope import rotate, rotation
 from ..errors import ConfigError
 from .dpe import llama3_8b
 from .method import Method, SeamExample
+from .windowed import decoding_at_token_index, windowed_attend
 
 SHIFT_RATIO = 0.33  # S = int(0.33 L), as the official README and RULER scripts set it
 LOCAL_WINDOW = 128  # W, the official default

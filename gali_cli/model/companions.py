@@ -1,7 +1,7 @@
 """What transformers reads slowly from a GGUF, its config and tokenizer, kept in the user cache once read.
 
-transformers takes tens of seconds to build a GGUF's tokenizer from its vocabulary (13 s for SmolLM2's 49k tokens
-on two cores) and seconds for its config; gali reads the weights from the file itself on every load
+transformers takes tens of seconds to build a GGUF's tokenizer from its vocabulary (docs/performance.md, "GGUF
+weights in their blocks") and seconds for its config; gali reads the weights from the file itself on every load
 (gguf_weights.py), so an entry here holds only the rest: the config without its GGUF quantization marker, the
 generation config, and the tokenizer with its chat template (tens of MB at most, never a weight). It is named after
 the GGUF's identity (path, size, modification time, digest of its first MiB) and the transformers version, built in

@@ -2,7 +2,8 @@
 
 `gali info` shows a model's architecture and checks the GALI settings against its window before anything heavy is
 imported: the fields it needs are plain JSON in a config.json, or key-values in a GGUF's header. They are read as
-transformers reads them (rope parameters included); tests/test_model_config.py holds the two readings side by side.
+transformers reads them (rope parameters included); tests/model/test_config.py holds the two readings side by
+side.
 """
 
 import dataclasses

@@ -7,7 +7,7 @@ offset, and codes of 2 to 8 bits. Held that way a weight takes a byte and its su
 weight for sub-blocks of 32, 1.5 for 16), a small multiple of the file's 0.56-1.06 bytes, instead of float32's 4.
 The grids are exact: step * code is a product of a float16 scale, a sub-scale of at most 8 bits and a code of at
 most 8 bits, which float32 holds without rounding, so base + step * code rounds once, as the gguf package's own
-`d * q + m` does (tests/test_gguf_blocks.py holds every type to it bit for bit).
+`d * q + m` does (tests/app/test_gguf_weights.py holds every type to it bit for bit).
 
 The readers mirror the layouts of the gguf package's `dequantize_blocks` (gguf/quants.py), vectorised over the
 blocks with numpy; the IQ types (codebooks, not grids), TQ and MXFP4 are not read here (`GRID_TYPES`). The names

@@ -108,9 +108,10 @@ def choose_device(device: str, cuda_available: bool) -> str:
 
 def cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether the CPU has AMX's bfloat16 tiles (Intel Sapphire Rapids and later), from the flags Linux lists;
-    elsewhere, or unreadable, False. That is where PyTorch's bfloat16 matrix products beat float32 (1.4x prefill in
-    issue 26's trial). AVX-512 BF16 alone is not enough: on a Xeon VM that shows it but hides AMX, a SmolLM2 prefill
-    took 1.47x as long in bfloat16 (docs/performance.md, "bfloat16 on the CPU").
+    elsewhere, or unreadable, False. That is where PyTorch's bfloat16 matrix products beat float32 (issue 26's
+    trial: docs/notes/2026-11-performance-history.md, "bfloat16 on the CPU (issue 26)"). AVX-512 BF16 alone is not
+    enough: on a Xeon VM that shows it but hides AMX, a SmolLM2 prefill took longer in bfloat16
+    (docs/performance.md, "bfloat16 on the CPU").
 
     GALI_CPU_BF16=1 or 0 overrides the flags (a virtual machine may hide them; the tests pin float32 with 0)."""
     override = os.environ.get("GALI_CPU_BF16")
@@ -131,8 +132,8 @@ def choose_dtype(dtype: str, device_type: str, bf16_supported: bool) -> str:
     """auto: bfloat16 where the device computes in it fast (`bf16_supported`: a GPU that has it, or a CPU with AMX),
     else float16 on a GPU and float32 on a CPU.
 
-    On the CPU it halves the weights' memory; perplexity on prose moves by 0.2-0.3% (docs/performance.md, "bfloat16
-    on the CPU")."""
+    On the CPU it halves the weights' memory; perplexity on prose barely moves (docs/performance.md, "bfloat16 on
+    the CPU")."""
     if dtype == "auto":
         if device_type != "cuda":
             return "bfloat16" if bf16_supported else "float32"

@@ -7,9 +7,9 @@ from ..conversation import Conversation
 from ..display import print_json, say
 from ..documents import Document
 from ..generate import Finished, Sampler, TextPiece, make_sampler
-from ..model.loading import LoadedModel
+from ..loading import LoadedModel
 from ..prompts import ask_instruction
-from . import Answering, ModelChoice, Reading
+from .choices import Answering, ModelChoice, Reading
 from .common import (
     announcing,
     conversation,

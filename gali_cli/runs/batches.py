@@ -13,11 +13,11 @@ from ..display import print_json, say
 from ..documents import read_document
 from ..errors import ConfigError
 from ..generate import TextPiece, make_sampler
+from ..loading import resolve_device, resolve_dtype
 from ..methods.registry import DEFAULT
 from ..methods.resolving import kept_window
-from ..model.loading import resolve_device, resolve_dtype
-from . import Answering, ModelChoice, Reading
 from .batch_run import Outcome, Step, run_batch
+from .choices import Answering, ModelChoice, Reading
 from .common import conversation, entry_point, finished_facts, load, prompt_limit, store, with_windows
 from .launcher import Collective, Rank
 from .ppl import method_perplexities, ppl_ids, print_rows

@@ -25,10 +25,10 @@ from ..engine.kernels.kernel_choice import kernel_choice
 from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration, free_memory, holdable_tokens, kv_bytes_per_token
 from ..generate import Finished
+from ..loading import LoadedModel, load_model
 from ..methods.resolving import kept_window
-from ..model.loading import LoadedModel, load_model
 from ..threads import cpu_threads, in_use
-from . import ModelChoice, Reading
+from .choices import ModelChoice, Reading
 from .launcher import Rank
 
 Params, Result = ParamSpec("Params"), TypeVar("Result")

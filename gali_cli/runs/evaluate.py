@@ -18,12 +18,12 @@ from ..evaluation.longbench_paper import is_paper_model, paper_scores
 from ..evaluation.sample import Request, Sample
 from ..evaluation.tasks import LONGBENCH, build_samples
 from ..generate import Finished, TextPiece, make_sampler
+from ..loading import LoadedModel
 from ..methods.registry import DEFAULT
 from ..methods.resolving import kept_window
-from ..model.loading import LoadedModel
 from ..prompts import ASK_STYLES, ask_instruction, check_prompt_length, conversation_ids, text_ids
-from . import ModelChoice, Reading
 from .batches import batch_job, held
+from .choices import ModelChoice, Reading
 from .common import entry_point, finished_facts, load, prompt_limit, store, with_windows
 from .launcher import Rank
 from .prechecks import read

@@ -11,17 +11,17 @@ from ..compat import TESTED_TRANSFORMERS, installed_transformers
 from ..display import print_json, say
 from ..engine.attention.plan import decide
 from ..errors import GaliError
-from ..methods.registry import PREVIEWED
+from ..methods.registry import PREVIEWED, REGISTRY
 from ..model.config import ModelConfig, read_model_config
 from ..model.machine import environment_facts
-from . import ModelChoice
+from .choices import ModelChoice
 
 
 def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbose: bool = False) -> None:
     """What is known without the model, then its architecture and the settings GALI (and the other methods chosen,
     where they are known before the input) would use; with `check`, the engine's self-check on the device (no model
     needed: it runs even when the model cannot load). `verbose`: every attention route, and the path noise would
-    take when it is off."""
+    take when it is off, and how a decoded token runs (which asks torch and the kernels)."""
     noise = bool(choice.settings.gali().noise)
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype, _noisy_words),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
@@ -43,10 +43,12 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbo
         facts |= {**config.facts(), "kv_mib_per_1k_tokens": round(1000 * _token_bytes(config, facts) / 2**20, 1),
                   "gali": choice.settings.gali().resolved(config.train_len).facts(), **_previews(choice),
                   "max_prompt_tokens": _holdable(config, facts)}
+        if verbose:
+            facts["decoding"] = _decoding(choice, config, facts)
     if not check:
         tables.print_facts(facts, json_output)
         return
-    from ..model.loading import resolve_device
+    from ..loading import resolve_device
 
     device = resolve_device(choice.device)
     if not json_output:
@@ -121,11 +123,56 @@ def _previews(choice: ModelChoice) -> dict:
     previewed = [method for method in choice.methods if method in PREVIEWED]
     if not previewed:
         return {}
+    from ..loading import load_config
     from ..methods.resolving import preview_method
-    from ..model.loading import load_config
 
     config = load_config(choice.model)
     return {method: preview_method(config, method, choice.settings) for method in previewed}
+
+
+def _decoding(choice: ModelChoice, config: ModelConfig, facts: dict) -> str:
+    """How a decoded token runs here for each chosen method (`gali info -v`): the static step with its attention's
+    route (and the projections multiplied as bytes on a GGUF's grids, on the native route), or eager and why, as
+    engine/attention/decode_route.py decides. What only the loaded model and its KV cache can tell
+    (static_decode.why_not_static: a model spread over devices, a cache not gali's) is left to the run."""
+    import torch
+
+    from ..engine.attention import decode_route
+    from ..model.config import resolve_source
+
+    device, asked = torch.device(facts["device"]), decode_route.decode_choice()
+    route = decode_route.attention_route(device, getattr(torch, facts["dtype"]), config.head_dim,
+                                         config.heads // config.kv_heads)
+    gguf = resolve_source(choice.model).gguf is not None
+    rope_type = str(config.rope.get("rope_type", "default"))
+    words = {}
+    for method in choice.methods:
+        remaps = _places_keys(method)
+        if asked == "eager":
+            why = "GALI_DECODE=eager"
+        elif config.no_static_step:
+            why = config.no_static_step
+        elif not remaps and (method == "dynamic-ntk" or "dynamic" in rope_type):
+            why = decode_route.DYNAMIC_ROPE
+        elif remaps and not REGISTRY[method].static_step:
+            why = decode_route.no_static_step(method)
+        elif asked == "auto" and not decode_route.static_pays(device.type, route, remaps):
+            why = decode_route.NOT_PAYING
+        else:
+            why = None
+        words[method] = f"eager ({why})" if why else ", ".join(
+            ["static step" + (" as a CUDA graph" if device.type == "cuda" else ""), decode_route.ROUTE_WORDS[route],
+             *(["the projections as bytes on the GGUF's grids"] if route == "native" and gguf else [])])
+    if len(set(words.values())) == 1:
+        return next(iter(words.values()))
+    return "; ".join(f"{method}: {said}" for method, said in words.items())
+
+
+def _places_keys(method: str) -> bool:
+    """Whether `method` installs an attention of its own (the unpatched model and the rope-scaling methods do not)."""
+    from ..methods.registry import get_method
+
+    return get_method(method).attention is not None
 
 
 def _noisy_words(device: str, dtype: str) -> str:

@@ -13,13 +13,13 @@ from ..engine.seam.packed_modules import model_device
 from ..errors import InputError
 from ..estimate import JobClock
 from ..generate import peak_memory_bytes, reset_peak_memory
+from ..loading import LoadedModel
 from ..methods.registry import DEFAULT
 from ..methods.resolving import kept_window
-from ..model.loading import LoadedModel
 from ..patching import apply_method, forward_ends, prefill_spans
 from ..perplexity import Perplexity, perplexities
 from ..prompts import check_prompt_characters, check_prompt_length, text_ids
-from . import ModelChoice, Reading
+from .choices import ModelChoice, Reading
 from .common import (
     announcing,
     entry_point,

@@ -20,7 +20,7 @@ from .. import display
 from ..display import warn
 from ..errors import ConfigError, InputError
 from ..methods.registry import UNPATCHED
-from . import ModelChoice, Reading
+from .choices import ModelChoice, Reading
 
 if TYPE_CHECKING:
     from ..documents import Document

@@ -5,13 +5,13 @@ from datetime import datetime
 
 from ..display import say, warn
 from ..estimate import FLOPS_PER_SECOND, free_memory, readable_tokens
-from ..model.loading import LoadedModel
+from ..loading import LoadedModel
 from ..server.app import ServerSettings, check_api_key
 from ..server.guard import ANY, Reach
 from ..server.run import address, bind
 from ..server.run import serve as run_server
 from ..server.worker import ModelWorker
-from . import ModelChoice, Serving
+from .choices import ModelChoice, Serving
 from .common import entry_point, load, say_threads, store
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -54,8 +54,8 @@ class ServerSettings:
     max_parts: int = 2048  # text parts per chat request, in all its messages (a string content is one)
     max_prompt_tokens: int | None = None  # past it, 400 context_length_exceeded (None: no bound)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
-    # The bodies being read and parsed at once, in all requests: parsing takes about 150 times a body's bytes, so
-    # this bounds that memory (about 10 GB) whatever many clients send; past it, 503 and Retry-After.
+    # The bodies being read and parsed at once, in all requests: parsing takes many times a body's bytes (docs/serve.md
+    # has the factor), so this bounds that memory whatever many clients send; past it, 503 and Retry-After.
     body_budget_bytes: int = 64 * 2**20
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -23,8 +23,8 @@ from ..doc_cache import DocumentCache
 from ..document_states import DocumentStates
 from ..engine.seam.kv_cache import new_cache
 from ..generate import truncate_cache
+from ..loading import LoadedModel
 from ..methods.registry import REGISTRY
-from ..model.loading import LoadedModel
 from ..patching import forward_ends
 from ..prompts import ServedPrompt
 

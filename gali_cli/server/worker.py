@@ -22,8 +22,8 @@ from ..config import MethodSettings
 from ..doc_cache import DocumentCache
 from ..errors import GaliError, InputError
 from ..generate import Finished, Sampler, TextPiece, make_sampler, stop_token_ids, stream_generate
+from ..loading import LoadedModel
 from ..methods.resolving import kept_window
-from ..model.loading import LoadedModel
 from ..patching import apply_method, prefill_spans
 from ..prompts import ServedPrompt
 from .reuse import States

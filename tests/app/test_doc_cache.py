@@ -12,10 +12,10 @@ import gali_cli.doc_cache as doc_cache
 from gali_cli.config import MethodSettings, parse_size
 from gali_cli.conversation import Conversation
 from gali_cli.doc_cache import DocumentCache, entry_key
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.errors import ConfigError
 from gali_cli.generate import Finished, TextPiece, make_sampler, stop_token_ids, stream_generate
-from gali_cli.model.loading import load_model
+from gali_cli.loading import load_model
 from gali_cli.prompts import SUMMARIZE, ask_instruction, conversation_ids
 
 DOCUMENT = "The lease ends in March. The tenant pays rent monthly, and the landlord repairs the roof.\n" * 5

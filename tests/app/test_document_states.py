@@ -12,7 +12,7 @@ from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.document_states import DocumentStates
 from gali_cli.generate import TextPiece
-from gali_cli.model.loading import load_model
+from gali_cli.loading import load_model
 from gali_cli.patching import apply_method
 from gali_cli.prompts import ask_instruction, prompt_ids, served_parts, served_prompt
 from gali_cli.server.reuse import STORE_MIN_TOKENS
@@ -58,6 +58,7 @@ def serve(loaded, question: str, cache_dir) -> tuple[str, Done]:
     return "".join(event.text for event in events if isinstance(event, TextPiece)), events[-1]
 
 
+@pytest.mark.slow  # ask's states served: tests/server/test_server.py; the way back: the next test
 def test_a_document_read_by_gali_ask_is_served_from_the_cache(tiny_model_dir, loaded, doc, tmp_path):
     first = ask(tiny_model_dir, doc, "Who pays the rent?", tmp_path / "cache")
     entry, = DocumentCache(tmp_path / "cache", 2**30, print).entries()

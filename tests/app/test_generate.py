@@ -153,7 +153,8 @@ def test_the_detokenizer_decodes_a_few_tokens_at_a_time(tiny):
     assert "".join(pieces) == tokenizer.decode(ids) and len(ids) > 400 and max(lengths) <= 8
 
 
-@pytest.mark.parametrize("method", ["original", "gali", "self-extend", "chunk-llama"])
+@pytest.mark.parametrize("method", ["original", "gali", pytest.param("self-extend", marks=pytest.mark.slow),
+                                    pytest.param("chunk-llama", marks=pytest.mark.slow)])
 def test_the_static_step_gives_eager_decodings_tokens_and_runs_no_forward_to_be_checked(tiny, method, monkeypatch):
     """The CLI's path (stream_generate) decodes greedily through the static step the tokens that the model's own
     forward gives, token for token; the step is held to the prefill's logits of the prompt's last token, so the

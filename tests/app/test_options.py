@@ -15,7 +15,7 @@ import gali_cli.cli as cli
 from gali_cli.config import MethodSettings
 from gali_cli.methods.registry import NAMES
 from gali_cli.options import with_model_options
-from gali_cli.runs import ModelChoice
+from gali_cli.runs.choices import ModelChoice
 
 
 def chosen(*args: str, many_methods: bool = False) -> ModelChoice:

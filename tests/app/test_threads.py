@@ -37,7 +37,8 @@ def test_a_run_uses_its_threads_and_gives_them_back(tiny_model_dir, tmp_path, mo
     assert torch.get_num_threads() == before
 
 
-@pytest.mark.parametrize(("policy", "spin_count"), [(None, "0"), ("ACTIVE", "30000000000")])
+@pytest.mark.parametrize(("policy", "spin_count"), [(None, "0"), pytest.param("ACTIVE", "30000000000",
+                                                                               marks=pytest.mark.slow)])
 def test_openmp_waits_without_spinning_unless_the_user_chose(tiny_model_dir, tmp_path, policy, spin_count):
     """libgomp reads OMP_WAIT_POLICY once, when torch loads it: its own report (OMP_DISPLAY_ENV) shows what took
     effect. Spinning threads took 15x the decode time on a loaded 2-CPU machine (benchmarks/bench_threads.py)."""

@@ -12,7 +12,7 @@ from helpers.timing import scaled
 from typer.testing import CliRunner
 
 import gali_cli.cli as cli
-from gali_cli.model.loading import demo_model_path
+from gali_cli.loading import demo_model_path
 
 HELD_OUT = [line for line in (demo_model_path() / "heldout.txt").read_text().splitlines() if line]
 
@@ -47,6 +47,7 @@ def test_demo_answers_in_format(tmp_path):
     assert answer["answer"] and answer["finish_reason"] == "stop"
 
 
+@pytest.mark.slow  # past the window: test_demo_answers_in_format; four windows: the ppl test below
 def test_demo_reads_many_times_its_window():
     module = held_out_file(6000)
     summary = json.loads(gali("summarize", str(module), "--max-new-tokens", "16", "--json").stdout)

@@ -134,8 +134,10 @@ def test_a_hostile_model_is_one_line_and_exit_4(name, run, tiny_model_dir, doc, 
     ({"num_hidden_layers": 10**7}, {}, "num_hidden_layers is 10000000: a model's lies between 1 and 1,024"),
     ({}, {"chat_template.jinja": "{{ 'x' * 10**10 }}"},
      "the model's chat template is refused: it builds more than 4,194,304 characters"),
-    ({}, {"chat_template.jinja": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                                 "{% endfor %}"}, "the model's chat template is refused: it builds more than"),
+    # in the default tier in process only (tests/app/test_prompts.py):
+    pytest.param({}, {"chat_template.jinja": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                                            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"},
+                 "the model's chat template is refused: it builds more than", marks=pytest.mark.slow),
 ], ids=["10^7 layers", "a string times 10^10", "a string doubled 64 times"])
 def test_a_model_that_would_take_all_memory_is_refused_within_bounds(config, files, message, tiny_model_dir, doc,
                                                                      tmp_path):

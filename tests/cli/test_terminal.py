@@ -55,6 +55,7 @@ def test_summarize_leaves_the_whole_answer_on_the_screen(code, tmp_path):
     assert "Reading" not in screen and "━" not in screen  # the bar is gone, not left over the answer
 
 
+@pytest.mark.slow  # in process: test_cli.py's Ctrl-C tests; as a process: test_ctrl_c_while_streaming
 def test_ctrl_c_keeps_what_was_written(tiny_model_dir, tmp_path):
     document = tmp_path / "lease.txt"
     document.write_text("The lease ends in March. The tenant pays rent monthly.\n" * 8)
@@ -77,6 +78,7 @@ def answer_text(terminal: Terminal) -> str:
     return "" if header is None else "\n".join(lines[header + 1:]).strip()
 
 
+@pytest.mark.slow  # chat's answers in turn: test_cli.py's test_chat_answers_each_question_in_turn
 def test_chat_shows_each_answer_and_keeps_the_prompt(code, tmp_path):
     args = demo("chat", str(code))
     expected = gali_answers(tmp_path, args, [QUESTION, "And then?"])
@@ -112,6 +114,7 @@ def gali_answers(tmp_path: Path, args: list[str], questions: list[str]) -> list[
     return [json.loads(line)["answer"] for line in result.stdout.splitlines()]
 
 
+@pytest.mark.slow  # in process: test_cli.py's test_ctrl_c_in_chat_stops_one_answer
 def test_ctrl_c_in_chat_stops_one_answer_and_asks_again(tiny_model_dir, tmp_path):
     document = tmp_path / "lease.txt"
     document.write_text("The lease ends in March. The tenant pays rent monthly.\n" * 8)
@@ -223,6 +226,7 @@ def test_batch_lines_stay_above_the_bar_and_the_bar_goes(code, tmp_path, screens
         assert screen == ""
 
 
+@pytest.mark.slow
 def test_chat_reads_the_document_before_it_prompts(code, tmp_path):
     """The wait comes before the prompt, not after the first question: when ">" shows, the document is read (its
     state already in the document cache); a second chat says it came from the cache, before its prompt."""

@@ -5,7 +5,7 @@ import torch
 
 from gali_cli.config import MethodSettings
 from gali_cli.engine.math.noise import standard_normal
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache, reserve
 from gali_cli.engine.seam.static_decode import StaticDecoder
 from gali_cli.generate import prefill

@@ -4,7 +4,7 @@ architecture (without weights) for the methods' published settings."""
 import torch
 from transformers import DynamicCache, LlamaConfig
 
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.cache_argument import with_cache
 
 
 def forwards(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:

@@ -13,7 +13,9 @@ from transformers import DynamicCache
 
 from gali_cli import ConfigError, GaliConfig
 from gali_cli.config import MethodSettings
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.contract import PositionalAttention
+from gali_cli.engine.seam.cache_argument import with_cache
+from gali_cli.engine.seam.hooks import installed_method
 from gali_cli.generate import truncate_cache
 from gali_cli.methods.registry import NAMES, PREVIEWED, REGISTRY, all_methods, get_method, parse_methods
 from gali_cli.methods.resolving import preview_method
@@ -240,3 +242,15 @@ def test_decoding_in_half_precision_stays_close_to_float32(make_llama, method, s
     reference = model(ids).logits[0].double()
     logits = forwards(model.to(dtype), ids, [30, *range(31, 45)])[0].double()
     assert (logits - reference).norm() / reference.norm() < 0.03
+
+
+def test_the_registry_says_which_methods_the_static_step_serves(make_llama):
+    """`static_step` (what `gali info -v` and the static-step tests read before torch loads) is False exactly where
+    the installed attention gives no placement, and for dynamic NTK (whose frequencies follow the length)."""
+    model = make_llama(train_len=16)
+    for name in NAMES:
+        apply_method(model, name, MethodSettings(), 50)
+        attention = installed_method(model)
+        places = name != "dynamic-ntk" and (attention is None or type(attention).decode_placement
+                                             is not PositionalAttention.decode_placement)
+        assert REGISTRY[name].static_step == places, name

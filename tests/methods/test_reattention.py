@@ -70,6 +70,18 @@ def test_rows_of_a_batch_select_apart():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_selects_and_decodes_as_float32(dtype):
+    """Scores are float32 whatever the model's dtype: a half-precision model picks the keys float32 picks."""
+    model = tiny_llama(train_len=16)
+    apply_method(model, "reattention", settings_of(2, 6, 2, 2, None, 4), 40)
+    ids = prompt(40, seed=1)
+    expected, tokens = model(ids).logits, engine_greedy(model, ids, 4)
+    model.to(dtype)
+    torch.testing.assert_close(model(ids).logits.float(), expected, rtol=0.1, atol=0.1)
+    assert engine_greedy(model, ids, 4) == tokens
+
+
 def test_a_prefill_ends_its_forwards_at_its_chunks_and_at_every_cut():
     model = tiny_llama(train_len=16)
     apply_method(model, "reattention", settings_of(2, 6, 2, 2, None, 4), 40)

@@ -67,7 +67,7 @@ def test_a_gguf_header_reads_as_transformers_reads_the_file(tiny_gguf):
     """gali info reads a GGUF's header; loading takes the config transformers makes of the same file, and holds
     its weights in the bytes gali info names."""
     from gali_cli.engine.seam.packed_modules import PackedLinear
-    from gali_cli.model.loading import load_config, load_model
+    from gali_cli.loading import load_config, load_model
 
     config = load_config(str(tiny_gguf))
     model = load_model(str(tiny_gguf), device="cpu").model

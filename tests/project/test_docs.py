@@ -17,9 +17,10 @@ from gali_cli.cli import _parse_lengths, app
 from gali_cli.config import MethodSettings
 from gali_cli.errors import ConfigError
 from gali_cli.exits import EXIT_CODES
-from gali_cli.runs import ModelChoice
+from gali_cli.runs.choices import ModelChoice
 
 USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # where commands are shown to users
+DEV_DOCS = sorted((ROOT / "docs" / "dev").glob("*.md"))  # the developers' pages: their commands must parse too
 ALL_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the notebook's links must resolve too
 SHELL_BLOCK_LANGUAGES = {"", "bash", "sh", "shell", "console"}
 COMMAND_WRAPPERS = {"nice", "time", "env", "torchrun", "accelerate"}  # words that run `gali` given after them
@@ -169,7 +170,7 @@ def documented_commands(files: list[Path]) -> list[tuple[str, str, list[str]]]:
             for arguments in gali_arguments(line)]
 
 
-COMMANDS = documented_commands(USER_DOCS)
+COMMANDS = documented_commands([*USER_DOCS, *DEV_DOCS])
 
 
 def test_the_docs_show_commands():

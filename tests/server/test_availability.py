@@ -21,7 +21,7 @@ from helpers.timing import scaled
 
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
-from gali_cli.model.loading import load_model
+from gali_cli.loading import load_model
 from gali_cli.prompts import FREE_CUTS, MIN_CUT_GAP, served_parts, served_prompt
 from gali_cli.server.app import ServerSettings
 from gali_cli.server.connections import ConnectionLimits
@@ -332,7 +332,7 @@ def test_idle_connections_at_the_limit_are_shed_oldest_first_not_the_new_client(
         assert working.recv(65536).startswith(b"HTTP/1.1 400 ")
 
 
-@pytest.mark.parametrize("size, pieces", [(17_000, 1), (100_000, 1), (17_000, 200)])
+@pytest.mark.parametrize("size, pieces", [(17_000, 1), pytest.param(100_000, 1, marks=pytest.mark.slow), (17_000, 200)])
 def test_headers_past_16_kib_are_a_431_whether_they_arrive_whole_or_in_pieces(served_small, size, pieces):
     request = head(served_small, "/v1/chat/completions", b"{}").replace(
         b"Content-Type", b"X-Padding: " + b"a" * size + b"\r\nContent-Type")

@@ -26,7 +26,7 @@ from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.engine.math import positions
 from gali_cli.generate import TextPiece, make_sampler, stop_token_ids, stream_generate
-from gali_cli.model.loading import load_model
+from gali_cli.loading import load_model
 from gali_cli.patching import apply_method, prefill_spans
 from gali_cli.prompts import ServedPrompt, ask_instruction, raw_prompt, served_parts, served_prompt
 from gali_cli.server import worker as worker_module

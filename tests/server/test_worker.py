@@ -12,7 +12,7 @@ from transformers import DynamicCache
 import gali_cli.server.worker as worker_module
 from gali_cli.config import MethodSettings
 from gali_cli.generate import TextPiece, make_sampler, stream_generate
-from gali_cli.model.loading import load_model
+from gali_cli.loading import load_model
 from gali_cli.patching import apply_method, prefill_spans
 from gali_cli.prompts import ServedPrompt
 from gali_cli.server.reuse import Prefilled, States, reusable_tokens

@@ -1,4 +1,4 @@
-"""GALI decoding (docs/engine.md, "Decoding"): one new token attends over the cache without re-rotating it.
+"""GALI decoding (docs/dev/engine.md, "Decoding"): one new token attends over the cache without re-rotating it.
 
 Each layer keeps its keys rotated from token to token (kept_keys.KeptKeys, in the frame (group, grouped) below); what
 a step rotates, and by what, is the same for every layer (`DecodeStep`), so it is built once per token. Shapes: B batch,

@@ -19,8 +19,9 @@ from .plan import AttentionPlan
 
 # Explicit logits held at once (a tile of queries): on the CPU 1M float32, 4 MiB (cache-sized); on a GPU 32M, 128 MiB,
 # since there each tile costs a few kernel launches whatever its size (at 4 MiB, 32 heads x 8k keys made tiles of
-# 4 queries: an 8k-token prefill of a Llama-3-8B took 19 s instead of 0.7 s on an H200). Noise or extra position sets
-# take a few times that.
+# 4 queries, and an 8k-token prefill of a Llama-3-8B took many times the unpatched model's on a GPU:
+# docs/notes/2026-11-performance-history.md, "GPU (first measured 2026-11-26, one NVIDIA H200)"). Noise or extra
+# position sets take a few times that.
 _LOGITS_TILE_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 25}
 
 
@@ -314,8 +315,9 @@ def partial_attention(plan: AttentionPlan, model_dtype: torch.dtype) -> PartialA
     """The plan's route for attention parts in a model of `model_dtype` (its values'). The methods rotate queries and
     keys for their parts in float32 (positions far past the window need it); on CUDA in half precision the parts are
     then rounded once to the model's dtype and attended on tensor cores, as the unpatched model attends (in float32
-    the kernel has none: an H200 took 7.5 s instead of 1.4 s for a 32k-token prefill of ReRoPE), their outputs back
-    in float32 for merging."""
+    the kernel has none, and a 32k-token prefill of ReRoPE took several times the unpatched model's on a GPU:
+    docs/notes/2026-11-performance-history.md, "GPU (first measured 2026-11-26, one NVIDIA H200)"), their outputs
+    back in float32 for merging."""
     route = PARTIAL[plan.partial]
     if plan.partial == "cuda" and model_dtype in (torch.bfloat16, torch.float16):
         return functools.partial(route, compute_dtype=model_dtype)

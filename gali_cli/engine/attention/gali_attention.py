@@ -155,8 +155,8 @@ def split_gali_attention(
 
     A chunk's own keys lie in its exact tail (the caller checks it: chunk.grouped <= keys - queries), where queries
     and keys sit at integer positions, so its square is plain causal RoPE attention and no noise reaches it. Batched,
-    the squares cost one call per layer instead of one per chunk, and the merge one per layer (docs/engine.md, "Work
-    shared across chunks and layers"). Forward only (no autograd, no dropout).
+    the squares cost one call per layer instead of one per chunk, and the merge one per layer (docs/dev/engine.md,
+    "Work shared across chunks and layers"). Forward only (no autograd, no dropout).
     """
     queries, stop = sum(chunk.queries for chunk in chunks), chunks[-1].keys
     # Every chunk's queries rotated at once: a query sits at the same (integer) position as its own key in its chunk.

@@ -2,8 +2,8 @@
 
 Some methods rotate each key by a rotation that depends on its token index alone (Leaky ReRoPE's far keys at j / k,
 DPE's at j // s per frequency group, SelfExtend's grouped keys at j // G, ChunkLlama's keys at j mod s); GALI's
-decoding rotates a key by where it stands relative to the grouped part (docs/engine.md, "Decoding"), the same for
-every key until the group size changes. Rotating all T cached keys again in every forward would cost O(T) per layer
+decoding rotates a key by where it stands relative to the grouped part (docs/dev/engine.md, "Decoding"), the same
+for every key until the group size changes. Rotating all T cached keys again in every forward would cost O(T) per layer
 and token while decoding; instead each layer keeps its rotated keys per cache object (a weak reference: they go when
 the cache goes), with a `frame` naming what they were rotated for, and a forward that continues exactly where the
 cache's last forward ended rotates only what moved. Anything else (another cache, a cache cut back, another batch
@@ -81,7 +81,7 @@ class KeptKeys:
 
     def split(self, cache: object | None, layer: int, key: torch.Tensor, start: int, stop: int, window: int,
               far: Rotation, near: Rotation) -> torch.Tensor:
-        """Keys of tokens [0, stop) for a windowed method's decoding step (engine.windowed): those of
+        """Keys of tokens [0, stop) for a windowed method's decoding step (methods/windowed.py): those of
         [0, stop - window) rotated by `far` (where the method places its far keys), the last `window` by `near` (their
         token index, as the unpatched model rotates them), so that neither part is rotated again per token: from one
         step to the next one key leaves the window (rotated again, by `far`) and the new token's joins it. key:

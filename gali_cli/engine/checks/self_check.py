@@ -1,7 +1,7 @@
 """The engine's self-check (`gali info --check`): every noisy-attention path this machine can run, held to the
 PyTorch path at real head dims, head groupings, dtypes and lengths, and GALI held to Alg. 3 as written; each timed.
 
-On a GPU it checks the fused Triton kernel (first passed on an H200 on 2026-11-26: docs/performance.md) and the CUDA
+On a GPU it checks the fused Triton kernel (docs/performance.md, "Correctness on this GPU") and the CUDA
 route of attention parts with their log-sum-exp; it is what a user with another GPU runs to tell whether they hold
 there (the first-use checks, `kernel_verified` and `cuda_partial_verified`, are smaller versions of the same
 comparisons). On a GPU it also holds the decoding step's Triton kernel (triton_decode.py) to the step's PyTorch route.
@@ -181,8 +181,9 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
     """One decoded query over a cache of `keys` rows, its token three quarters of the way in: triton_decode's
     kernel (`path` "Triton") or native_decode's ("native": float32 on the CPU) — keys rotated as read, GALI's noise
     drawn in it, rows past the token unread — against the same attention in float64; timed beside the static step's
-    PyTorch route (keys rotated first, noise and mask as a bias), which on an H200 in float32 was itself 4-9e-5 from
-    float64 where the kernel was 1e-7. Head dim 64 rotates each key as GALI's step does, by a row of a RoPE table
+    PyTorch route (keys rotated first, noise and mask as a bias), which in float32 was itself farther from float64
+    than the kernel (docs/notes/2026-11-performance-history.md, "GPU: decoding as a CUDA graph (issue 26)"): hence
+    float64 as the reference. Head dim 64 rotates each key as GALI's step does, by a row of a RoPE table
     per offset (a 1k window's) mixed with the next; the others by each key's own row of a table."""
     from ..math.noise import head_streams, standard_normal
     from ..math.rope import rotate_fused

@@ -2,8 +2,9 @@
 gali_decode_attention, for the static decoding step (static_decode.py).
 
 The static step places every cached key anew each token (a method's positions move as the text grows), so in
-PyTorch it rotates all keys into a new tensor and then attends over it: on SmolLM2 after 4,096 tokens that made the
-step 1.2-1.4x the unpatched model's. The kernel reads each key once, rotates it in registers with its row of the
+PyTorch it rotates all keys into a new tensor and then attends over it, which made the step slower than the
+unpatched model's (docs/notes/2026-11-performance-history.md, "The static step through the native kernel (issue
+26)"). The kernel reads each key once, rotates it in registers with its row of the
 step's cos/sin table, adds GALI's noise (noise.py's draws, to float32 rounding) and keeps an online softmax, the
 keys cut into runs shared among torch's threads; the runs' partial softmaxes are merged by their log-sum-exps
 (in C too: a few small torch operations per layer would cost more than the merge).
@@ -14,7 +15,7 @@ rows, D head dim.
 
 import torch
 
-from .native_noise import load_kernel, share_among_threads
+from .native_library import load_kernel, share_among_threads
 
 MAX_GROUP, MAX_DIM, LANES = 16, 256, 16  # as native_kernels.c defines them
 KEYS_PER_RUN = 256  # no run shorter: a run's setup and merge are then small beside its keys
@@ -27,7 +28,8 @@ def supports(dtype: torch.dtype, head_dim: int, group: int) -> bool:
 
 def _check_table_rows(table_rows: torch.Tensor, index: int, length: int, mixed: bool) -> None:
     """Refuse table rows that would make the kernel read outside a table of `length` rows: every row it reads for
-    keys 0..index, and the next where `mixed` (3.5 us for 4k keys: 0.3% of SmolLM2's step over its 30 layers)."""
+    keys 0..index, and the next where `mixed` (a small share of the step: docs/performance.md, "CPU: two cores,
+    SmolLM2-135M")."""
     low, high = (int(x) for x in torch.aminmax(table_rows[: index + 1]))
     if low < 0 or high >= length - mixed:
         raise ValueError(f"native decoding: table rows {low}..{high} outside the table's {length} rows"

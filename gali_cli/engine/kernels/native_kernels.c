@@ -2,7 +2,7 @@
  * over each row (gali_noisy_softmax, for prefill); and one decoded query's attention over the KV cache, each key
  * rotated as it is read, GALI's noise drawn as it goes (gali_decode_attention, for the static decoding step).
  *
- * Built at first use by native_noise.py (the system C compiler, -O3, OpenMP where it has it; the loops are written
+ * Built at first use by native_library.py (the system C compiler, -O3, OpenMP where it has it; the loops are written
  * so that it vectorises them) and held to the PyTorch path (noise.py) before it is used. Keys 2m and 2m + 1 share
  * one hashed pair of uniforms (Box-Muller's cosine and sine branches): each pair is transformed once. Hash and
  * uniforms are noise.py's, bit for bit (uint32 arithmetic wraps as its masked int64 products do); log, sine, cosine
@@ -16,10 +16,10 @@
 
 #define LANES 16
 
-/* The noise's constants are engine/math/noise.py's, passed by the build (native_noise.py) as -D flags: the noise is
+/* The noise's constants are engine/math/noise.py's, passed by the build (native_library.py) as -D flags: the noise is
  * defined in one place, and this file is held to it by the kernel checks. */
 #if !defined(GALI_MULTIPLIER_A) || !defined(GALI_MULTIPLIER_B) || !defined(GALI_GOLDEN)
-#error "build with gali_cli/engine/kernels/native_noise.py, which passes the noise's constants"
+#error "build with gali_cli/engine/kernels/native_library.py, which passes the noise's constants"
 #endif
 
 static inline uint32_t mix32(uint32_t x) {

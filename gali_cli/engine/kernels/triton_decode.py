@@ -3,8 +3,8 @@
 The static decoding step (static_decode.py) places every cached key anew each token: a method's positions move as
 the text grows (GALI's Alg. 2, SelfExtend's groups), so the un-rotated keys the cache holds are rotated by each
 key's offset from the query. In PyTorch that is a pass that reads the keys and writes rotated copies, which the
-attention then reads again: three passes over the keys where the unpatched model makes one (measured on an H200
-after 32k tokens: 18.2 ms a token for the methods against 11.8 unpatched). Here each program loads tiles of raw
+attention then reads again: three passes over the keys where the unpatched model makes one (docs/dev/engine.md,
+"Decoding on a GPU: one graph a token", has the step's times). Here each program loads tiles of raw
 keys and their cos/sin rows, rotates them in registers and attends, so the keys are read once; GALI's noise is
 computed in the kernel from the counter-based hash of noise.py (the very numbers of `standard_normal`), and keys past
 the token's index are neither read nor masked: the index is read from a tensor, so a CUDA graph replays the same
@@ -189,7 +189,8 @@ def rotating_decode_attention(
 def decode_splits(device: torch.device, pairs: int, capacity: int) -> int:
     """Programs per (batch, key head): enough for two per multiprocessor, none with fewer than 256 of the cache's
     rows. Fixed for a cache (a CUDA graph replays one launch), so the partial results to merge stay few whatever
-    the capacity (sized by the capacity they cost the merge 1.5-3.5 ms a token on an 8B model's 128k cache)."""
+    the capacity (sized by the capacity they cost the merge milliseconds a token on an 8B model's 128k cache:
+    docs/notes/2026-11-performance-history.md, "GPU: decoding as a CUDA graph (issue 26)")."""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     return max(1, min(triton.cdiv(capacity, 256), triton.cdiv(2 * processors, pairs)))
 

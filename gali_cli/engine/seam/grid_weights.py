@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.native_noise import load_kernel, share_among_threads
+from ..kernels.native_library import load_kernel, share_among_threads
 
 BLOCK = 32  # weights per block, as native_kernels.c's GRID_BLOCK
 BLOCKS = (16, BLOCK)  # the block sizes the grid product takes (GGUF's Q2_K, Q3_K and Q6_K share a step by 16)

@@ -31,7 +31,7 @@ from ...compat import warn_if_untested
 from ...errors import GaliError, UnsupportedModelError
 from ...model.families import GLOBAL, LOCAL, family_of, layer_is_local, rope_parameters, why_no_methods
 from ..contract import Forward, Installed, PositionalAttention
-from . import cached_tokens, forward_arguments, seam_error
+from .cache_argument import cached_tokens, forward_arguments, seam_error
 
 # Rope types whose frequencies do not depend on the sequence length: integer positions index them directly.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

@@ -2,8 +2,9 @@
 
 transformers' DynamicLayer appends a forward's keys and values with `torch.cat`, which copies the whole cache: every
 decoded token reads and writes all T cached keys and values once more, on top of the attention reading them. On a
-CPU, whose decode step is bound by memory traffic, that is the largest cost after the weights: SmolLM2 decoding
-after 4,096 tokens took 60.7 ms a token with it and 47.9 ms without (docs/performance.md, "Decode on the CPU").
+CPU, whose decode step is bound by memory traffic, that is the largest cost after the weights (docs/performance.md,
+"16-bit KV cache (2026-12-07)", and docs/notes/2026-11-performance-history.md, "Decode on the CPU: the KV cache,
+and torch.compile (issue 26)").
 `GrowingLayer` keeps the keys and values in a buffer with room to spare (or exactly the room `reserve` asked for)
 and writes each forward's rows into it; `keys`/`values` are views of its first rows, so everything that reads a
 DynamicCache — transformers, the document cache, `truncate_cache` — reads it unchanged.

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..kernels.native_noise import Kernel, load_kernel, share_among_threads
+from ..kernels.native_library import Kernel, load_kernel, share_among_threads
 from .grid_weights import GridWeight
 
 # At most this many input rows go through the grid product (it reads the matrix once for all of them, but does a

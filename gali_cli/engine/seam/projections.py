@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from ...errors import GaliWarning
 from ...model.families import family_of
-from ..kernels.native_noise import load_kernel
+from ..kernels.native_library import load_kernel
 from .grid_weights import GridWeight, to_grid
 from .hooks import llama_model
 from .packed_modules import PackedLinear

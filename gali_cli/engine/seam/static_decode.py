@@ -1,18 +1,19 @@
-"""A decoding step with static shapes, for CUDA graphs (docs/engine.md, "Decoding on a GPU: one graph a token").
+"""A decoding step with static shapes, for CUDA graphs (docs/dev/engine.md, "Decoding on a GPU: one graph a token").
 
-On a GPU the eager decoding step is bound by dispatch, not by memory: an 8B model whose weights an H200 reads in
-3.5 ms took 56 ms a token, most of it Python and kernel launches. A CUDA graph replays a step's kernels with one
+On a GPU the eager decoding step is bound by dispatch, not by memory: most of an 8B model's step went to Python and
+kernel launches, not to reading its weights (docs/notes/2026-11-performance-history.md, "GPU (first measured
+2026-11-26, one NVIDIA H200)"). A CUDA graph replays a step's kernels with one
 launch, but only a step whose kernels read everything that changes from token to token from the same tensors:
 here the token id and its index are two one-element tensors, the KV cache is the rows `kv_cache.reserve` made room
 for, and no key past the newest one is attended (the kernels stop at the index they read from its tensor; the
 PyTorch route masks). Nothing in the step depends on the index in Python, but on the CPU, where nothing is graphed.
 
-Each method says where a decoded query places each key relative to itself (`Placement`, from its
-`decode_placement`, a function of tensors): RoPE sees only the difference of positions, so the query stays
-un-rotated and each key is rotated by its offset, recomputed every step from the un-rotated keys the cache holds
-(O(T) per layer): as the attention reads it, in triton_decode's kernel on a GPU and native_decode's on a CPU
-(`attention_route`), else in PyTorch first. The unpatched model and the rope-scaling methods cache rotated keys as
-transformers does: the step rotates the new query and key with the model's own rotary at the token's index.
+Each method says where a decoded query places each key relative to itself (`Placement`, from its `decode_placement`,
+a function of tensors): RoPE sees only the difference of positions, so the query stays un-rotated and each key is
+rotated by its offset, recomputed every step from the un-rotated keys the cache holds (O(T) per layer): as the
+attention reads it, in triton_decode's kernel on a GPU and native_decode's on a CPU (`attention_route`,
+attention/decode_route.py), else in PyTorch first. The unpatched model and the rope-scaling methods cache rotated
+keys as transformers does: the step rotates the new query and key with the model's own rotary at the token's index.
 
 The step is the decoder layer written out over the model's own modules (norms, projections, MLP), as gpt-fast
 writes it, a family's differences declared as data (static_layers.py: Gemma 3's norms, and its local layers, which
@@ -22,7 +23,6 @@ Shapes: B batch, H query heads, Hkv key/value heads, C the cache's rows, D head 
 """
 
 import functools
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -30,11 +30,19 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ...errors import ConfigError, GaliWarning
+from ...errors import GaliWarning
 from ...model.families import LOCAL, family_of
+from ..attention.decode_route import (
+    DYNAMIC_ROPE,
+    ROUTE_WORDS,
+    ROUTES,
+    attention_route,
+    decode_choice,
+    no_static_step,
+    static_pays,
+)
 from ..attention.dense import Partial, biased_partial, merge_partials
 from ..contract import Placement, PositionalAttention
-from ..kernels.kernel_choice import kernel_choice, triton_installed
 from ..math.noise import head_streams, standard_normal
 from ..math.rope import rotate, rotate_fused
 from ..math.rope import rotation as rope_rotation
@@ -45,26 +53,16 @@ from .packed_modules import model_device, model_dtype
 from .projections import Projections
 from .static_layers import Rope, Rotation, Span, decoder_layer, step_projections
 
-DECODE_CHOICES = ("auto", "eager", "static")
-ROUTES = ("triton", "native", "torch")  # how a static step attends over the cache (`attention_route`)
 # The first step's logits against the model's own forward: max difference / largest logit. In half precision the
-# two round differently, and random weights amplify it layer after layer: measured 0.008-0.013 on a 4-layer random
-# model and 0.04-0.077 on a random 32-layer Llama-3-8B in bfloat16 on an H200, every method alike, the unpatched
-# model too (docs/performance.md); a step that places keys wrongly or misses a part of the layer is off by O(1).
+# two round differently, and random weights amplify it layer after layer, every method alike, the unpatched model
+# too (docs/dev/engine.md, "Decoding on a GPU: one graph a token"; the figures in docs/notes/2026-11-performance-
+# history.md, "GPU: decoding as a CUDA graph (issue 26)"); a step that places keys wrongly or misses a part of the
+# layer is off by O(1).
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 HALF_TOLERANCE = 0.15
 # Keys per block of a decoding step's attention, per device type (`split_key_attention`): a GPU needs blocks to be
-# busy; on a CPU (2 threads) one call was faster (SmolLM2: 34 against 38 ms a token after 1k tokens).
+# busy; on a CPU one call was faster (docs/performance.md, "Decoding, ms a token").
 KEY_BLOCK = {"cuda": 256}
-
-
-def decode_choice() -> str:
-    """$GALI_DECODE (auto, eager or static; auto when unset), checked. auto: the static step where it pays
-    (`static_decoder`); static: wherever it can run (graphed on a GPU); eager: never."""
-    choice = os.environ.get("GALI_DECODE", "auto").strip().lower() or "auto"
-    if choice not in DECODE_CHOICES:
-        raise ConfigError(f"GALI_DECODE must be one of {', '.join(DECODE_CHOICES)}, got {choice!r}")
-    return choice
 
 
 def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
@@ -87,61 +85,29 @@ def why_not_static(model: PreTrainedModel, cache: DynamicCache) -> str | None:
     if method is None:
         rope_type = getattr(getattr(base.rotary_emb, "rescaled", base.rotary_emb), "rope_type", "default")
         if any("dynamic" in kind for kind in (rope_type.values() if isinstance(rope_type, dict) else [rope_type])):
-            return "dynamic NTK changes its frequencies with the length"
+            return DYNAMIC_ROPE
         return None
     if type(method).decode_placement is PositionalAttention.decode_placement:
-        return f"{method.name} has no static decoding step"
+        return no_static_step(method.name)
     return None
-
-
-def attention_route(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> str:
-    """How a static step on `device` attends over the cache: "triton" (triton_decode's kernel, on CUDA with triton
-    installed) or "native" (native_decode's, on the CPU in float32), each rotating every key as it reads it, where
-    GALI_KERNEL is auto or names it and the heads fit the kernel; else "torch" (the keys rotated first, then
-    `split_key_attention`)."""
-    choice = kernel_choice()
-    if device.type == "cuda" and choice in ("auto", "triton") and triton_installed():
-        from ..kernels.triton_decode import supports
-
-        return "triton" if supports(dtype, head_dim) else "torch"
-    if device.type == "cpu" and choice in ("auto", "native"):
-        from ..kernels.native_decode import supports
-
-        return "native" if supports(dtype, head_dim, group) and native_decode_available() else "torch"
-    return "torch"
-
-
-@functools.cache
-def native_decode_available() -> bool:
-    """Build (once per machine) and load the native kernels; a machine whose C compiler is missing or fails decodes
-    with the PyTorch route, after one warning."""
-    from ..kernels.native_noise import load_kernel
-
-    try:
-        load_kernel()
-    except Exception as failure:  # no compiler, a compiler error, a library that does not load
-        message = " ".join(str(failure).split())[:200]
-        warnings.warn(f"the native decoding kernel cannot be built here ({type(failure).__name__}: {message}); "
-                      f"the decoding step rotates its keys in PyTorch", GaliWarning, stacklevel=2)
-        return False
-    return True
 
 
 def static_decoder(model: PreTrainedModel, cache: DynamicCache) -> "StaticDecoder | None":
     """The static step for decoding `model` on `cache` where GALI_DECODE asks for it and the model and cache allow
     it (`why_not_static`), else None: decode eagerly.
 
-    auto takes it where it was measured to pay (docs/performance.md): on a GPU for every method (a graph replay); on
-    a CPU, where nothing is graphed, for every method where the native kernel attends (float32: 1.2-1.35x the eager
-    step of SelfExtend and GALI on SmolLM2, as fast as the unpatched step), else for the models whose cache holds
-    rotated keys (the unpatched model, NTK, YaRN: 1.0-1.3x), not for the position-remapping methods, whose eager step
-    keeps its rotated keys from token to token and beats rotating them all in PyTorch past a few thousand tokens."""
+    auto takes it where it was measured to pay (docs/dev/engine.md; the figures in docs/notes/2026-11-performance-
+    history.md, "The static step through the native kernel (issue 26)"): on a GPU for every method (a graph replay);
+    on a CPU, where nothing is graphed, for every method where the native kernel attends (faster than the eager step
+    of SelfExtend and GALI, as fast as the unpatched step), else for the models whose cache holds rotated keys (the
+    unpatched model, NTK, YaRN), not for the position-remapping methods, whose eager step
+    keeps its rotated keys from token to token and beats rotating them all in PyTorch past a few thousand tokens
+    (`static_pays`)."""
     choice = decode_choice()
     if choice == "eager" or why_not_static(model, cache):
         return None
     route = model_route(model)
-    device = model_device(model)
-    pays = device.type == "cuda" or route == "native" or installed_method(model) is None
+    pays = static_pays(model_device(model).type, route, installed_method(model) is not None)
     return StaticDecoder(model, cache, route) if choice == "static" or pays else None
 
 
@@ -271,7 +237,7 @@ class StaticDecoder:
         """How this step decodes, in words (for -v): graphed or not, its attention's route, and the share of the
         projections' weights it multiplies as bytes on grids."""
         parts = ["static step" + (" as a CUDA graph" if self.graph is not None else ""),
-                 {"triton": "Triton attention", "native": "native attention"}.get(self.route, "PyTorch attention")]
+                 ROUTE_WORDS[self.route]]
         share = self.projections.grid_share()
         if share:
             parts.append(f"{share:.0%} of the projections' weights as bytes")
@@ -297,8 +263,8 @@ class StaticDecoder:
 
     def _check_reach(self, index: int) -> None:
         """Where the method declares a reach, that its offsets keep to it at this token and at the last this step
-        will see (whose keys lie farthest; tests/test_static_decode.py sweeps every token): a kernel reads its table
-        rows by them, and a graph reads nothing on the host afterwards."""
+        will see (whose keys lie farthest; tests/engine/seam/test_static_decode.py sweeps every token): a kernel
+        reads its table rows by them, and a graph reads nothing on the host afterwards."""
         if self.method is None:
             return
         for query in {index, self.capacity - 1}:
@@ -441,7 +407,8 @@ def split_key_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Te
     (B, Hkv, C, D) under an additive `bias` (broadcast to (B, Hkv, g, C)): (B, Hkv, g, D) float32, contiguous.
 
     Flash-decoding: one attention call spreads over the device by heads and query blocks only, 8 blocks of work for
-    a Llama-3 decoding step on a GPU of 132 multiprocessors, which then read the cache at 0.2 of its 4.3 TB/s (H200).
+    a Llama-3 decoding step on a GPU of 132 multiprocessors, which then read the cache far below its bandwidth
+    (docs/notes/2026-11-performance-history.md, "GPU: decoding as a CUDA graph (issue 26)").
     Cut into blocks of `block` keys, each block its own head of one call (views of the cache, nothing copied), the
     blocks' partial softmaxes merged by their log-sum-exps (exact), the keys past the last whole block a second call.
     `block` None: one call over all keys.

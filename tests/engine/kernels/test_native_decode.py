@@ -10,11 +10,11 @@ import torch
 from helpers.decoding import KERNEL_METHODS, expected_attention, offset_tables, prefilled, tables, worst_step_difference
 from helpers.timing import scaled
 
-from gali_cli.engine.kernels import native_decode, native_noise
+from gali_cli.engine.attention import decode_route
+from gali_cli.engine.kernels import native_decode, native_library
 from gali_cli.engine.kernels.native_decode import native_decode_attention
 from gali_cli.engine.kernels.native_noise import int32_bits
 from gali_cli.engine.math.noise import Noise, head_streams
-from gali_cli.engine.seam import static_decode
 from gali_cli.engine.seam.static_decode import StaticDecoder
 from gali_cli.errors import GaliWarning
 from gali_cli.seam_check import tiny_llama
@@ -66,7 +66,7 @@ def test_the_items_shared_by_a_pool_give_the_same_answer(monkeypatch):
     torch.manual_seed(0)
     rows, keys, values = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 900, 64), torch.randn(1, 2, 900, 64)
     threaded = native_decode_attention(rows, keys, values, 899, 0.2, runs=3)
-    kernel = native_noise.load_kernel()
+    kernel = native_library.load_kernel()
     monkeypatch.setattr(native_decode, "load_kernel", lambda: dataclasses.replace(kernel, threaded=False))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     torch.testing.assert_close(native_decode_attention(rows, keys, values, 899, 0.2, runs=3), threaded)
@@ -135,18 +135,18 @@ def test_the_static_step_through_the_native_kernel_equals_the_forward(method):
 
 def test_a_machine_that_cannot_build_the_kernel_warns_once_and_decodes_in_pytorch(monkeypatch):
     def no_compiler():
-        raise native_noise.KernelBuildError("no C compiler (cc: not found)")
+        raise native_library.KernelBuildError("no C compiler (cc: not found)")
 
-    monkeypatch.setattr(native_noise, "load_kernel", no_compiler)
-    static_decode.native_decode_available.cache_clear()
+    monkeypatch.setattr(native_library, "load_kernel", no_compiler)
+    decode_route.native_decode_available.cache_clear()
     try:
         with pytest.warns(GaliWarning, match="native decoding kernel cannot be built here"):
-            assert static_decode.attention_route(torch.device("cpu"), torch.float32, 64, 3) == "torch"
+            assert decode_route.attention_route(torch.device("cpu"), torch.float32, 64, 3) == "torch"
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert static_decode.attention_route(torch.device("cpu"), torch.float32, 64, 3) == "torch"
+            assert decode_route.attention_route(torch.device("cpu"), torch.float32, 64, 3) == "torch"
     finally:
-        static_decode.native_decode_available.cache_clear()
+        decode_route.native_decode_available.cache_clear()
 
 
 @pytest.mark.slow

@@ -9,9 +9,12 @@ import os
 import pytest
 import torch
 from helpers.decoding import KERNEL_METHODS, expected_attention, offset_tables, prefilled, tables, worst_step_difference
+from helpers.tiers import slow_but
 
+from gali_cli.engine.attention import decode_route
 from gali_cli.engine.math.noise import Noise, head_streams
-from gali_cli.engine.seam import static_decode, with_cache
+from gali_cli.engine.seam import static_decode
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.static_decode import StaticDecoder
 
 
@@ -36,7 +39,8 @@ CASES = [  # batch, kv heads, heads per kv head, head dim, cache rows, programs 
 ]
 
 
-@pytest.mark.parametrize("batch, kv_heads, group, dim, count, splits, indices", CASES)
+# The default tier: every variant and dtype on the second case (batch 2, two programs, tiles cut short).
+@pytest.mark.parametrize("batch, kv_heads, group, dim, count, splits, indices", slow_but(CASES, CASES[1]))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("variant", ["rotated-noisy", "rotated", "as-cached", "offset-table-noisy", "offset-table"])
 def test_kernel_equals_attention_from_its_definition(kernel, device, batch, kv_heads, group, dim, count, splits,
@@ -89,7 +93,8 @@ def test_bad_arguments_are_refused(kernel):
             kernel.rotating_decode_attention(rows, keys, keys, torch.tensor(3), 1.0, **arguments)
 
 
-@pytest.mark.parametrize("method", KERNEL_METHODS)
+# The default tier: two methods here, every method through the native kernel (test_native_decode.py).
+@pytest.mark.parametrize("method", slow_but(KERNEL_METHODS, "original", "gali"))
 def test_the_static_step_through_the_kernel_equals_the_forward(kernel, device, method):
     """Past a 32-token window (a 70-token prompt), 24 tokens decoded by the static step attending through the
     kernel (3 programs per key head, each several tiles) equal the model's own forward at every index; head dim 32
@@ -112,8 +117,8 @@ def test_the_route_follows_the_device_and_gali_kernel(monkeypatch):
     """CUDA with triton: the Triton kernel for heads it has a variant for; the CPU in float32: the native kernel;
     GALI_KERNEL=torch (or a kernel of the other device): the PyTorch route."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    route = static_decode.attention_route
-    monkeypatch.setattr(static_decode, "triton_installed", lambda: True)
+    route = decode_route.attention_route
+    monkeypatch.setattr(decode_route, "triton_installed", lambda: True)
     assert route(cuda, torch.bfloat16, 128, 4) == route(cuda, torch.float32, 64, 3) == "triton"
     assert route(cuda, torch.float16, 256, 4) == "triton" and route(cuda, torch.float32, 256, 4) == "torch"
     assert route(cuda, torch.bfloat16, 96, 4) == route(cuda, torch.bfloat16, 16, 4) == "torch"
@@ -124,7 +129,7 @@ def test_the_route_follows_the_device_and_gali_kernel(monkeypatch):
         monkeypatch.setenv("GALI_KERNEL", choice)
         assert (route(cuda, torch.bfloat16, 128, 4), route(cpu, torch.float32, 64, 3)) == (on_cuda, on_cpu)
     monkeypatch.setenv("GALI_KERNEL", "auto")
-    monkeypatch.setattr(static_decode, "triton_installed", lambda: False)
+    monkeypatch.setattr(decode_route, "triton_installed", lambda: False)
     assert route(cuda, torch.bfloat16, 128, 4) == "torch"
 
 

@@ -18,7 +18,7 @@ import gali_cli.engine.seam.hooks as hooks
 from gali_cli import GaliConfig, GaliError, apply_gali
 from gali_cli.config import MethodSettings
 from gali_cli.engine.checks.reference_model import NaiveGali
-from gali_cli.engine.seam import CACHE_NAMES, SeamError, cache_parameter, forward_arguments, with_cache
+from gali_cli.engine.seam.cache_argument import CACHE_NAMES, SeamError, cache_parameter, forward_arguments, with_cache
 from gali_cli.errors import GaliWarning
 from gali_cli.generate import decode, prefill
 from gali_cli.methods.registry import get_method
@@ -157,6 +157,7 @@ def test_a_release_that_renames_the_cache_again_is_refused(make_llama, cache_arg
     assert all("SeamError: transformers" in check.name for check in checks)
 
 
+@pytest.mark.slow  # the seam check passing: gali info --check's tests (test_cli.py), in the default tier
 def test_the_seam_check_passes_here_and_fails_on_a_wrong_position(monkeypatch):
     planned = [case for family in FAMILIES for case in family_cases(family.model_type)]
     checks = list(seam_checks())

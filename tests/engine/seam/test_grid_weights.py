@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 import torch
 from helpers.decoding import KERNEL_METHODS, prefilled, worst_step_difference
+from helpers.tiers import slow_but
 
-from gali_cli.engine.kernels import native_noise
-from gali_cli.engine.seam import grid_weights, projections, with_cache
+from gali_cli.engine.kernels import native_library
+from gali_cli.engine.seam import grid_weights, projections
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.grid_weights import BLOCK, GridWeight, to_grid
 from gali_cli.engine.seam.projections import grid_projections
 from gali_cli.engine.seam.static_decode import StaticDecoder
 from gali_cli.errors import GaliWarning
-from gali_cli.model.loading import load_model, smollm2_gguf
+from gali_cli.loading import load_model, smollm2_gguf
 from gali_cli.seam_check import tiny_llama, tiny_model
 
 QUANT = gguf.GGMLQuantizationType
@@ -106,7 +108,7 @@ def test_the_rows_shared_by_a_pool_give_the_same_answer(monkeypatch):
     weight, x = dequantized(301, 256, QUANT.Q5_1), torch.randn(1, 256)
     grid = to_grid([weight])
     expected = grid(x)
-    kernel = native_noise.load_kernel()
+    kernel = native_library.load_kernel()
     monkeypatch.setattr(grid_weights, "load_kernel", lambda: dataclasses.replace(kernel, threaded=False))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     pooled = to_grid([weight])
@@ -200,7 +202,7 @@ def test_what_the_step_does_not_know_stays_with_the_modules(monkeypatch):
     model.config.hidden_act = "gelu"  # an MLP other than Llama's SiLU one
     assert grid_projections(model).grid_share() == 0.0
     model = gridded_llama()
-    kernel = native_noise.load_kernel()
+    kernel = native_library.load_kernel()
     monkeypatch.setattr(projections, "load_kernel", lambda: dataclasses.replace(kernel, grid_vectorised=False))
     assert grid_projections(model).grid_share() == 0.0
     monkeypatch.undo()
@@ -237,7 +239,8 @@ def first_step_then_the_rest(decoder: StaticDecoder, model, cache, tokens: list[
     return worst_step_difference(decoder, model, cache, tokens[1:], start + 1)
 
 
-@pytest.mark.parametrize("method", KERNEL_METHODS)
+# The default tier: three methods on grids; every method's step on float weights: test_static_decode.py.
+@pytest.mark.parametrize("method", slow_but(KERNEL_METHODS, "original", "gali", "gali-noise"))
 def test_the_static_step_on_grids_equals_the_forward(method):
     """Past a 32-token window (a 70-token prompt), 24 tokens decoded by the static step, its projections on grids
     and its attention through the native kernel, equal the model's own forward at every index."""

@@ -10,7 +10,7 @@ from gali_cli.engine.attention.gali_attention import chunk_contexts
 from gali_cli.engine.checks.reference_model import NaiveGali
 from gali_cli.engine.math.positions import chunk_plan, interpolate
 from gali_cli.engine.math.rope import absolute_table
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.methods.gali import Gali
 from gali_cli.seam_check import VOCAB
 
@@ -41,7 +41,7 @@ ENGINE_CASES = [  # heads, kv_heads, train_len, chunk_size, local_window, prompt
     (4, 4, 16, 4, 0, 80),  # chunks dividing evenly; no local window, ending on a multiple of train_len
     (4, 2, 32, 8, 31, 150),  # the widest local window
     (4, 1, 32, 7, 4, 97),  # multi-query
-    (4, 4, 64, 16, 8, 320),  # five times the window
+    pytest.param(4, 4, 64, 16, 8, 320, marks=pytest.mark.slow),  # five times the window (many times: 83 above)
     (4, 2, 64, 64, 16, 200),  # chunk as long as the window
     (4, 2, 16, 1, 2, 40),  # one-token chunks
 ]
@@ -353,7 +353,10 @@ def _decode_logits(model, cache, steps: int, seed: int = 0) -> torch.Tensor:
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("kv_heads, local_window, noise", [(2, 2, False), (4, 0, False), (1, 5, True), (2, 15, True)])
+@pytest.mark.parametrize("kv_heads, local_window, noise", [  # the default tier: one case without noise, one with
+    (2, 2, False), pytest.param(4, 0, False, marks=pytest.mark.slow),
+    (1, 5, True), pytest.param(2, 15, True, marks=pytest.mark.slow),
+])
 def test_decoding_without_re_rotation_matches_re_chunking(make_llama, monkeypatch, kv_heads, local_window, noise):
     """60 one-token steps from 21 to 80 keys: g changes several times, keys leave the tail one or two a step."""
     model = apply_gali(make_llama(train_len=16, kv_heads=kv_heads), GaliConfig(chunk_size=4, local_window=local_window,

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gali_cli.config import MethodSettings
-from gali_cli.engine.seam import with_cache
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.kv_cache import GrowingLayer, new_cache, reserve
 from gali_cli.generate import decode, prefill, truncate_cache
 from gali_cli.methods.registry import NAMES

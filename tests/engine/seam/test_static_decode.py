@@ -7,23 +7,26 @@ import pytest
 import torch
 from helpers.decoding import prefilled, read_prompt, worst_step_difference
 from helpers.gguf_files import write_gguf
+from helpers.tiers import slow_but
 from helpers.tiny_models import save_tiny_llama
 
 from gali_cli.config import MethodSettings
+from gali_cli.engine.attention import decode_route
 from gali_cli.engine.attention.dense import Partial, biased_partial
-from gali_cli.engine.seam import static_decode, with_cache
+from gali_cli.engine.seam import static_decode
+from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.kv_cache import new_cache, reserve
 from gali_cli.engine.seam.packed_modules import PackedLinear
 from gali_cli.engine.seam.static_decode import StaticDecoder, why_not_static
 from gali_cli.errors import ConfigError, GaliWarning
 from gali_cli.generate import DecodePath, decode, prefill, stream_generate
-from gali_cli.methods.registry import NAMES
+from gali_cli.loading import load_model
+from gali_cli.methods.registry import NAMES, REGISTRY
 from gali_cli.model.families import GLOBAL, LOCAL
-from gali_cli.model.loading import load_model
 from gali_cli.patching import apply_method, prefill_spans
 from gali_cli.seam_check import tiny_model
 
-STATIC = [name for name in sorted(NAMES) if name != "dynamic-ntk"]
+STATIC = [name for name in sorted(NAMES) if REGISTRY[name].static_step]  # the others decode eagerly
 @pytest.mark.parametrize("method", [*STATIC, "gali-noise", "gali-window-0"])
 def test_every_step_equals_the_models_own_forward(make_llama, method):
     """From a 40-token prompt (past the 32-token window), 60 tokens decoded: the static step's logits equal the
@@ -38,7 +41,8 @@ def test_every_step_equals_the_models_own_forward(make_llama, method):
 YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
 
 
-@pytest.mark.parametrize("method", ["rerope", "gali", "self-extend", "chunk-llama", "leaky-rerope"])
+@pytest.mark.parametrize("method", slow_but(["rerope", "gali", "self-extend", "chunk-llama", "leaky-rerope"],
+                                            "rerope", "gali"))
 def test_every_step_equals_the_forward_on_a_yarn_model(make_llama, method):
     """A model whose RoPE scales its cos/sin (YaRN's attention scaling, 1.14 here): every rotated query-key pair
     has it twice. ReRoPE's eager far keys are stored un-rotated and missed one (its steps were 0.49 of the largest
@@ -50,7 +54,7 @@ def test_every_step_equals_the_forward_on_a_yarn_model(make_llama, method):
     assert worst < 2e-5, worst
 
 
-@pytest.mark.parametrize("method", ["gali-noise", "chunk-llama", "original"])
+@pytest.mark.parametrize("method", slow_but(["gali-noise", "chunk-llama", "original"], "original"))
 def test_keys_cut_into_blocks_give_the_same_steps(make_llama, method, monkeypatch):
     """The step's attention cut into blocks of 16 keys (on a GPU: 256), with a last partial block and blocks wholly
     past the index, equals the forward as one block does."""
@@ -114,7 +118,12 @@ def test_decode_takes_the_static_step_and_leaves_the_cache_as_eager_decoding_doe
         torch.testing.assert_close(layer.values, eager_layer.values)
 
 
-@pytest.mark.parametrize("method", [*STATIC, "gali-noise", "gali-window-0", "gali-native", "self-extend-native"])
+HELD = [*STATIC, "gali-noise", "gali-window-0", "gali-native", "self-extend-native"]
+
+
+# The default tier: five of them; every method's steps against the forward: test_every_step_equals_... above.
+@pytest.mark.parametrize("method", slow_but(HELD, "original", "gali", "gali-noise", "gali-native",
+                                            "self-extend-native"))
 def test_the_step_is_held_to_the_prefills_logits_and_leaves_its_rows_as_they_were(make_llama, method):
     """`check` at the prompt's last token, against the logits the prefill returned for it (a forward of many
     tokens, cut at the method's chunks), as generate.decode holds the step: every method's step agrees with them;
@@ -191,7 +200,7 @@ def test_what_cannot_decode_statically_says_why(make_llama, monkeypatch):
         assert "reserved" in why_not_static(model, new_cache(model))
     monkeypatch.setenv("GALI_DECODE", "graph")
     with pytest.raises(ConfigError, match="GALI_DECODE must be one of auto, eager, static"):
-        static_decode.decode_choice()
+        decode_route.decode_choice()
     # auto on a CPU: every method where the native kernel attends (float32, head dim a multiple of 16), else the
     # static step for the unpatched model only
     monkeypatch.setenv("GALI_DECODE", "auto")
@@ -271,7 +280,8 @@ def make_gemma(**sizes):
     return tiny_model("gemma3_text", **{"sliding_window": WINDOW, **sizes})
 
 
-@pytest.mark.parametrize("method", [*STATIC, "gali-noise", "gali-window-0"])
+# The default tier: GALI with and without noise on Gemma 3; every method's steps on a Llama above.
+@pytest.mark.parametrize("method", slow_but([*STATIC, "gali-noise", "gali-window-0"], "gali", "gali-noise"))
 @pytest.mark.parametrize("sizes", [{}, NATIVE], ids=["torch", "native"])
 def test_gemma3s_every_step_equals_its_forward(method, sizes):
     """Gemma 3's static step, the global layer placed by the method and the local ones at true positions over their
@@ -287,7 +297,7 @@ def test_gemma3s_every_step_equals_its_forward(method, sizes):
 
 
 @pytest.mark.parametrize("method", ["original", "gali-noise", "self-extend"])
-@pytest.mark.parametrize("route", ["torch", "triton"])
+@pytest.mark.parametrize("route", slow_but(["torch", "triton"], "torch"))  # Triton's kernels: test_triton_decode.py
 def test_gemma3s_windows_gathered_by_the_index_tensor_equal_the_forward(method, route):
     """As a GPU takes the local window (gathered by the index tensor, no host read, for a CUDA graph), on the
     PyTorch route and through the Triton kernel (its interpreter, on the CPU)."""
@@ -313,7 +323,7 @@ def test_gemma3s_local_window_one_key_off_is_caught(method, sizes, shift):
     assert worst > 0.1, worst
 
 
-@pytest.mark.parametrize("method", ["original", "gali", "self-extend", "ntk"])
+@pytest.mark.parametrize("method", slow_but(["original", "gali", "self-extend", "ntk"], "original", "gali"))
 @pytest.mark.parametrize("sizes", [{}, NATIVE], ids=["torch", "native"])
 def test_gemma3s_step_is_held_to_the_prefills_logits(method, sizes):
     """`check` against the prefill's logits of a 40-token prompt (past both windows, cut at the method's chunks):
@@ -358,7 +368,7 @@ class _Tokens:
         return " ".join(map(str, ids))
 
 
-@pytest.mark.parametrize("quant", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("quant", slow_but(["Q4_K", "Q8_0"], "Q8_0"))  # every GGUF type: test_gguf_weights.py
 def test_a_gemma3_gguf_decodes_through_the_static_step(quant, tmp_path):
     """A Gemma 3 GGUF as llama.cpp writes one (six layers, every sixth global, heads of 256), loaded with its
     projections as grids: the static step attends by the native kernel and multiplies through the grids, and equals

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 from gali_cli.engine.attention.choice import plan_for
 from gali_cli.engine.attention.dense import PARTIAL
 from gali_cli.engine.attention.kept_keys import KeptKeys
-from gali_cli.engine.attention.windowed import windowed_attention
+from gali_cli.methods.windowed import windowed_attention
 
 
 def rope64(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..contract import Forward, Placement
-from ..math.rope import RopeTable, rotate, rotate_fused
-from .dense import Partial, PartialAttention, merge_partials, partial_attention
-from .kept_keys import KeptKeys, Rotation
-from .plan import AttentionPlan
+from ..engine.attention.dense import Partial, PartialAttention, merge_partials, partial_attention
+from ..engine.attention.kept_keys import KeptKeys, Rotation
+from ..engine.attention.plan import AttentionPlan
+from ..engine.contract import Forward, Placement
+from ..engine.math.rope import RopeTable, rotate, rotate_fused
 
 
 def _rows(part: Partial, index: slice) -> Partial:

@@ -13,14 +13,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
-from ..compat import no_hub_code_kwargs
-from ..errors import ConfigError, ModelLoadError
-from .chat_template import check_chat_template
-from .companions import GgufCompanions
+from .compat import no_hub_code_kwargs
+from .errors import ConfigError, ModelLoadError
+from .gguf_weights import load_gguf_weights
+from .model.chat_template import check_chat_template
+from .model.companions import GgufCompanions
 
 # Where a model loads from is decided without torch (config.py, for gali info); the names stay importable from
 # here, where the benchmarks and tests that load a model look.
-from .config import (  # noqa: F401
+from .model.config import (  # noqa: F401
     DEMO,
     GPU_DEFAULT_MODEL,
     SMOLLM2,
@@ -33,10 +34,9 @@ from .config import (  # noqa: F401
     resolve_source,
     smollm2_gguf,
 )
-from .families import default_train_len, family_of
-from .gguf import GgufFile, GgufHeader, check_architecture, read_header, require_gguf_package
-from .gguf_weights import load_gguf_weights
-from .machine import choose_device, choose_dtype, cpu_bf16
+from .model.families import default_train_len, family_of
+from .model.gguf import GgufFile, GgufHeader, check_architecture, read_header, require_gguf_package
+from .model.machine import choose_device, choose_dtype, cpu_bf16
 
 QUANTIZATIONS = ("none", "8bit", "4bit")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

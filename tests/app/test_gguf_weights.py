@@ -9,13 +9,14 @@ from helpers.gguf_files import quantized_tensor, write_gguf
 from helpers.paths import ROOT
 from helpers.tiny_models import save_tiny_llama
 
+from gali_cli import gguf_weights
 from gali_cli.engine.seam import packed_modules
 from gali_cli.engine.seam.packed_modules import PackedEmbedding, PackedLinear, model_device, model_dtype
 from gali_cli.engine.seam.projections import grid_projections
 from gali_cli.errors import ModelLoadError
-from gali_cli.model import gguf_blocks, gguf_weights
-from gali_cli.model.gguf_weights import _grid_tensor, _unpermuted_rows, dense
-from gali_cli.model.loading import load_model
+from gali_cli.gguf_weights import _grid_tensor, _unpermuted_rows, dense
+from gali_cli.loading import load_model
+from gali_cli.model import gguf_blocks
 
 gguf = pytest.importorskip("gguf")
 GRID_NAMES = [name for name, *_ in gguf_blocks.GRID_TYPES.values()]

@@ -13,8 +13,7 @@ from transformers import Phi3Config, Phi3ForCausalLM
 
 from gali_cli.cli import main
 from gali_cli.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from gali_cli.model import config as model_config
-from gali_cli.model.loading import (
+from gali_cli.loading import (
     SMOLLM2_INSTALL,
     default_model,
     demo_model_path,
@@ -24,6 +23,7 @@ from gali_cli.model.loading import (
     resolve_dtype,
     resolve_source,
 )
+from gali_cli.model import config as model_config
 
 
 def test_model_sources(tmp_path):
@@ -99,7 +99,7 @@ def test_no_model_and_no_gpu_is_one_line_at_once(no_smollm2, monkeypatch, tmp_pa
 
 def test_the_default_model_with_a_gpu_is_llama_3(monkeypatch):
     monkeypatch.setattr(model_config, "cuda_available", lambda: True)
-    from gali_cli.runs import ModelChoice
+    from gali_cli.runs.choices import ModelChoice
 
     choice = ModelChoice.parse(None, "none", "auto", "auto", "gali")
     assert choice.model == "meta-llama/Meta-Llama-3-8B-Instruct"

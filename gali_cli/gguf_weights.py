@@ -25,11 +25,11 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from ..engine.seam.grid_weights import GridWeight
-from ..engine.seam.packed_modules import PackedEmbedding, PackedLinear, unpack_rows
-from ..errors import ModelLoadError
-from .gguf import GgufHeader, TensorInfo
-from .gguf_blocks import (
+from .engine.seam.grid_weights import GridWeight
+from .engine.seam.packed_modules import PackedEmbedding, PackedLinear, unpack_rows
+from .errors import ModelLoadError
+from .model.gguf import GgufHeader, TensorInfo
+from .model.gguf_blocks import (
     BF16,
     FLOAT_TYPES,
     GEMMA3_LAYER_TENSORS,
