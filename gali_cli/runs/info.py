@@ -152,9 +152,9 @@ def _decoding(choice: ModelChoice, config: ModelConfig, facts: dict) -> str:
             why = "GALI_DECODE=eager"
         elif config.no_static_step:
             why = config.no_static_step
-        elif not remaps and (method == "dynamic-ntk" or "dynamic" in rope_type):
-            why = decode_route.DYNAMIC_ROPE
-        elif remaps and not REGISTRY[method].static_step:
+        elif not remaps and (not REGISTRY[method].static_step or "dynamic" in rope_type):
+            why = decode_route.DYNAMIC_ROPE  # a rope-scaling method without the step: its frequencies follow the length
+        elif not REGISTRY[method].static_step:
             why = decode_route.no_static_step(method)
         elif asked == "auto" and not decode_route.static_pays(device.type, route, remaps):
             why = decode_route.NOT_PAYING
