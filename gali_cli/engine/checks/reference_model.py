@@ -222,7 +222,20 @@ class NaiveRoPE(NaiveLlama):
         return self.rope_logits(query, keys, torch.arange(first, first + len(query)), torch.arange(len(keys)))
 
 
-class NaiveGali(NaiveLlama):
+class NaiveChunked(NaiveLlama):
+    """A method that reads a prompt in Algorithm 1's chunks (`train_len` tokens, then `chunk_size` each), one
+    forward a chunk, and one token a forward after (GALI, ReAttention): subclasses set both attributes."""
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Algorithm 1's chunks, in order."""
+        logits, start = [], 0
+        for size in alg1_chunk_sizes(len(ids), self.train_len, self.chunk_size):
+            logits.append(self.forward(ids[start : start + size]))
+            start += size
+        return torch.cat(logits)
+
+
+class NaiveGali(NaiveChunked):
     """GALI, one Algorithm-1 chunk per forward during prefill, one token per forward after.
 
     Args:
@@ -233,14 +246,6 @@ class NaiveGali(NaiveLlama):
     def __init__(self, model, train_len, chunk_size, local_window, noise=None, batch_index=0):
         super().__init__(model, batch_index)
         self.train_len, self.chunk_size, self.local_window, self.noise = train_len, chunk_size, local_window, noise
-
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Algorithm 1's chunks, in order."""
-        logits, start = [], 0
-        for size in alg1_chunk_sizes(len(ids), self.train_len, self.chunk_size):
-            logits.append(self.forward(ids[start : start + size]))
-            start += size
-        return torch.cat(logits)
 
     def chunk(self, ids: list[int]) -> torch.Tensor:
         return self.forward(ids)
@@ -442,7 +447,7 @@ class NaiveLaMPE(NaiveRelative):
         return torch.full((len(i),), (0.1 * math.log(2) + 1) ** 2, dtype=torch.float64)
 
 
-class NaiveReAttention(NaiveLlama):
+class NaiveReAttention(NaiveChunked):
     """ReAttention (Liu et al. 2025), one chunk per forward: the first of train_len tokens, then chunks of
     `chunk_size` (Algorithm 1's sizes), one token per forward after. A forward of T <= train_len keys is the plain
     model. Past it, each query head h scores the middle keys [G, T - W) by its un-rotated query against the
@@ -456,13 +461,6 @@ class NaiveReAttention(NaiveLlama):
         self.tie = tie  # scores within tie * |q| * max |k| of each other are equal: the earlier key wins
         self.train_len, self.sink, self.local_window = train_len, sink, local_window
         self.top_keys, self.span, self.clip, self.chunk_size = top_keys, span, clip, chunk_size
-
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        logits, start = [], 0
-        for size in alg1_chunk_sizes(len(ids), self.train_len, self.chunk_size):
-            logits.append(self.forward(ids[start : start + size]))
-            start += size
-        return torch.cat(logits)
 
     def best(self, scores: list[float], tolerance: float) -> list[int]:
         """The top_keys scores' indices; scores within `tolerance` of the k-th best tie, the earlier index first."""
