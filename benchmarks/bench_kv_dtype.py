@@ -61,8 +61,8 @@ def stored_as(dtype_name: str, caches: list):
         return update(self, key_states.to(dtype).to(key_states.dtype), value_states.to(dtype).to(value_states.dtype),
                       *args, **kwargs)
 
-    def recorded_cache(model):
-        cache = make(model)
+    def recorded_cache(model, kv_dtype=None):
+        cache = make(model, kv_dtype)
         if not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
             raise SystemExit("the cache has layers that are not GrowingLayer: they would not be rounded")
         caches.append(cache)

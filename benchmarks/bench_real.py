@@ -65,15 +65,20 @@ def _debian_files(packages: list[str]) -> Path:
     return target
 
 
+BOOKS = {"genesis": ["Gen1:1-50:26"], "genesis-exodus": ["Gen1:1-50:26", "Exo1:1-40:38"]}  # KJV verse ranges
+TEXTS = [*BOOKS, "constitution"]
+
+
 def text(name: str) -> str:
-    """A public-domain text by name: genesis (KJV), constitution (with amendments)."""
+    """A public-domain text by name: genesis (KJV), genesis-exodus (KJV, for 64k tokens and more), constitution
+    (with amendments)."""
     cached = _texts_directory() / f"{name}.txt"
     if cached.exists():
         return cached.read_text()
-    if name == "genesis":
+    if name in BOOKS:
         files = _debian_files(["bible-kjv", "bible-kjv-text"])
-        output = subprocess.run([str(files / "usr/bin/bible"), "-p", str(files / "usr/lib"), "Gen1:1-50:26"],
-                                check=True, capture_output=True, text=True).stdout
+        output = "".join(subprocess.run([str(files / "usr/bin/bible"), "-p", str(files / "usr/lib"), book],
+                                        check=True, capture_output=True, text=True).stdout for book in BOOKS[name])
         body = re.sub(r"^\s*\d+ ", "", output, flags=re.MULTILINE)  # verse numbers out: running prose
     elif name == "constitution":
         import gzip
@@ -81,7 +86,7 @@ def text(name: str) -> str:
         files = _debian_files(["miscfiles"])
         body = gzip.decompress((files / "usr/share/state/us-constitution.gz").read_bytes()).decode()
     else:
-        raise SystemExit(f"unknown text {name!r}: genesis or constitution")
+        raise SystemExit(f"unknown text {name!r}: {', '.join(TEXTS)}")
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(body)
     return body
@@ -293,7 +298,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=["ppl", "passkey", "report"])
     parser.add_argument("-m", "--model", default="smollm2")
-    parser.add_argument("--text", default="genesis", choices=["genesis", "constitution"])
+    parser.add_argument("--text", default="genesis", choices=TEXTS)
     parser.add_argument("--train-len", type=int, default=None, help="GALI's window (default: the model's)")
     parser.add_argument("--lengths", default="1k,2k,4k,8k")
     parser.add_argument("--methods", default="all", help="comma list, or all")

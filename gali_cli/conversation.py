@@ -97,7 +97,7 @@ class Conversation:
             if progress:
                 progress(self.document_tokens, self.document_tokens)
         else:
-            self.cache = new_cache(model)
+            self.cache = new_cache(model, self.loaded.kv_dtype)
             prefill(model, torch.tensor([document_ids], device=model_device(model)), self.cache,
                     prefill_spans(model, self.method, 0, self.document_tokens, [self.document_tokens]), progress)
             self.states.save(document_ids, [], self.resolved, self.cache, self.document_name)
@@ -134,7 +134,7 @@ class Conversation:
             stored = self.states.load(prompt.ids, [], [self.document_tokens], resolved)
             self.from_store = stored is not None
             self.cached_ids = prompt.ids[: self.document_tokens] if stored else []
-            self.cache = stored[0] if stored else new_cache(model)
+            self.cache = stored[0] if stored else new_cache(model, self.loaded.kv_dtype)
         start, recorded = len(self.cached_ids), False
         spans = prefill_spans(model, self.method, start, len(ids), [self.document_tokens])
         # A document read in this turn is stored as soon as it is read (no forward ended before it, but where GALI's

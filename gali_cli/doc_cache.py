@@ -152,8 +152,10 @@ class DocumentCache:
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
 
-    def load(self, key: str, prefix_ids: list[int], model: PreTrainedModel) -> DynamicCache | None:
-        """The cached K/V of `prefix_ids` as a DynamicCache on the model's devices, or None (absent or unusable)."""
+    def load(self, key: str, prefix_ids: list[int], model: PreTrainedModel, kv_dtype: torch.dtype | None = None
+             ) -> DynamicCache | None:
+        """The cached K/V of `prefix_ids` as a DynamicCache on the model's devices, or None (absent or unusable);
+        `kv_dtype`: the dtype the cache stores them in (kv_cache.new_cache), which the entry's tensors must have."""
         path = self.path(key)
         try:
             status = path.stat()
@@ -171,7 +173,7 @@ class DocumentCache:
                 metadata = file.metadata() or {}
                 _check_metadata(metadata, key, prefix_ids)
                 tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 - not iterable
-            _check_tensors(tensors, len(prefix_ids), model, json.loads(metadata.get("crc32", "{}")))
+            _check_tensors(tensors, len(prefix_ids), model, json.loads(metadata.get("crc32", "{}")), kv_dtype)
         except FileNotFoundError:
             return None  # evicted by another gali meanwhile
         except (OSError, SafetensorError, ValueError, KeyError, TypeError, AttributeError) as error:
@@ -182,14 +184,15 @@ class DocumentCache:
             os.utime(path)  # recently used: evicted last
         except OSError:
             pass  # a read-only cache still serves
-        cache = new_cache(model)
+        cache = new_cache(model, kv_dtype)  # the rows as they were stored: no conversion, and no copy back
         for layer, attention in enumerate(layer.self_attn for layer in model.model.layers):
             device = module_device(attention.k_proj)  # with device_map="auto", layers live on different GPUs
             cache.update(tensors[f"keys.{layer}"].to(device), tensors[f"values.{layer}"].to(device), layer)
         return cache
 
     def save(self, key: str, prefix_ids: list[int], cache: DynamicCache, description: dict[str, str]) -> None:
-        """Store the first len(prefix_ids) tokens' K/V of `cache`; a failure (e.g. a full disk) only warns."""
+        """Store the first len(prefix_ids) tokens' K/V of `cache`, in the dtype it stores them in (a 16-bit cache's
+        entry is half the size); a failure (e.g. a full disk) only warns."""
         tokens = len(prefix_ids)
         tensors = {}
         for layer, state in enumerate(cache.layers):
@@ -403,20 +406,20 @@ def _crc32(tensor: torch.Tensor) -> str:
     return f"{zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy()):08x}"
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], tokens: int, model: PreTrainedModel, expected_sums: dict
-                   ) -> None:
+def _check_tensors(tensors: dict[str, torch.Tensor], tokens: int, model: PreTrainedModel, expected_sums: dict,
+                   kv_dtype: torch.dtype | None = None) -> None:
     """Raise ValueError unless `tensors` are the keys and values of `tokens` tokens for every layer of `model`, with
-    the bytes they were saved with."""
+    the bytes they were saved with, all of one dtype: `kv_dtype` where it is given."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     expected = (1, config.num_key_value_heads, tokens, head_dim)
     names = {f"{kind}.{layer}" for kind in ("keys", "values") for layer in range(config.num_hidden_layers)}
     if set(tensors) != names:
         raise ValueError(f"its tensors are not the keys and values of {config.num_hidden_layers} layers")
-    dtype = next(iter(tensors.values())).dtype
+    dtype = kv_dtype or next(iter(tensors.values())).dtype
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected or tensor.dtype != dtype:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)} {tensor.dtype}, expected {expected}")
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} {tensor.dtype}, expected {expected} {dtype}")
     for name, found in checksums(tensors).items():
         if expected_sums.get(name) != found:
             raise ValueError(f"the data of {name} does not match its checksum")

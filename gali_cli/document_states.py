@@ -2,11 +2,12 @@
 (conversation.py) and `gali serve` (server/reuse.py), so that either starts from a document the other has read.
 
 A state is the KV cache of a prompt's first n tokens. Its keys and values depend on those tokens, on the model (its
-identity, weights, dtype, the versions that run it), on the method and its settings as applied, and, for a method
-whose results depend on where forwards end (GALI: a chunk's positions are set by its last token), on where the
-prefill ended forwards before n, except where the method lets a forward end anyway (GALI's chunk boundaries). The
-key holds exactly these. `gali ask` and `gali serve` cut a document's prompt at the same places (prompts.py: where
-the document ends and where the question starts), so a document read by one is a cache hit for the other.
+identity, weights, dtype, the versions that run it), on the dtype the KV cache stores them in (--kv-dtype), on the
+method and its settings as applied, and, for a method whose results depend on where forwards end (GALI: a chunk's
+positions are set by its last token), on where the prefill ended forwards before n, except where the method lets a
+forward end anyway (GALI's chunk boundaries). The key holds exactly these. `gali ask` and `gali serve` cut a
+document's prompt at the same places (prompts.py: where the document ends and where the question starts), so a
+document read by one is a cache hit for the other.
 """
 
 import json
@@ -23,10 +24,12 @@ from .patching import forward_ends
 
 
 def state_identity(loaded: LoadedModel, method: str, resolved: dict) -> dict:
-    """What prefilled keys and values depend on besides their tokens and cuts: versions, model, weights, dtype,
-    method and its settings as applied."""
+    """What prefilled keys and values depend on besides their tokens and cuts: versions, model, weights, dtype, the
+    dtype they are stored in (--kv-dtype: float32 rows are no float16 run's, nor the reverse), method and its
+    settings as applied."""
     return {"format": "gali-prefilled-state", "gali": __version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, **loaded.identity, "method": method, "settings": resolved}
+            "transformers": transformers.__version__, **loaded.identity, "kv_dtype": str(loaded.stored_dtype),
+            "method": method, "settings": resolved}
 
 
 class DocumentStates:
@@ -56,7 +59,8 @@ class DocumentStates:
         if self.store is None:
             return None
         for end in sorted(set(ends), reverse=True):
-            cache = self.store.load(self.key(ids[:end], cuts, resolved), ids[:end], self.loaded.model)
+            cache = self.store.load(self.key(ids[:end], cuts, resolved), ids[:end], self.loaded.model,
+                                    self.loaded.kv_dtype)
             if cache is not None:
                 return cache, end
         return None

@@ -18,6 +18,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from .config import MAX_INPUT_BYTES, MethodSettings, format_size, parse_size
 from .errors import ConfigError
 from .methods.registry import DEFAULT, NAMES
+from .model.machine import KV_DTYPES
 from .runs.choices import ModelChoice
 from .threads import check_threads
 
@@ -42,6 +43,9 @@ class DType(str, Enum):
 
 
 _DTYPE_HELP = ("auto: bfloat16 on a GPU that has it or a CPU with AMX, else float16 on GPU, float32 on CPU.")
+KVDType = Enum("KVDType", {name: name for name in KV_DTYPES}, type=str)  # --kv-dtype's values, from machine.py
+_KV_DTYPE_HELP = ("How the KV cache stores keys and values. model: as the model computes (--dtype); a 16-bit type "
+                  "halves a float32 model's cache, and may change an answer where two tokens nearly tie.")
 
 
 def _model_option(*declarations: str, help: str, **kwargs) -> typer.Option:
@@ -91,6 +95,8 @@ def _model_parameters(many_methods: bool) -> list[inspect.Parameter]:
          Device.auto),
         ("dtype", Annotated[DType, _model_option(metavar="auto|bfloat16|float16|float32", help=_DTYPE_HELP)],
          DType.auto),
+        ("kv_dtype", Annotated[KVDType, _model_option(metavar="|".join(KV_DTYPES), help=_KV_DTYPE_HELP)],
+         KVDType.model),
         ("method", Annotated[str, _method_option(many_methods)], DEFAULT),
         ("threads", Annotated[int | None, _model_option(min=1, envvar="GALI_THREADS", show_default=False, metavar="N",
                                                         callback=_threads,

@@ -30,12 +30,14 @@ def perplexities(
     spans: list[tuple[int, int]],
     progress: Callable[[int, int, float], None] | None = None,
     boundaries: list[int] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> list[Perplexity]:
     """PPL over the first l tokens of `ids` (1, N) for every l in `lengths`, from one pass along `spans`.
 
     The model's body runs forward by forward (its cache carrying the prefix); the LM head runs on slices of each
     forward's hidden states, cut at the method's chunk `boundaries` too, so that logits never span two chunks.
-    `progress` gets (tokens done, N, perplexity of the first `done` tokens) after every forward.
+    `progress` gets (tokens done, N, perplexity of the first `done` tokens) after every forward. `kv_dtype`: how the
+    cache stores keys and values (kv_cache.new_cache; None: as the model computes).
     """
     total = ids.shape[1]
     for length in lengths:
@@ -45,7 +47,7 @@ def perplexities(
     nll = torch.zeros(total - 1, dtype=torch.float64)  # nll[t]: token t + 1 given tokens 0..t
     cuts = sorted({*(boundaries or []), *(last for _, last in spans)})
     with torch.inference_mode():
-        cache = new_cache(model)
+        cache = new_cache(model, kv_dtype)
         reserve(cache, spans[-1][1])
         given = with_cache(model.model, cache)
         for first, last in spans:

@@ -155,7 +155,7 @@ def seam_check(model: PreTrainedModel, ids: torch.Tensor, case: SeamCase, family
             cache = new_cache(model)
             logits = prefill(model, ids, cache, spans)
             tokens = list(decode(model, cache, logits, greedy, case.decoded, stop_ids=set()))
-        gali_seconds = time.perf_counter() - started
+        engine_seconds = time.perf_counter() - started
         started = time.perf_counter()
         reference = case.reference(model, resolved)
         if case.decoded:
@@ -170,4 +170,5 @@ def seam_check(model: PreTrainedModel, ids: torch.Tensor, case: SeamCase, family
     error = max((got - want).abs().max().item() for got, want in zip(seen, expected))
     if tokens != expected_tokens:
         name, error = f"{name} (decoded {tokens}, expected {expected_tokens})", float("inf")
-    return Check(name, error, TOLERANCE, {"gali": gali_seconds, "float64": time.perf_counter() - started}, seam=True)
+    seconds = {"engine": engine_seconds, "float64": time.perf_counter() - started}
+    return Check(name, error, TOLERANCE, seconds, seam=True)

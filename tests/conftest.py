@@ -11,6 +11,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # --dtype auto computes in float32 on every CPU the tests run on, native bfloat16 or not (test_machine tests both),
 # so that numeric comparisons mean the same on every machine; subprocesses inherit it.
 os.environ["GALI_CPU_BF16"] = "0"
+# OpenMP's threads wait passively, as gali's entry point makes them wait (gali_cli.threads.prepare_openmp): torch
+# loads libgomp here, before any test runs gali, and with libgomp's spinning a tiny model's float64 product took 30
+# times as long on a loaded two-core machine (1.8 ms against 61 us). How threads wait, never what they compute.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch

@@ -10,9 +10,11 @@ Adding a method: its module, a line here, its settings field(s), its reference, 
 """
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..config import MethodSettings
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -30,6 +32,8 @@ class Registered:
     exact: str  # and the distance up to which it equals the model
     # gali info shows its settings before any input, and they are checked before a document is read
     previewable: bool = False
+    # The same from the model's window alone, without torch: (settings, window) -> its settings, or a ConfigError
+    window_preview: Callable[[MethodSettings, int], dict] | None = None
     # False when results depend on one forward over the whole input: no prefilled prefix can then be reused
     prefix_reusable: bool = True
     honours_train_len: bool = True  # False: the unrestricted model, whatever --train-len says
@@ -69,7 +73,8 @@ REGISTRY: dict[str, Registered] = {
         "the smallest scale reaching N)", "W", previewable=True),
     "gali": Registered(
         "gali", "METHOD", "Greedy Attention Logit Interpolation",
-        "`--chunk-size` (L/4), `--local-window` (L/2), `--noise`", "L"),
+        "`--chunk-size` (L/4), `--local-window` (L/2), `--noise`", "L",
+        window_preview=lambda settings, window: settings.gali().resolved(window).facts()),
     "string": Registered(
         "string_rope", "METHOD",
         "STRING: true distances below S, `d - S + W` from S on (the S largest distances never used)",

@@ -3,7 +3,8 @@
 transformers takes tens of seconds to build a GGUF's tokenizer from its vocabulary (docs/performance.md, "GGUF
 weights in their blocks") and seconds for its config; gali reads the weights from the file itself on every load
 (gguf_weights.py), so an entry here holds only the rest: the config without its GGUF quantization marker, the
-generation config, and the tokenizer with its chat template (tens of MB at most, never a weight). It is named after
+generation config, and the tokenizer with its chat template (tens of MB at most, never a weight), saved as a load
+makes it, in the form transformers reads straight into its Rust tokenizer (`_save_as_loaded`). It is named after
 the GGUF's identity (path, size, modification time, digest of its first MiB) and the transformers version, built in
 a temporary directory and renamed, so a crash never leaves half an entry, and carries a manifest with every file's
 size and CRC-32, checked before use: a damaged entry is rebuilt with a warning.
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import transformers
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from ..cache_ownership import (
     PARTIAL,
@@ -53,10 +54,12 @@ from ..errors import GaliWarning, ModelLoadError
 from ..printable import some_names
 from .gguf import GgufFile
 
-FORMAT = "2"
-OLD_FORMATS = {"1": "a float copy of the whole model, which gali no longer uses"}  # what gali wrote before
+FORMAT = "3"
+OLD_FORMATS = {"1": "a float copy of the whole model, which gali no longer uses",  # what gali wrote before
+               "2": "a tokenizer that transformers loads through Python copies of its vocabulary"}
 MANIFEST = "gali-gguf.json"
 CONFIG = "config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 KIND = "tokenizer"  # where entries of format 1 named their dtype
 CACHE = "models"  # this cache's name in the marker of the folders it builds in (cache_ownership.py)
 _TRANSFORMERS = f"transformers-{transformers.__version__}"
@@ -121,13 +124,17 @@ class GgufCompanions:
         return _plain(AutoConfig.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name))
 
     def directory_for(self, gguf: GgufFile) -> Path:
-        """A checked entry holding `gguf`'s config and tokenizer; built (and a damaged one rebuilt) when needed."""
+        """A checked entry holding `gguf`'s config and tokenizer; built (and a damaged one, or one an older gali
+        wrote, rebuilt) when needed."""
         entry = self.directory / _entry_name(gguf)
         if entry.exists() or entry.is_symlink():
             if _describe(entry, known_token(self.directory)) is None:
                 raise ModelLoadError(f"the model cache holds {entry}, which gali did not write, where it keeps "
                                      f"{gguf.path.name}'s tokenizer: move it away, or choose another cache with "
                                      "GALI_MODEL_CACHE")
+            if _old_manifest(entry) is not None:  # sound, in an older form: read again, as the first time
+                shutil.rmtree(entry, ignore_errors=True)
+        if entry.exists() or entry.is_symlink():
             try:
                 if _manifest(entry, full=True).get("key") != _key(gguf):
                     raise ValueError("its manifest describes another file")
@@ -245,6 +252,27 @@ def _read_into(gguf: GgufFile, directory: Path) -> None:
     _plain(config).save_pretrained(directory)
     GenerationConfig.from_model_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    del tokenizer  # transformers' reading of the GGUF's vocabulary: hundreds of MB for Gemma's
+    _save_as_loaded(directory)
+
+
+def _save_as_loaded(directory: Path) -> None:
+    """Save the tokenizer in `directory` again as a load makes it, in the form that loads without a Python copy of
+    its vocabulary. The class transformers names for a GGUF's tokenizer (GemmaTokenizer, Qwen2Tokenizer, ...)
+    rebuilds its pipeline at each load from Python lists of the vocabulary and merges, which it keeps, and a config
+    without the added tokens makes transformers parse the whole tokenizer.json in Python for them (Gemma 3's 262,144
+    tokens and 514,906 merges: 0.3 GB more at the peak, 13 s; docs/performance.md). Saved once as loaded, with its
+    added tokens and class settings in the config, it is the same tokenizer (the same pipeline, so the same ids),
+    which transformers' generic class (PreTrainedTokenizerFast) reads straight into the Rust tokenizer."""
+    loaded = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    loaded.save_pretrained(directory)  # tokenizer.json: the pipeline the class built
+    path = directory / TOKENIZER_CONFIG
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    settings.update(tokenizer_class=PreTrainedTokenizerFast.__name__, padding_side=loaded.padding_side,
+                    model_input_names=loaded.model_input_names,
+                    added_tokens_decoder={str(index): token.__getstate__()
+                                          for index, token in loaded.added_tokens_decoder.items()})
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 @contextmanager
@@ -385,7 +413,8 @@ def _describe(path: Path, token: str | None) -> ModelEntry | None:
     obsolete = _old_manifest(path)
     if obsolete is not None:
         source = obsolete.get("gguf") or {}
-        return ModelEntry(path, str(source.get("path", "?")), f"{obsolete.get('dtype', '?')} copy",
+        kind = str(obsolete.get("dtype", "?"))
+        return ModelEntry(path, str(source.get("path", "?")), kind if kind == KIND else f"{kind} copy",
                           str(obsolete.get("transformers", "?")), size, last_used, False,
                           obsolete=f"written by an older gali: {OLD_FORMATS[obsolete['format']]}")
     try:

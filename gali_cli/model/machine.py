@@ -18,6 +18,9 @@ from .. import compat
 from ..errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
+# --kv-dtype: how the KV cache stores keys and values. model: in the dtype the model computes in (the default); the
+# 16-bit types halve a float32 model's cache, and move answers at near ties (docs/performance.md, "16-bit KV cache").
+KV_DTYPES = ("model", "float16", "bfloat16")
 # Device files a GPU driver creates on Linux: NVIDIA's, WSL's (CUDA through DirectX), AMD's (ROCm).
 _CUDA_DEVICE_FILES, _ROCM_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg"), ("/dev/kfd",)
 
@@ -141,6 +144,14 @@ def choose_dtype(dtype: str, device_type: str, bf16_supported: bool) -> str:
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     return dtype
+
+
+def kv_storage(kv_dtype: str, dtype: str) -> str:
+    """The dtype the KV cache stores keys and values in: --kv-dtype's, or for `model` the compute dtype `dtype` (as
+    `choose_dtype` resolved it)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    return dtype if kv_dtype == "model" else kv_dtype
 
 
 def environment_facts(device: str, dtype: str, noisy_attention: Callable[[str, str], str]) -> dict:

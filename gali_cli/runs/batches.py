@@ -141,10 +141,12 @@ def held(results: ResultsFile) -> Iterator[Collective | None]:
 
 
 def batch_job(command: str, choice: ModelChoice, **details) -> dict:
-    """What decides a document's output besides its content: a rerun with another job does every document again."""
+    """What decides a document's output besides its content: a rerun with another job does every document again.
+    A 16-bit KV cache (--kv-dtype) is part of it; the default adds nothing, so files written before it resume."""
     device = resolve_device(choice.device)
+    stored = {} if choice.kv_dtype == "model" else {"kv_dtype": choice.kv_dtype}
     return {"command": command, "model": choice.model, "quantize": choice.quantize, "device": device.type,
-            "dtype": str(resolve_dtype(choice.dtype, device)).removeprefix("torch."),
+            "dtype": str(resolve_dtype(choice.dtype, device)).removeprefix("torch."), **stored,
             "method": ",".join(choice.methods), "settings": asdict(choice.settings), **details}
 
 

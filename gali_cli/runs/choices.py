@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..config import MAX_INPUT_BYTES, MethodSettings
 from ..errors import ConfigError
-from ..methods.registry import PREVIEWED, parse_methods
+from ..methods.registry import PREVIEWED, REGISTRY, parse_methods
 
 
 @dataclass(frozen=True)
@@ -23,14 +23,16 @@ class ModelChoice:
     methods: tuple[str, ...]
     settings: MethodSettings
     threads: int | None = None  # --threads; None: gali_cli.threads chooses
+    kv_dtype: str = "model"  # --kv-dtype (model/machine.py's KV_DTYPES)
 
     @classmethod
     def parse(cls, model: str | None, quantize: str, device: str, dtype: str, method: str,
-              many_methods: bool = False, threads: int | None = None, **settings: object) -> "ModelChoice":
+              many_methods: bool = False, threads: int | None = None, kv_dtype: str = "model",
+              **settings: object) -> "ModelChoice":
         """From the command line's values (`settings`: MethodSettings' fields; `many_methods`: whether --method may
         name several); a bad one raises ConfigError."""
         return cls(model or None, quantize, device, dtype, parse_methods(method, many_methods),
-                   MethodSettings(**settings), threads)
+                   MethodSettings(**settings), threads, kv_dtype)
 
     @functools.cached_property
     def model(self) -> str:
@@ -49,9 +51,10 @@ class ModelChoice:
 
         self.check_device()
         window = read_model_config(self.model).train_len
-        if "gali" in self.methods:
-            self.settings.gali().resolved(window)
-        elif self.settings.train_len is not None and self.settings.train_len > window:
+        for method in self.methods:  # each method's own refusal first: it says why the method needs it
+            if REGISTRY[method].window_preview:
+                REGISTRY[method].window_preview(self.settings, window)
+        if self.settings.train_len is not None and self.settings.train_len > window:
             raise ConfigError(f"--train-len ({self.settings.train_len}) exceeds the model's training window "
                               f"({window})")
         previewed = [method for method in self.methods if method in PREVIEWED]

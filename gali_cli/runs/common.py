@@ -2,6 +2,7 @@
 facts every answer reports."""
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -25,7 +26,7 @@ from ..engine.kernels.kernel_choice import kernel_choice
 from ..errors import ConfigError, GaliWarning, ModelLoadError
 from ..estimate import PrefillClock, duration, free_memory, holdable_tokens, kv_bytes_per_token
 from ..generate import Finished
-from ..loading import LoadedModel, load_model
+from ..loading import DTYPES, LoadedModel, load_model
 from ..methods.resolving import kept_window
 from ..threads import cpu_threads, in_use
 from .choices import ModelChoice, Reading
@@ -97,12 +98,14 @@ def _quiet_libraries() -> Iterator[None]:
 
 
 def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
-    """The model; under a launcher, on this process's own GPU (local rank, modulo the GPUs it can see)."""
+    """The model, its KV caches to store keys and values as --kv-dtype says; under a launcher, on this process's own
+    GPU (local rank, modulo the GPUs it can see)."""
     gpu = rank.local_rank % max(1, torch.cuda.device_count()) if rank and rank.distributed else None
     kernel_choice()  # a mistyped GALI_KERNEL fails now, not after the model has loaded
     with display.status(f"Loading {choice.model}"):
-        return load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu,
-                          notice=lambda message: say(message, style="dim"))
+        loaded = load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu,
+                            notice=lambda message: say(message, style="dim"))
+    return loaded if choice.kv_dtype == "model" else dataclasses.replace(loaded, kv_dtype=DTYPES[choice.kv_dtype])
 
 
 def store(directory: str | None) -> DocumentCache:
@@ -127,7 +130,7 @@ def prompt_limit(loaded: LoadedModel, reading: Reading) -> int:
     if reading.max_prompt_tokens is not None:
         return reading.max_prompt_tokens
     config = loaded.model.config
-    return holdable_tokens(kv_bytes_per_token(config, loaded.dtype.itemsize), config.max_position_embeddings,
+    return holdable_tokens(kv_bytes_per_token(config, loaded.stored_dtype.itemsize), config.max_position_embeddings,
                            free_memory(loaded.device))
 
 

@@ -13,7 +13,7 @@ from ..engine.attention.plan import decide
 from ..errors import GaliError
 from ..methods.registry import PREVIEWED, REGISTRY
 from ..model.config import ModelConfig, read_model_config
-from ..model.machine import environment_facts
+from ..model.machine import environment_facts, kv_storage
 from .choices import ModelChoice
 
 
@@ -25,6 +25,7 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbo
     noise = bool(choice.settings.gali().noise)
     facts = {"model": choice.model, **environment_facts(choice.device, choice.dtype, _noisy_words),
              "quantization": choice.quantize, "method": ",".join(choice.methods)}
+    facts["kv_dtype"] = kv_storage(choice.kv_dtype, facts["dtype"])
     if not noise and not verbose:
         del facts["noisy_attention"]  # which kernel noise would take: not a fact of this run
     # The routes a forward takes here, from the plan the engine decides by (engine/attention/plan.py), not restated.
@@ -41,7 +42,7 @@ def show_info(choice: ModelChoice, json_output: bool, check: bool = False, verbo
         config = None
     if config is not None:
         facts |= {**config.facts(), "kv_mib_per_1k_tokens": round(1000 * _token_bytes(config, facts) / 2**20, 1),
-                  "gali": choice.settings.gali().resolved(config.train_len).facts(), **_previews(choice),
+                  **_previews(choice, config.train_len),
                   "max_prompt_tokens": _holdable(config, facts)}
         if verbose:
             facts["decoding"] = _decoding(choice, config, facts)
@@ -97,10 +98,10 @@ def run_self_check(device, json_output: bool) -> list:
 
 
 def _token_bytes(config: ModelConfig, facts: dict) -> int:
-    """One token's keys and values in every layer, in the dtype the model computes in here."""
+    """One token's keys and values in every layer, in the dtype the KV cache stores them in here (--kv-dtype)."""
     from ..estimate import kv_bytes
 
-    return kv_bytes(config.layers, config.kv_heads, config.head_dim, 4 if facts["dtype"] == "float32" else 2)
+    return kv_bytes(config.layers, config.kv_heads, config.head_dim, 4 if facts["kv_dtype"] == "float32" else 2)
 
 
 def _holdable(config: ModelConfig, facts: dict) -> int | None:
@@ -117,17 +118,19 @@ def _holdable(config: ModelConfig, facts: dict) -> int | None:
     return holdable_tokens(_token_bytes(config, facts), config.train_len, max(free, 0))
 
 
-def _previews(choice: ModelChoice) -> dict:
-    """The settings of the chosen methods whose settings follow the model's config (torch and transformers are
-    imported for them only)."""
+def _previews(choice: ModelChoice, window: int) -> dict:
+    """The settings of the chosen methods that say theirs before an input: from the model's window alone, or from
+    its config (torch and transformers are imported for those only)."""
+    previews = {method: REGISTRY[method].window_preview(choice.settings, window) for method in choice.methods
+                if REGISTRY[method].window_preview}
     previewed = [method for method in choice.methods if method in PREVIEWED]
     if not previewed:
-        return {}
+        return previews
     from ..loading import load_config
     from ..methods.resolving import preview_method
 
     config = load_config(choice.model)
-    return {method: preview_method(config, method, choice.settings) for method in previewed}
+    return previews | {method: preview_method(config, method, choice.settings) for method in previewed}
 
 
 def _decoding(choice: ModelChoice, config: ModelConfig, facts: dict) -> str:

@@ -104,7 +104,7 @@ def method_perplexities(loaded: LoadedModel, ids: list[int], method: str, choice
     with display.progress_bar(step + label) as bar:
         results = perplexities(loaded.model, torch.tensor([ids], device=device), lengths, spans,
                                announcing(bar.with_figure("ppl", left), loaded) if show_progress else progress,
-                               boundaries)
+                               boundaries, loaded.kv_dtype)
     seconds = time.perf_counter() - started
     if clock:
         clock.finish()

@@ -50,7 +50,7 @@ def serve(choice: ModelChoice, serving: Serving) -> None:
 
 def _readable(loaded: LoadedModel) -> int:
     """The default --max-prompt-tokens: what the device's free memory holds and it reads in estimate.READ_SECONDS."""
-    return readable_tokens(loaded.model.config, loaded.dtype.itemsize, free_memory(loaded.device),
+    return readable_tokens(loaded.model.config, loaded.stored_dtype.itemsize, free_memory(loaded.device),
                            FLOPS_PER_SECOND.get(loaded.device.type, FLOPS_PER_SECOND["cpu"]))
 
 

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import ConfigError
 from ..generate import TextPiece
 from ..printable import printable
-from ..prompts import ServedPrompt, raw_prompt, served_parts, served_prompt, text_pieces
+from ..prompts import ServedPrompt, longest_token, raw_prompt, served_parts, served_prompt, text_pieces
 from .connections import ConnectionLimits
 from .guard import Guard, Reach
 from .schemas import APIError, ChatRequest, CompletionRequest, Reply, Usage, check_size, parse, read_json
@@ -105,7 +105,7 @@ class _PromptBound:
         self.limit = limit
         if limit is not None:
             self.counters = [(copy.deepcopy(tokenizer), threading.Lock()) for _ in range(2)]  # short, long
-            self.chars_per_token = max(len(token) for token in tokenizer.get_vocab())
+            self.chars_per_token = longest_token(tokenizer)
 
     def check(self, texts: list[str], gone: Callable[[], None] = lambda: None) -> None:
         if self.limit is None:

@@ -95,7 +95,7 @@ class States:
         if memory:
             truncate_cache(kept.cache, memory)
             return kept.cache, memory
-        return new_cache(model), 0
+        return new_cache(model, self.loaded.kv_dtype), 0
 
     def keep(self, cache: DynamicCache, prompt: ServedPrompt, read: int, resolved: dict) -> None:
         """Keep the state of the first `read` tokens of `prompt` (all of them, or as far as a stopped prefill got)

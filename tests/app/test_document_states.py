@@ -1,9 +1,11 @@
 """One document cache for `gali ask` and `gali serve`: a document either of them read is a cache hit for the other,
 and the answer is the one a fresh read gives."""
 
+import dataclasses
 import json
 
 import pytest
+import torch
 from helpers.tiny_models import CORPUS
 from typer.testing import CliRunner
 
@@ -11,7 +13,8 @@ from gali_cli import cli
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
 from gali_cli.document_states import DocumentStates
-from gali_cli.generate import TextPiece
+from gali_cli.engine.seam.kv_cache import new_cache
+from gali_cli.generate import TextPiece, prefill
 from gali_cli.loading import load_model
 from gali_cli.patching import apply_method
 from gali_cli.prompts import ask_instruction, prompt_ids, served_parts, served_prompt
@@ -91,3 +94,28 @@ def test_the_key_names_the_forward_ends_that_change_the_state(loaded):
     apply_method(loaded.model, "yarn", MethodSettings(), len(ids))
     yarn = DocumentStates(loaded, "yarn", None)
     assert yarn.key(ids, [41], {}) == yarn.key(ids, [], {}) != gali_key
+
+
+def test_a_16_bit_cache_s_states_have_keys_of_their_own(loaded, tmp_path):
+    """--kv-dtype: a state stored in float32 is not a float16 run's, nor the reverse (nor bfloat16's); the stored
+    dtype, as the key names it, is saved with the entry, and a 16-bit state loads back as it was stored."""
+    ids = prompt_ids(loaded.tokenizer, DOCUMENT, ask_instruction("When?")).ids[:80]
+    apply_method(loaded.model, "gali", MethodSettings(), len(ids))
+    runs = {dtype: dataclasses.replace(loaded, kv_dtype=dtype) for dtype in (None, torch.float16, torch.bfloat16)}
+    keys = {dtype: DocumentStates(run, "gali", None).key(ids, [], {}) for dtype, run in runs.items()}
+    assert len(set(keys.values())) == 3
+    assert keys[None] == DocumentStates(dataclasses.replace(loaded, kv_dtype=torch.float32), "gali", None).key(
+        ids, [], {})  # the model's own dtype named: the same rows, the same state
+    store = DocumentCache(tmp_path / "states", 2**30, print)
+    states = DocumentStates(runs[torch.float16], "gali", store)
+    cache = new_cache(loaded.model, torch.float16)
+    with torch.inference_mode():
+        prefill(loaded.model, torch.tensor([ids]), cache, [(0, len(ids))])
+    states.save(ids, [], {}, cache, "lease")
+    entry, = store.entries()
+    stored = sum(x[:, :, : len(ids)].nbytes for layer in cache.layers for x in (layer.keys, layer.values))
+    assert entry.identity["kv_dtype"] == "torch.float16" and stored < entry.size < 2 * stored  # 2 bytes an element
+    restored, tokens = states.load(ids, [], [len(ids)], {})
+    assert tokens == len(ids) and all(torch.equal(layer.keys, stored.keys) and layer.keys.dtype == torch.float16
+                                      for layer, stored in zip(restored.layers, cache.layers, strict=True))
+    assert DocumentStates(runs[None], "gali", store).load(ids, [], [len(ids)], {}) is None

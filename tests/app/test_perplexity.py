@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.decoding import rounded_cache
 
 import gali_cli.perplexity as perplexity_module
 from gali_cli import ConfigError
@@ -43,3 +44,17 @@ def test_lengths_must_fit_the_document(make_llama):
     ids = torch.randint(0, 64, (1, 20))
     with pytest.raises(ConfigError, match="21 tokens asked, the document has 20"):
         perplexities(model, ids, [21], [(0, 20)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cache_scores_as_a_float32_cache_of_rounded_rows(make_llama, monkeypatch, dtype):
+    """`gali ppl --kv-dtype` (runs/ppl.py passes it here): the pass over a 16-bit cache gives the perplexity of a
+    float32 cache whose rows are rounded as they are stored, not the float32 cache's own."""
+    model = make_llama(train_len=16)
+    ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(1))
+    apply_method(model, "gali", MethodSettings(chunk_size=5, local_window=2), 60)
+    spans = forward_spans(0, 60, 24, forward_ends(model, "gali", 0, 60))
+    half, plain = (perplexities(model, ids, [60], spans, kv_dtype=kv)[0].mean_nll for kv in (dtype, None))
+    monkeypatch.setattr(perplexity_module, "new_cache", lambda model, kv_dtype: rounded_cache(model, dtype))
+    rounded = perplexities(model, ids, [60], spans)[0].mean_nll
+    assert half == pytest.approx(rounded, rel=1e-6, abs=0) and half != plain

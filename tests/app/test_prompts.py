@@ -13,6 +13,7 @@ from gali_cli.prompts import (
     ask_instruction,
     chat_messages,
     conversation_ids,
+    longest_token,
     prompt_ids,
     question_starts,
     raw_prompt,
@@ -286,6 +287,20 @@ def test_a_text_too_long_for_the_memory_is_an_input_error(tiny_model_dir, monkey
         calls.clear()
         with pytest.raises(InputError, match=r"a text of 6,8\d\d characters is too long to tokenize in the memory"):
             tokenize()
+
+
+@pytest.mark.parametrize("backend", [True, False])
+def test_the_longest_token_is_read_one_entry_at_a_time(tiny_model_dir, backend, monkeypatch):
+    """The bound on a prompt's characters per token: the longest vocabulary entry, read from the Rust tokenizer by
+    id, not through get_vocab's dict (Gemma 3's 262,144 entries: 40 MB that stay); a tokenizer without a Rust one
+    is read through get_vocab."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    vocabulary = tokenizer.get_vocab()
+    if backend:
+        monkeypatch.setattr(tokenizer, "get_vocab", lambda: pytest.fail("the whole vocabulary was copied"))
+    else:
+        tokenizer = type("Plain", (), {"get_vocab": lambda self: vocabulary})()
+    assert longest_token(tokenizer) == max(map(len, vocabulary)) > 1
 
 
 def test_no_ask_wrapper_holds_a_line_break():

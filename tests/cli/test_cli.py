@@ -730,14 +730,26 @@ def small_self_check(monkeypatch):
     from gali_cli.engine.checks import self_check
 
     monkeypatch.setattr(self_check, "HEAD_SHAPES", ((64, 9, 3), (128, 4, 4)))
-    monkeypatch.setattr(self_check, "LENGTHS", {"cuda": (320,), "cpu": (320,), "interpreted": (200,), "gali": (300,)})
+    monkeypatch.setattr(self_check, "LENGTHS",
+                        {"cuda": (320,), "cpu": (320,), "interpreted": (200,), "mixed_keys": (300,)})
     monkeypatch.setattr(self_check, "TIMED_CALLS", 1)
     monkeypatch.setattr(self_check, "NATIVE_DECODE_KEYS", 700)
+    monkeypatch.setattr(self_check, "INTERPRETED_DECODE_KEYS", 300)  # still two runs of the keys, a tile cut short
     monkeypatch.setattr(self_check, "GRID_SHAPES", ((192, 96, True), (64, 160, False)))
 
 
 def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, monkeypatch):
+    import gali_cli.seam_check as seam_check
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    seam_checks, ran = seam_check.seam_checks, []
+
+    def recorded():
+        for item in seam_checks():
+            ran.append(item)
+            yield item
+
+    monkeypatch.setattr(seam_check, "seam_checks", recorded)
     result = gali("info", "--check", env={"TRITON_INTERPRET": "0"})
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
@@ -753,6 +765,10 @@ def test_info_check_runs_the_self_check_on_this_machine(gali, small_self_check, 
     assert any(line.startswith("ok   a decoding step's projection as bytes vs float64: 192 x 96, after an RMSNorm, "
                                "SiLU-gated") for line in lines)
     assert sum(line.startswith("ok   a GGUF Q6_K matrix read into bytes vs float64") for line in lines) == 2
+    # --json changes only how the checks are printed: it shows the seam's checks of the run above again (the seam is
+    # deterministic: running it twice took half this test), and runs the attention paths' checks again.
+    assert len(ran) == seam
+    monkeypatch.setattr(seam_check, "seam_checks", lambda: iter(ran))
     facts = json.loads(gali("info", "--check", "--json", env={"TRITON_INTERPRET": "0"}).stdout)
     checks = facts["check"]["checks"]
     assert facts["check"]["device"] == "cpu" and facts["train_len"] == 32 and len(checks) == CHECKS

@@ -47,6 +47,45 @@ def test_demo_answers_in_format(tmp_path):
     assert answer["answer"] and answer["finish_reason"] == "stop"
 
 
+def test_a_16_bit_kv_cache_answers_end_to_end(tmp_path):
+    """`gali ask -m demo --kv-dtype float16`: read past the window into a float16 cache, decoded by the static step
+    through the native kernel reading float16 rows."""
+    module = tmp_path / "module.py"
+    module.write_text(held_out_file(3000).read_text()[:900])
+    answer = json.loads(gali("ask", str(module), "What does the module do?", "--max-new-tokens", "8", "--json",
+                             "--no-cache", "--kv-dtype", "float16").stdout)
+    assert answer["answer"] and answer["prompt_tokens"] > 256 and "native attention" in answer["decode_path"]
+
+
+@pytest.mark.slow  # that the document cache's key holds the KV dtype: tests/app/test_document_states.py
+def test_a_16_bit_kv_cache_keeps_its_own_document_states(tmp_path):
+    """A float32 state is not reused for a float16 run, nor its for a float32 run; --kv-dtype model is the run
+    without the option, to the bit, and shares its state."""
+    module = tmp_path / "module.py"
+    module.write_text(held_out_file(3000).read_text()[:900])
+
+    def ask(*kv: str) -> dict:
+        return json.loads(gali("ask", str(module), "What does the module do?", "--max-new-tokens", "8", "--json",
+                               "--cache-dir", str(tmp_path / "states"), *kv).stdout)
+
+    default, half = ask(), ask("--kv-dtype", "float16")
+    assert half["answer"] and half["cached_tokens"] == 0 < default["prompt_tokens"]
+    same, again = ask("--kv-dtype", "model"), ask("--kv-dtype", "float16")
+    assert same["answer"] == default["answer"] and same["cached_tokens"] > 0
+    assert again["answer"] == half["answer"] and again["cached_tokens"] == same["cached_tokens"]
+
+
+def test_every_model_command_takes_kv_dtype_and_refuses_a_bad_one_in_a_line(capsys):
+    """--kv-dtype is a model option (options.py): every command that loads a model has it, and a value it does not
+    know is Click's one-line usage error, exit 2, before anything is read or loaded."""
+    for command in (["summarize", "x.txt"], ["ask", "x.txt", "q"], ["chat", "x.txt"], ["ppl", "x.txt"],
+                    ["eval", "niah_single_1"], ["serve", "--port", "0"], ["ask", "x.txt", "q", "--out", "o"],
+                    ["info"]):
+        assert cli.main([*command, "-m", "demo", "--kv-dtype", "float8"]) == 2, command
+        refused = capsys.readouterr().err
+        assert "Invalid value for '--kv-dtype'" in refused and len(refused.strip().splitlines()) == 1, refused
+
+
 @pytest.mark.slow  # past the window: test_demo_answers_in_format; four windows: the ppl test below
 def test_demo_reads_many_times_its_window():
     module = held_out_file(6000)

@@ -132,9 +132,11 @@ def test_a_hostile_model_is_one_line_and_exit_4(name, run, tiny_model_dir, doc, 
 
 @pytest.mark.parametrize("config, files, message", [
     ({"num_hidden_layers": 10**7}, {}, "num_hidden_layers is 10000000: a model's lies between 1 and 1,024"),
-    ({}, {"chat_template.jinja": "{{ 'x' * 10**10 }}"},
-     "the model's chat template is refused: it builds more than 4,194,304 characters"),
-    # in the default tier in process only (tests/app/test_prompts.py):
+    # the templates in the default tier in process only: their bounds in tests/app/test_prompts.py, a refused
+    # template as gali's one line and exit 4 in test_a_hostile_model_is_one_line_and_exit_4 above
+    pytest.param({}, {"chat_template.jinja": "{{ 'x' * 10**10 }}"},
+                 "the model's chat template is refused: it builds more than 4,194,304 characters",
+                 marks=pytest.mark.slow),
     pytest.param({}, {"chat_template.jinja": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
                                             "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"},
                  "the model's chat template is refused: it builds more than", marks=pytest.mark.slow),

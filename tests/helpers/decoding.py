@@ -1,12 +1,13 @@
 """The static decoding step's tests: a tiny model with a method applied and a prompt prefilled, the step held to the
-model's own forward token by token, and the decoding kernels' attention from its definition in float64."""
+model's own forward token by token, and the decoding kernels' attention from its definition in float64; and what a
+16-bit KV cache is held to (--kv-dtype): a float32 cache whose rows are rounded as they are stored."""
 
 import torch
 
 from gali_cli.config import MethodSettings
 from gali_cli.engine.math.noise import standard_normal
 from gali_cli.engine.seam.cache_argument import with_cache
-from gali_cli.engine.seam.kv_cache import new_cache, reserve
+from gali_cli.engine.seam.kv_cache import GrowingLayer, new_cache, reserve
 from gali_cli.engine.seam.static_decode import StaticDecoder
 from gali_cli.generate import prefill
 from gali_cli.patching import apply_method, prefill_spans
@@ -34,6 +35,39 @@ def read_prompt(make_llama, method: str, prompt: int, answer: int, dtype=torch.f
     reserve(cache, prompt + answer)
     logits = prefill(model, ids[:, :prompt], cache, prefill_spans(model, name, 0, prompt, step=24))
     return model, cache, ids[0].tolist(), logits
+
+
+class RoundedLayer(GrowingLayer):
+    """A layer of a KV cache in the compute dtype whose rows are rounded to `rounding` as they are stored: numerically
+    what a cache stored in that dtype holds, read back in the compute dtype (what a 16-bit cache is held to)."""
+
+    def __init__(self, rounding: torch.dtype) -> None:
+        super().__init__()
+        self.rounding = rounding
+
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(self.rounding).to(rows.dtype)
+
+
+def rounded_cache(model, rounding: torch.dtype):
+    """`new_cache(model)` with `RoundedLayer`s."""
+    cache = new_cache(model)
+    cache.layers = [RoundedLayer(rounding) for _ in cache.layers]
+    return cache
+
+
+def decoded_logits(model, method: str, cache, ids: list[int], prompt: int, eager: int, route: str) -> torch.Tensor:
+    """Every logit row a generation on `cache` reads: `ids[:prompt]` prefilled in forwards of up to 24 tokens (the
+    last row's), then each next token of `ids`, `eager` of them by the model's own forward and the rest by the static
+    step on `route` (StaticDecoder); (1 + len(ids) - prompt, vocab). (Inside torch.inference_mode.)"""
+    reserve(cache, len(ids))
+    rows = [prefill(model, torch.tensor([ids[:prompt]]), cache, prefill_spans(model, method, 0, prompt, step=24))]
+    given = with_cache(model, cache)
+    for index in range(prompt, prompt + eager):
+        rows.append(model(input_ids=torch.tensor([[ids[index]]]), **given, use_cache=True).logits[0, -1].float())
+    decoder = StaticDecoder(model, cache, route)
+    rows += [decoder.step(token, index).clone() for index, token in enumerate(ids[prompt + eager :], prompt + eager)]
+    return torch.stack(rows)
 
 
 def worst_step_difference(decoder: StaticDecoder, model, cache, tokens: list[int], start: int) -> float:

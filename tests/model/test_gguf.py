@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers.caches import cache_contents
 from helpers.gguf_files import write_gguf
+from helpers.tiny_models import save_tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gali_cli.cli import main
@@ -89,6 +90,53 @@ def test_the_second_load_reads_the_tokenizer_from_the_cache(tiny_gguf, fresh_cac
     assert len(notices) == 1  # nothing read again
     assert torch.equal(first.model(IDS).logits, second.model(IDS).logits)
     assert load_config(str(tiny_gguf)).max_position_embeddings == 32
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_the_cached_tokenizer_is_the_loaded_one_read_without_a_python_vocabulary(tiny_gguf, tmp_path, fresh_cache,
+                                                                                model_type, monkeypatch):
+    """An entry holds the tokenizer a load of transformers' reading makes (Qwen2Tokenizer rebuilds its pre-tokenizer
+    as it loads), saved so that it loads straight into the Rust tokenizer: no tokenizer.json parsed in Python, no
+    Python copy of the vocabulary kept (Gemma 3's: 0.3 GB at the peak of `gali ask`)."""
+    path = tiny_gguf if model_type == "llama" else write_gguf(
+        tmp_path / f"tiny-{model_type}.gguf", save_tiny_llama(tmp_path / "model", model_type, hidden=64))
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp_path / "read")
+    before = AutoTokenizer.from_pretrained(tmp_path / "read")  # what gali loaded from an entry as transformers saved it
+    load_model(str(path), device="cpu")
+    parsed, parse = [], json.load
+    monkeypatch.setattr(json, "load", lambda file, *args, **kwargs: (
+        parsed.append(Path(getattr(file, "name", "")).name), parse(file, *args, **kwargs))[1])
+    tokenizer = load_model(str(path), device="cpu").tokenizer
+    assert "tokenizer.json" not in parsed
+    assert tokenizer.backend_tokenizer.to_str() == before.backend_tokenizer.to_str()
+    assert all(getattr(tokenizer, name) == getattr(before, name) for name in (
+        "padding_side", "model_input_names", "chat_template", "all_special_ids", "added_tokens_decoder"))
+    text = "The tenant pays rent monthly.\ndef read(path):  <|eot_id|> \u00e9 \t\t end"
+    assert tokenizer(text).input_ids == before(text).input_ids
+
+    def python_vocabulary(loaded) -> list[str]:
+        """The attributes of `loaded` that hold a Python copy of the vocabulary (or of most of it)."""
+        return [name for name, value in vars(loaded).items()
+                if isinstance(value, dict | list) and len(value) >= len(loaded) // 2]
+
+    assert not python_vocabulary(tokenizer)
+    assert bool(python_vocabulary(before)) == (model_type == "qwen2")  # what Qwen2Tokenizer's own load keeps
+
+
+def test_an_entry_an_older_gali_wrote_is_read_again_without_a_warning(tiny_gguf, fresh_cache):
+    load_model(str(tiny_gguf), device="cpu")
+    (entry,) = cache_contents(fresh_cache)
+    manifest = json.loads((entry / model_cache.MANIFEST).read_text())
+    (entry / model_cache.MANIFEST).write_text(json.dumps({**manifest, "format": "2"}))
+    (listed,) = model_cache.GgufCompanions().entries()
+    assert listed.reason_unusable == ("written by an older gali: a tokenizer that transformers loads through Python "
+                                      "copies of its vocabulary") and listed.dtype == "tokenizer"
+    notices = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(str(tiny_gguf), device="cpu", notice=notices.append)
+    assert len(notices) == 1 and "tokenizer once" in notices[0]
+    assert json.loads((entry / model_cache.MANIFEST).read_text())["format"] == model_cache.FORMAT
 
 
 def test_a_foreign_folder_where_an_entry_goes_is_refused_not_replaced(tiny_gguf, fresh_cache):

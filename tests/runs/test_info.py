@@ -1,5 +1,6 @@
 """gali info (runs/info.py): -v says how a decoded token runs for the model and method, in the decision's words."""
 
+import dataclasses
 import json
 
 import pytest
@@ -62,3 +63,33 @@ def test_the_json_has_the_decoding_with_v_only():
     assert "decoding" in json.loads(info("--json"))
     plain = CliRunner().invoke(cli.app, ["info", "--json", "-m", "demo"])
     assert "decoding" not in json.loads(plain.stdout)
+
+
+@pytest.mark.parametrize("methods", ["gali", "ntk", "gali,rerope", "rerope,ntk"])
+def test_info_shows_the_settings_of_the_chosen_methods_alone(methods):
+    """A method's settings row appears when it is chosen (from the window alone, or from the model's config): the
+    registry says which, so `gali info --method ntk` shows no GALI settings."""
+    facts = json.loads(info("--json", "--method", methods))
+    shown = {name for name in ("gali", "ntk", "rerope") if name in facts}
+    assert shown == set(methods.split(",")) - {"ntk"}
+    if "gali" in shown:
+        assert facts["gali"] == {"train_len": 256, "chunk_size": 64, "local_window": 128, "noise": False}
+
+
+def test_a_16_bit_kv_cache_halves_the_kv_bytes_and_doubles_the_prompt_bound(monkeypatch):
+    """gali info --kv-dtype float16 (a float32 model on the CPU): kv_mib_per_1k_tokens halved, the default
+    --max-prompt-tokens doubled, as the commands bound a prompt with the model loaded (runs/common.prompt_limit)."""
+    from gali_cli.runs.choices import Reading
+    from gali_cli.runs.common import prompt_limit
+
+    monkeypatch.setattr("gali_cli.runs.common.free_memory", lambda device: 2**34)
+    monkeypatch.setattr("gali_cli.estimate.free_memory", lambda device: 2**34)
+    facts = {kv: json.loads(info("--json", *(["--kv-dtype", kv] if kv else []))) for kv in (None, "model", "float16")}
+    assert facts[None] == facts["model"] and facts[None]["kv_dtype"] == "float32"
+    assert facts["float16"]["kv_dtype"] == "float16"
+    assert facts["float16"]["kv_mib_per_1k_tokens"] == pytest.approx(facts[None]["kv_mib_per_1k_tokens"] / 2, abs=0.1)
+    assert facts["float16"]["max_prompt_tokens"] == pytest.approx(2 * facts[None]["max_prompt_tokens"], rel=1e-3)
+    loaded = load_model("demo", device="cpu")
+    bounds = [prompt_limit(loaded, Reading()), prompt_limit(dataclasses.replace(loaded, kv_dtype=torch.float16),
+                                                             Reading())]
+    assert bounds[1] == pytest.approx(2 * bounds[0], rel=1e-3)

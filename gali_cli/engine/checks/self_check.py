@@ -29,9 +29,10 @@ _TRAIN_LEN, _LOCAL_WINDOW, _CHUNK = 256, 128, 64  # a chunk as GALI cuts it at t
 # (head dim, query heads, key/value heads): SmolLM2 (GQA 3), Llama-3-8B (GQA 4), and one key head per query head.
 HEAD_SHAPES = ((64, 9, 3), (128, 32, 8), (128, 8, 8))
 # Keys of the checked chunk, per kind of run (the interpreter runs the kernel's code in NumPy: small only).
-LENGTHS = {"cuda": (320, 1024, 4096), "cpu": (320, 2048), "interpreted": (320,), "gali": (300, 1000)}
-TIMED_CALLS = 3  # per path and check, after a first untimed call; the fastest is reported
+LENGTHS = {"cuda": (320, 1024, 4096), "cpu": (320, 2048), "interpreted": (320,), "mixed_keys": (300, 1000)}
+TIMED_CALLS = 3  # per path and check, after a first untimed call; the fastest is reported (interpreted: the first)
 NATIVE_DECODE_KEYS = 4096  # the cache a CPU's decoding step is checked over
+INTERPRETED_DECODE_KEYS = 700  # the same through Triton's interpreter (a GPU's: 8192)
 # (rows, columns, gated) of the projections held as bytes: SmolLM2's gate and up (after its RMSNorm), and a
 # Llama-3-8B-sized output projection.
 GRID_SHAPES = ((3072, 576, True), (4096, 4096, False))
@@ -69,7 +70,7 @@ def self_check(device: torch.device, triton_interpreted: bool = False) -> Iterat
                 for keys in lengths:
                     yield _noisy_check(path, kernel, device, dtype, head_dim, heads, kv_heads, keys)
     for dtype in (torch.float32, torch.bfloat16):
-        for keys in LENGTHS["gali"]:
+        for keys in LENGTHS["mixed_keys"]:
             yield _gali_check(device, dtype, keys)
     if cuda:  # the route every windowed method's parts take there
         for head_dim, heads, kv_heads in HEAD_SHAPES[:2]:
@@ -78,7 +79,7 @@ def self_check(device: torch.device, triton_interpreted: bool = False) -> Iterat
     if cuda or triton_interpreted:  # the static decoding step's attention there
         for head_dim, heads, kv_heads in HEAD_SHAPES[:2]:
             for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
-                yield _decode_check(device, dtype, head_dim, heads, kv_heads, 8192 if cuda else 700)
+                yield _decode_check(device, dtype, head_dim, heads, kv_heads, 8192 if cuda else INTERPRETED_DECODE_KEYS)
     if not cuda:  # the CPU's static decoding step: its attention and its projections
         for head_dim, heads, kv_heads in HEAD_SHAPES[:2]:
             yield _decode_check(device, torch.float32, head_dim, heads, kv_heads, NATIVE_DECODE_KEYS, "native")
@@ -125,7 +126,7 @@ def _noisy_check(path: str, kernel: Callable, device: torch.device, dtype: torch
             f"{str(dtype).removeprefix('torch.')}, {keys} keys")
     with torch.inference_mode():
         try:
-            got, fast = _timed(kernel, arguments, device)
+            got, fast = _timed(kernel, arguments, device, warm_up=not _interpreted(path, device))
         except Exception as error:  # a build, launch or compile failure is this check's finding
             return Check(f"{name} ({type(error).__name__}: {' '.join(str(error).split())[:160]})", float("nan"),
                          0.0, {})
@@ -239,7 +240,7 @@ def _decode_check(device: torch.device, dtype: torch.dtype, head_dim: int, heads
                 kernel_cos, kernel_sin = table if by_offset else (cos, sin)
                 got, fast = _timed(lambda: rotating_decode_attention(rows, key, value, at, scale, kernel_cos,
                                                                      kernel_sin, sigma, streams, **by_offset), (),
-                                   device)
+                                   device, warm_up=not _interpreted(path, device))
             else:
                 from ..kernels.native_decode import native_decode_attention
                 from ..kernels.native_noise import int32_bits
@@ -326,8 +327,21 @@ def _gguf_check(batch: int, rows: int = 1024, columns: int = 1024) -> Check:
     return Check(name, _difference(got, expected), _tolerance(torch.float32, expected), {"bytes": fast})
 
 
-def _timed(function: Callable, arguments: tuple, device: torch.device) -> tuple[Any, float]:
-    """The result, and the fastest of TIMED_CALLS calls after a first one (which compiles, builds or warms caches)."""
+def _interpreted(path: str, device: torch.device) -> bool:
+    """Whether `path` runs through Triton's interpreter here (Triton on a CPU: TRITON_INTERPRET=1)."""
+    return path == "Triton" and device.type != "cuda"
+
+
+def _timed(function: Callable, arguments: tuple, device: torch.device, warm_up: bool = True) -> tuple[Any, float]:
+    """The result, and the fastest of TIMED_CALLS calls after a first one (which compiles, builds or warms caches).
+    `warm_up=False`, for Triton's interpreter: the first call's own time (nothing is compiled, and each call runs the
+    kernel in NumPy for seconds, so more calls would only repeat the same answer slowly)."""
+    if not warm_up:
+        _synchronize(device)
+        start = time.perf_counter()
+        result = function(*arguments)
+        _synchronize(device)
+        return result, time.perf_counter() - start
     result = function(*arguments)
     best = float("inf")
     for _ in range(TIMED_CALLS):

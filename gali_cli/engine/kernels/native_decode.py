@@ -8,9 +8,10 @@ unpatched model's (docs/notes/2026-11-performance-history.md, "The static step t
 step's cos/sin table, adds GALI's noise (noise.py's draws, to float32 rounding) and keeps an online softmax, the
 keys cut into runs shared among torch's threads; the runs' partial softmaxes are merged by their log-sum-exps
 (in C too: a few small torch operations per layer would cost more than the merge).
-Float32 only (a CPU model computes in float32 unless it has AMX), head dims that are multiples of 16 up to 256, up
-to 16 query heads per key head. Shapes: B batch, Hkv key/value heads, g query heads per key head, C the cache's
-rows, D head dim.
+Float32 queries (a CPU model computes in float32 unless it has AMX) over keys and values stored in float32, or in
+float16 or bfloat16 (--kv-dtype: each row widened to float32 as it is loaded, so the attention equals the float32
+kernel's on the same rounded rows), head dims that are multiples of 16 up to 256, up to 16 query heads per key head.
+Shapes: B batch, Hkv key/value heads, g query heads per key head, C the cache's rows, D head dim.
 """
 
 import torch
@@ -19,6 +20,7 @@ from .native_library import load_kernel, share_among_threads
 
 MAX_GROUP, MAX_DIM, LANES = 16, 256, 16  # as native_kernels.c defines them
 KEYS_PER_RUN = 256  # no run shorter: a run's setup and merge are then small beside its keys
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # how the cache stores K/V, as the C code numbers it
 
 
 def supports(dtype: torch.dtype, head_dim: int, group: int) -> bool:
@@ -50,12 +52,12 @@ def native_decode_attention(
     table_rows: torch.Tensor | None = None,
     mix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """triton_decode.rotating_decode_attention on the CPU: `rows` (B, Hkv, g, D) over keys/values (B, Hkv, C, D) up
-    to token `index` (an int: nothing is graphed on a CPU), cos/sin (>= C, >= D/2) rotating key j by row j (None:
-    the keys as they are), or by row table_rows[j] (C,) int32 of a table of any length, interpolated towards the
-    next row by `mix` (C,) float32 where given; GALI's noise from `sigma` (C,) float32 and `streams` (B * H,) int32
-    (native_noise.int32_bits of noise.head_streams). `runs`: runs per key head (None: enough to share among torch's
-    threads). Returns (B, Hkv, g, D) float32."""
+    """triton_decode.rotating_decode_attention on the CPU: `rows` (B, Hkv, g, D) float32 over keys/values
+    (B, Hkv, C, D) of one of KV_KINDS' dtypes up to token `index` (an int: nothing is graphed on a CPU), cos/sin
+    (>= C, >= D/2) rotating key j by row j (None: the keys as they are), or by row table_rows[j] (C,) int32 of a
+    table of any length, interpolated towards the next row by `mix` (C,) float32 where given; GALI's noise from
+    `sigma` (C,) float32 and `streams` (B * H,) int32 (native_noise.int32_bits of noise.head_streams). `runs`: runs
+    per key head (None: enough to share among torch's threads). Returns (B, Hkv, g, D) float32."""
     batch, kv_heads, group, dim = rows.shape
     if (cos is None) != (sin is None) or (sigma is None) != (streams is None) or (
             table_rows is None and mix is not None) or (table_rows is not None and cos is None):
@@ -72,12 +74,12 @@ def native_decode_attention(
     tensors = [rows, keys, values, *(x for x in (cos, sin, sigma, streams, table_rows, mix) if x is not None)]
     if any(x.device.type != "cpu" or x.stride(-1) != 1 for x in tensors) or not supports(rows.dtype, dim, group):
         raise ValueError("the native decoding kernel takes float32 CPU tensors with contiguous rows")
-    if keys.dtype != torch.float32 or values.dtype != torch.float32 or (cos is not None and (
+    if keys.dtype not in KV_KINDS or values.dtype != keys.dtype or (cos is not None and (
             cos.dtype != torch.float32 or cos.stride() != sin.stride())) or (sigma is not None and (
             sigma.dtype != torch.float32 or streams.dtype != torch.int32)) or (table_rows is not None and (
             table_rows.dtype != torch.int32)) or (mix is not None and mix.dtype != torch.float32):
-        raise ValueError("the native decoding kernel takes float32 keys, values, tables, mix and sigma, int32 "
-                         "streams and table rows")
+        raise ValueError("the native decoding kernel takes keys and values of one dtype (float32, float16 or "
+                         "bfloat16), float32 tables, mix and sigma, int32 streams and table rows")
     if table_rows is not None:
         _check_table_rows(table_rows, index, cos.shape[0], mix is not None)
     kernel = load_kernel()
@@ -88,7 +90,8 @@ def native_decode_attention(
     out = torch.empty(items, group, dim, dtype=torch.float32, device="cpu")  # not torch's default dtype/device:
     lse = torch.empty(items, group, dtype=torch.float32, device="cpu")  # the C code writes float32 here
     arguments = (rows.data_ptr(), *rows.stride()[:3], keys.data_ptr(), *keys.stride()[:3], values.data_ptr(),
-                 *values.stride()[:3], *(None if x is None else x.data_ptr() for x in (cos, sin)),
+                 *values.stride()[:3], KV_KINDS[keys.dtype],
+                 *(None if x is None else x.data_ptr() for x in (cos, sin)),
                  0 if cos is None else cos.stride(0),
                  *(None if x is None else x.data_ptr() for x in (table_rows, mix, sigma, streams)),
                  kv_heads, group, dim, index, scale, runs)

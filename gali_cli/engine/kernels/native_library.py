@@ -87,9 +87,9 @@ def load_kernel() -> Kernel:
     function.argtypes = [pointer, size, size, ctypes.c_float, pointer, size, size, size, pointer, int32, int32,
                          ctypes.c_float, size, size, pointer, pointer, ctypes.c_int]
     function.restype = None
-    decode.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size, pointer,
-                       pointer, size, pointer, pointer, pointer, pointer, size, size, size, size, ctypes.c_float, size,
-                       size, size, pointer, pointer, ctypes.c_int]
+    decode.argtypes = [pointer, size, size, size, pointer, size, size, size, pointer, size, size, size, ctypes.c_int,
+                       pointer, pointer, size, pointer, pointer, pointer, pointer, size, size, size, size,
+                       ctypes.c_float, size, size, size, pointer, pointer, ctypes.c_int]
     decode.restype = None
     merge_runs.argtypes = [pointer, pointer, size, size, size, size, pointer]
     merge_runs.restype = None

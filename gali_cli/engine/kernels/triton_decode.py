@@ -138,7 +138,9 @@ def rotating_decode_attention(
     mix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query's attention, its heads sharing a key head stacked as `rows` (B, Hkv, g, D), over the cache's keys
-    and values (B, Hkv, C, D) up to the token index `index` (a one-element tensor), the rest never read.
+    and values (B, Hkv, C, D) up to the token index `index` (a one-element tensor), the rest never read. Keys and
+    values may be stored in another dtype than the rows (a 16-bit cache of a float32 model: --kv-dtype): each tile is
+    widened to float32 as it is loaded, and the rows' dtype alone sets the products' precision.
 
     Args:
         cos, sin: (C, D/2), or (C, D) with equal halves (the first D/2 columns are read), rotating each key as

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from ...errors import UnsupportedModelError
 from ...model.families import has_layer_kinds
 
 _SPARE_MIN = 64  # rows of room added, at least, when a buffer must grow past what was reserved
@@ -30,12 +31,15 @@ class GrowingLayer(DynamicLayer):
     Anything that replaces `keys`/`values` (a cut by `truncate_cache` or `crop`, a batch selection) is respected:
     a view of the buffer's first rows is continued in place (a cut's rows are overwritten, as they are dropped); any
     other tensor is copied into a new buffer at the next append. Under autograd it appends as DynamicLayer does
-    (in-place writes would break the graph of earlier forwards).
+    (in-place writes would break the graph of earlier forwards), in the rows' own dtype.
+
+    `storage_dtype`: the dtype the buffers hold (None: the dtype of the rows written, the compute dtype).
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, storage_dtype: torch.dtype | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.reserved = 0  # tokens the next allocation makes room for (`reserve`)
+        self.storage_dtype = storage_dtype
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -51,25 +55,40 @@ class GrowingLayer(DynamicLayer):
             capacity = self.reserved if stop <= self.reserved else stop + max(_SPARE_MIN, stop // 4)
             buffers = []
             for held, new in ((self.keys, key_states), (self.values, value_states)):
-                buffer = new.new_empty(*new.shape[:2], capacity, new.shape[-1])
+                buffer = new.new_empty(*new.shape[:2], capacity, new.shape[-1], dtype=self._stored_dtype(new))
                 if count:
                     buffer[:, :, :count] = held
                 buffers.append(buffer)
             self._buffers = (buffers[0], buffers[1])
         key_buffer, value_buffer = self._buffers
-        key_buffer[:, :, count:stop] = key_states
-        value_buffer[:, :, count:stop] = value_states
+        key_buffer[:, :, count:stop] = self.stored(key_states)
+        value_buffer[:, :, count:stop] = self.stored(value_states)
         self.keys, self.values = key_buffer[:, :, :stop], value_buffer[:, :, :stop]
-        return self.keys, self.values
+        # the stored rows themselves, or a copy in the compute dtype (transformers and the methods compute in it)
+        return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
+
+    def _stored_dtype(self, rows: torch.Tensor) -> torch.dtype:
+        return self.storage_dtype or rows.dtype
+
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` as the buffers hold them: every write goes through here, `update`'s and the static step's."""
+        return rows.to(self._stored_dtype(rows))
+
+    def write(self, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write one token's key and value (B, Hkv, 1, D) at row `index` (a one-element tensor, so that a CUDA graph
+        replays the write for any token) of the buffers, past `keys`/`values` (the static step; `extend` follows)."""
+        for buffer, row in zip(self._buffers, (key, value), strict=True):
+            buffer.index_copy_(2, index.view(1), self.stored(row))
 
     def _continues(self, new: torch.Tensor, count: int, stop: int) -> bool:
         """Whether `keys`/`values` are still views of the first `count` rows of this layer's buffers, and the
-        buffers can take rows up to `stop` of tensors like `new` (same batch, heads, dtype, device, inference mode)."""
+        buffers can take rows up to `stop` of tensors like `new` (same batch, heads, stored dtype, device, inference
+        mode)."""
         if self._buffers is None:
             return False
         key_buffer, value_buffer = self._buffers
         return (key_buffer.shape[2] >= stop and key_buffer.shape[:2] == new.shape[:2]
-                and key_buffer.shape[-1] == new.shape[-1] and key_buffer.dtype == new.dtype
+                and key_buffer.shape[-1] == new.shape[-1] and key_buffer.dtype == self._stored_dtype(new)
                 and key_buffer.device == new.device
                 and key_buffer.is_inference() == torch.is_inference_mode_enabled()
                 and all(held.dim() == 4 and held.data_ptr() == buffer.data_ptr() and held.shape[2] == count
@@ -83,8 +102,8 @@ class GrowingLayer(DynamicLayer):
         return self._buffers[0].shape[2] if count and self._continues(self.keys, count, count) else 0
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value buffers (B, Hkv, capacity, D), for a step that writes its row itself
-        (static_decode.StaticDecoder) and then calls `extend`."""
+        """The key and value buffers (B, Hkv, capacity, D) in the stored dtype, for a step that reads them as they are
+        and writes its row itself (static_decode.StaticDecoder: `write`, then `extend`)."""
         return self._buffers
 
     def extend(self, stop: int) -> None:
@@ -97,17 +116,20 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """An empty KV cache for `model` whose layers append in place (`GrowingLayer`). A family with local layers
+def new_cache(model: PreTrainedModel, kv_dtype: torch.dtype | None = None) -> DynamicCache:
+    """An empty KV cache for `model` whose layers append in place (`GrowingLayer`), storing keys and values in
+    `kv_dtype` (--kv-dtype; None: the model's compute dtype, as transformers stores them). A family with local layers
     (model/families.py: Gemma 3) gets every layer's keys kept, as one length to cut, save and hand to the methods;
     its local layers still attend within their window."""
     cache = DynamicCache(config=model.config)
-    if has_layer_kinds(model.config):
-        cache.layers = [GrowingLayer() for _ in cache.layers]
+    growing = has_layer_kinds(model.config) or all(type(layer) is DynamicLayer for layer in cache.layers)
+    if not growing:  # sliding windows: not a Llama's
+        if kv_dtype is not None:
+            named = str(kv_dtype).removeprefix("torch.")
+            raise UnsupportedModelError(f"--kv-dtype {named} needs gali's KV cache, which {type(model).__name__}'s "
+                                        "sliding-window layers do not use; leave --kv-dtype out")
         return cache
-    if not all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding windows: not a Llama's
-        return cache
-    cache.layers = [GrowingLayer() for _ in cache.layers]
+    cache.layers = [GrowingLayer(storage_dtype=kv_dtype) for _ in cache.layers]
     return cache
 
 

@@ -14,6 +14,8 @@ rotated by its offset, recomputed every step from the un-rotated keys the cache 
 attention reads it, in triton_decode's kernel on a GPU and native_decode's on a CPU (`attention_route`,
 attention/decode_route.py), else in PyTorch first. The unpatched model and the rope-scaling methods cache rotated
 keys as transformers does: the step rotates the new query and key with the model's own rotary at the token's index.
+A cache stored in 16 bits (--kv-dtype; kv_cache.GrowingLayer) is read as it is stored: the kernels widen each row
+as they load it, the PyTorch route attends a float copy of the rows, and the step's own row is written rounded.
 
 The step is the decoder layer written out over the model's own modules (norms, projections, MLP), as gpt-fast
 writes it, a family's differences declared as data (static_layers.py: Gemma 3's norms, and its local layers, which
@@ -337,15 +339,16 @@ class StaticDecoder:
                 value: torch.Tensor, scaling: float) -> torch.Tensor:
         """Layer `number`'s attention of the one query over the cache's rows of its `span`, its key and value written
         at the index."""
-        key_buffer, value_buffer = self.layers[number].storage()
+        layer = self.layers[number]
         where = rotation.placement
         if where is None:  # the cache holds keys rotated at their token indices, as transformers rotates them
             query, key = rotate(query, rotation.cos, rotation.sin), rotate(key, rotation.cos, rotation.sin)
-        key_buffer.index_copy_(2, self.index.view(1), key.to(key_buffer.dtype))
-        value_buffer.index_copy_(2, self.index.view(1), value.to(value_buffer.dtype))
-        keys, values = span.take(key_buffer), span.take(value_buffer)
-        if self.route != "torch":
+        layer.write(self.index, key, value)  # in the cache's stored dtype
+        keys, values = (span.take(buffer) for buffer in layer.storage())
+        if self.route != "torch":  # the kernels load the stored rows, converting each as they read it
             return self._kernel_attend(number, scaling, query, keys, values, rotation, span.index)
+        # A 16-bit cache of a float32 model: its rows read in float32, a transient copy of the rows attended
+        keys, values = keys.to(self.dtype), values.to(self.dtype)
         bias = span.mask
         if where is not None:
             keys = rotate_fused(keys, rotation.cos, rotation.sin)
@@ -374,7 +377,7 @@ class StaticDecoder:
             if where.noise_sigma is not None:
                 sigma, streams = where.noise_sigma, self._noise_streams(number, query.shape[0], query.shape[1])
         batch, heads, _, dim = query.shape
-        rows = query.to(keys.dtype).view(batch, keys.shape[1], heads // keys.shape[1], dim)
+        rows = query.to(self.dtype).view(batch, keys.shape[1], heads // keys.shape[1], dim)
         if self.route == "triton":
             from ..kernels.triton_decode import rotating_decode_attention
 
@@ -385,7 +388,7 @@ class StaticDecoder:
 
             output = native_decode_attention(rows, keys, values, int(index), scaling, cos, sin, sigma, streams,
                                              self.kernel_splits, rotation.table_rows, rotation.mix)
-        return output.view(batch, heads, 1, dim).to(values.dtype)
+        return output.view(batch, heads, 1, dim).to(self.dtype)
 
     def _noise_streams(self, number: int, batch: int, heads: int) -> torch.Tensor:
         """Layer `number`'s noise.head_streams in the kernel's format (int64 on the device for Triton, made on the

@@ -51,6 +51,35 @@ def test_kernel_equals_attention_from_its_definition(batch, kv_heads, group, dim
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch, kv_heads, group, dim, count, runs, indices", CASES[:3])
+@pytest.mark.parametrize("variant", ["rotated-noisy", "as-cached", "offset-table"])
+def test_16_bit_keys_and_values_give_the_float32_numbers_of_their_rounded_rows(batch, kv_heads, group, dim, count,
+                                                                                 runs, indices, variant, dtype):
+    """A 16-bit cache (--kv-dtype) read by the kernel, each row widened as it is loaded: the very numbers of the
+    float32 kernel over the same rows rounded, half subnormals, signed zeros and infinities included."""
+    torch.manual_seed(0)
+    rows = torch.randn(batch, kv_heads, group, dim)
+    keys, values = (torch.randn(batch, kv_heads, count, dim).to(dtype) for _ in range(2))
+    keys[..., 1, :5] = torch.tensor([1e-6, -3e-7, 6e-5, -0.0, 0.0])  # subnormal in float16
+    values[..., 2, :3] = torch.tensor([float("inf"), 1e-7, 6e4])
+    cos, sin = tables(count, dim, torch.float32, "cpu") if variant != "as-cached" else (None, None)
+    by_offset = {}
+    if variant.startswith("offset-table"):
+        by_offset = offset_tables(count, dim, torch.float32, "cpu")
+        cos, sin = by_offset.pop("cos"), by_offset.pop("sin")
+        del by_offset["own"]
+    noise = {}
+    if variant.endswith("noisy"):
+        noise = {"sigma": torch.rand(count) * 2.0, "streams": int32_bits(head_streams(
+            Noise(seed=11, layer=2, scale=1.0), batch, kv_heads * group, torch.device("cpu")))}
+    for index in indices:
+        got = native_decode_attention(rows, keys, values, index, 0.2, cos, sin, runs=runs, **noise, **by_offset)
+        expected = native_decode_attention(rows, keys.float(), values.float(), index, 0.2, cos, sin, runs=runs,
+                                           **noise, **by_offset)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
 def test_keys_past_the_index_are_never_read():
     torch.manual_seed(0)
     rows, keys, values = torch.randn(1, 1, 2, 32), torch.randn(1, 1, 200, 32), torch.randn(1, 1, 200, 32)
@@ -80,6 +109,7 @@ def test_bad_arguments_are_refused():
     at = torch.zeros(10, dtype=torch.int32)
     for arguments, kwargs in (((rows, keys, keys), {"cos": cos}), ((rows, keys, keys), {"sigma": torch.zeros(10)}),
                               ((rows.double(), keys, keys), {}), ((rows, keys.half(), keys), {}),
+                              ((rows, keys.double(), keys.double()), {}), ((rows, keys.half(), keys.bfloat16()), {}),
                               ((torch.randn(1, 1, 2, 24), torch.randn(1, 1, 10, 24), torch.randn(1, 1, 10, 24)), {}),
                               ((rows, keys.transpose(-1, -2).contiguous().transpose(-1, -2), keys), {}),
                               ((rows, torch.randn(1, 1, 10, 16), keys), {}), ((rows, keys, keys[:, :, :9]), {}),

@@ -69,6 +69,34 @@ def test_kernel_equals_attention_from_its_definition(kernel, device, batch, kv_h
                                    else 2e-3)
 
 
+@pytest.mark.parametrize("dtype", slow_but([torch.float16, torch.bfloat16], torch.float16))
+@pytest.mark.parametrize("variant", slow_but(["rotated-noisy", "as-cached", "offset-table"], "rotated-noisy"))
+def test_16_bit_keys_and_values_give_the_float32_numbers_of_their_rounded_rows(kernel, device, dtype, variant):
+    """A 16-bit cache of a float32 model (--kv-dtype): float32 rows over keys and values widened as each tile is
+    loaded give the numbers of the float32 cache holding the same rows rounded (bfloat16 too: the products are
+    float32's)."""
+    batch, kv_heads, group, dim, count, splits, indices = CASES[1]
+    torch.manual_seed(0)
+    rows = torch.randn(batch, kv_heads, group, dim).to(device)
+    keys, values = (torch.randn(batch, kv_heads, count, dim).to(device, dtype) for _ in range(2))
+    cos, sin = tables(count, dim, torch.float32, device) if variant != "as-cached" else (None, None)
+    by_offset = {}
+    if variant == "offset-table":
+        by_offset = offset_tables(count, dim, torch.float32, device)
+        cos, sin = by_offset.pop("cos"), by_offset.pop("sin")
+        del by_offset["own"]
+    sigma = streams = None
+    if variant.endswith("noisy"):
+        sigma = (torch.rand(count) * 2.0).to(device)
+        streams = head_streams(Noise(seed=11, layer=2, scale=1.0), batch, kv_heads * group, device)
+    for index in indices:
+        at = torch.tensor(index, device=device)
+        got, expected = (kernel.rotating_decode_attention(rows, k, v, at, 0.2, cos, sin, sigma, streams, splits,
+                                                          **by_offset)
+                         for k, v in ((keys, values), (keys.float(), values.float())))
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_keys_past_the_index_are_never_read(kernel, device):
     """NaN in every row after the index (rows a CUDA graph has not written yet) cannot reach the output: the kernel
     stops at the index instead of masking, whatever the number of programs."""

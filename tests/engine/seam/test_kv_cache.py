@@ -2,15 +2,19 @@
 
 import pytest
 import torch
+from helpers.decoding import decoded_logits, rounded_cache
+from helpers.tiers import slow_but
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gali_cli.config import MethodSettings
 from gali_cli.engine.seam.cache_argument import with_cache
 from gali_cli.engine.seam.kv_cache import GrowingLayer, new_cache, reserve
+from gali_cli.errors import UnsupportedModelError
 from gali_cli.generate import decode, prefill, truncate_cache
 from gali_cli.methods.registry import NAMES
 from gali_cli.patching import apply_method, prefill_spans
+from gali_cli.seam_check import tiny_model
 
 
 def states(batch: int = 1, tokens: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,3 +125,79 @@ def new_cache_like() -> DynamicCache:
     cache = DynamicCache()
     cache.layers = [GrowingLayer()]
     return cache
+
+
+# A 16-bit cache (--kv-dtype): tiny models whose heads of 32 both kernels attend; Gemma 3's local layers attend a
+# window of 6 tokens. 40 tokens prefilled in two forwards (past the 32-token window), 6 decoded eagerly, 14 by the
+# static step. Through Triton's interpreter (slow): a Llama and a Gemma.
+HEADS_OF_32 = {"heads": 4, "kv_heads": 2, "hidden": 128}
+FAMILIES = {"llama": {}, "gemma3_text": {"sliding_window": 6}}
+SIXTEEN_BITS = [*((family, method, dtype, route) for family in FAMILIES
+                  for method in ("original", "gali", "self-extend") for dtype in (torch.float16, torch.bfloat16)
+                  for route in ("native", "torch")),
+                ("llama", "gali", torch.float16, "triton"), ("gemma3_text", "original", torch.bfloat16, "triton")]
+
+
+def sixteen_bit_model(family: str, method: str):
+    model = tiny_model(family, train_len=32, **HEADS_OF_32, **FAMILIES[family])
+    apply_method(model, method, MethodSettings(train_len=32), 60)
+    return model, torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.mark.parametrize("family, method, dtype, route", slow_but(
+    SIXTEEN_BITS, ("llama", "gali", torch.float16, "native"), ("gemma3_text", "original", torch.bfloat16, "torch")))
+def test_a_16_bit_cache_computes_as_a_float32_cache_of_rounded_rows(family, method, dtype, route):
+    """Prefill, eager decoding and the static step (a kernel's or PyTorch's) on a cache stored in 16 bits give the
+    logits of a float32 cache whose rows are rounded to 16 bits as they are stored, and not those of a float32 cache
+    (so that the rounding is seen: a cache that kept float32 rows would fail)."""
+    model, ids = sixteen_bit_model(family, method)
+    with torch.inference_mode():
+        caches = {"16-bit": new_cache(model, dtype), "rounded": rounded_cache(model, dtype),
+                  "float32": new_cache(model)}
+        logits = {name: decoded_logits(model, method, cache, ids, 40, 6, route) for name, cache in caches.items()}
+    torch.testing.assert_close(logits["16-bit"], logits["rounded"], rtol=0, atol=1e-6)
+    assert (logits["float32"] - logits["rounded"]).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cache_holds_two_bytes_an_element_and_hands_out_float32(make_llama, dtype):
+    model = make_llama(train_len=32)
+    apply_method(model, "gali", MethodSettings(train_len=32), 50)
+    ids = torch.randint(0, model.config.vocab_size, (1, 50))
+    caches = {"float32": new_cache(model), "16-bit": new_cache(model, dtype)}
+    with torch.inference_mode():
+        for cache in caches.values():
+            reserve(cache, 50)
+            prefill(model, ids, cache, prefill_spans(model, "gali", 0, 50, step=24))
+    stored = {name: [buffer for layer in cache.layers for buffer in (*layer.storage(), layer.keys, layer.values)]
+              for name, cache in caches.items()}
+    assert all(buffer.dtype == dtype and buffer.element_size() == 2 for buffer in stored["16-bit"])
+    assert sum(b.untyped_storage().nbytes() for b in stored["16-bit"]) * 2 == sum(
+        b.untyped_storage().nbytes() for b in stored["float32"])
+    layer = caches["16-bit"].layers[0]
+    keys, values = layer.update(*(x[:, :, :1].float() for x in layer.storage()))
+    assert keys.dtype == values.dtype == torch.float32 and keys.shape[2] == 51 and layer.keys.dtype == dtype
+
+
+def test_the_model_dtype_stores_as_before(make_llama):
+    """--kv-dtype model (None) and the compute dtype named store the rows themselves: `update` hands out views of the
+    buffers, no copy, and the logits are those of the cache as it always was, to the bit."""
+    model = make_llama(train_len=32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    logits = []
+    with torch.inference_mode():
+        for cache in (new_cache(model), new_cache(model, None), new_cache(model, torch.float32)):
+            logits.append(prefill(model, ids, cache, [(0, 24), (24, 40)]))
+            layer = cache.layers[0]
+            handed = layer.update(layer.keys[:, :, -1:], layer.values[:, :, -1:])
+            assert [x.data_ptr() for x in handed] == [x.data_ptr() for x in layer.storage()]
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
+def test_a_16_bit_cache_needs_gali_s_cache_layers():
+    """A model whose cache transformers makes of sliding-window layers (Mistral's) keeps them, and --kv-dtype says it
+    cannot apply there rather than storing in the compute dtype silently."""
+    model = tiny_model("mistral", sliding_window=8)
+    assert not isinstance(new_cache(model).layers[0], GrowingLayer)
+    with pytest.raises(UnsupportedModelError, match="--kv-dtype float16"):
+        new_cache(model, torch.float16)
