@@ -204,7 +204,7 @@ def test_bodies_read_at_once_are_bounded_by_the_body_budget(loaded):
 def test_the_reuse_lookup_is_bounded_whatever_the_number_of_cuts(loaded, tmp_path, monkeypatch):
     store = DocumentCache(tmp_path, 2**30, lambda message: None)
     states, loads = States(loaded, "gali", store), []
-    monkeypatch.setattr(DocumentCache, "load", lambda self, key, ids, model: loads.append(key))
+    monkeypatch.setattr(DocumentCache, "load", lambda self, key, ids, model, kv_dtype: loads.append(key))
     from gali_cli.prompts import ServedPrompt
     ids = [index % 200 + 3 for index in range(6000)]
     prompt = ServedPrompt(ids, list(range(1, 6001)), 5999)
