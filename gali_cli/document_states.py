@@ -25,10 +25,12 @@ from .patching import forward_ends
 
 def state_identity(loaded: LoadedModel, method: str, resolved: dict) -> dict:
     """What prefilled keys and values depend on besides their tokens and cuts: versions, model, weights, dtype, the
-    dtype they are stored in (--kv-dtype: float32 rows are no float16 run's, nor the reverse), method and its
-    settings as applied."""
+    dtype they are stored in where it is not the model's (--kv-dtype: float32 rows are no float16 run's, nor the
+    reverse; left out otherwise, so entries stored before the option still match), method and its settings as
+    applied."""
+    stored = {"kv_dtype": str(loaded.stored_dtype)} if loaded.stored_dtype != loaded.dtype else {}
     return {"format": "gali-prefilled-state", "gali": __version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, **loaded.identity, "kv_dtype": str(loaded.stored_dtype),
+            "transformers": transformers.__version__, **loaded.identity, **stored,
             "method": method, "settings": resolved}
 
 

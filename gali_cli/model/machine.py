@@ -146,12 +146,17 @@ def choose_dtype(dtype: str, device_type: str, bf16_supported: bool) -> str:
     return dtype
 
 
+def kv_override(kv_dtype: str) -> str | None:
+    """The dtype --kv-dtype stores keys and values in where it overrides the model's compute dtype; None for
+    `model` (the default, which changes nothing: identities leave it out, so what was stored before it still
+    matches)."""
+    return None if kv_dtype == KV_DTYPES[0] else kv_dtype
+
+
 def kv_storage(kv_dtype: str, dtype: str) -> str:
     """The dtype the KV cache stores keys and values in: --kv-dtype's, or for `model` the compute dtype `dtype` (as
     `choose_dtype` resolved it)."""
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
-    return dtype if kv_dtype == "model" else kv_dtype
+    return kv_override(kv_dtype) or dtype
 
 
 def environment_facts(device: str, dtype: str, noisy_attention: Callable[[str, str], str]) -> dict:

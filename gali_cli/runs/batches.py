@@ -16,6 +16,7 @@ from ..generate import TextPiece, make_sampler
 from ..loading import resolve_device, resolve_dtype
 from ..methods.registry import DEFAULT
 from ..methods.resolving import kept_window
+from ..model.machine import kv_override
 from .batch_run import Outcome, Step, run_batch
 from .choices import Answering, ModelChoice, Reading
 from .common import conversation, entry_point, finished_facts, load, prompt_limit, store, with_windows
@@ -144,7 +145,7 @@ def batch_job(command: str, choice: ModelChoice, **details) -> dict:
     """What decides a document's output besides its content: a rerun with another job does every document again.
     A 16-bit KV cache (--kv-dtype) is part of it; the default adds nothing, so files written before it resume."""
     device = resolve_device(choice.device)
-    stored = {} if choice.kv_dtype == "model" else {"kv_dtype": choice.kv_dtype}
+    stored = {} if kv_override(choice.kv_dtype) is None else {"kv_dtype": choice.kv_dtype}
     return {"command": command, "model": choice.model, "quantize": choice.quantize, "device": device.type,
             "dtype": str(resolve_dtype(choice.dtype, device)).removeprefix("torch."), **stored,
             "method": ",".join(choice.methods), "settings": asdict(choice.settings), **details}

@@ -28,6 +28,7 @@ from ..estimate import PrefillClock, duration, free_memory, holdable_tokens, kv_
 from ..generate import Finished
 from ..loading import DTYPES, LoadedModel, load_model
 from ..methods.resolving import kept_window
+from ..model.machine import kv_override
 from ..threads import cpu_threads, in_use
 from .choices import ModelChoice, Reading
 from .launcher import Rank
@@ -105,7 +106,8 @@ def load(choice: ModelChoice, rank: Rank | None = None) -> LoadedModel:
     with display.status(f"Loading {choice.model}"):
         loaded = load_model(choice.model, choice.quantize, choice.device, choice.dtype, gpu=gpu,
                             notice=lambda message: say(message, style="dim"))
-    return loaded if choice.kv_dtype == "model" else dataclasses.replace(loaded, kv_dtype=DTYPES[choice.kv_dtype])
+    stored = kv_override(choice.kv_dtype)
+    return loaded if stored is None else dataclasses.replace(loaded, kv_dtype=DTYPES[stored])
 
 
 def store(directory: str | None) -> DocumentCache:

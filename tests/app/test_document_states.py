@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from gali_cli import cli
 from gali_cli.config import MethodSettings
 from gali_cli.doc_cache import DocumentCache
-from gali_cli.document_states import DocumentStates
+from gali_cli.document_states import DocumentStates, state_identity
 from gali_cli.engine.seam.kv_cache import new_cache
 from gali_cli.generate import TextPiece, prefill
 from gali_cli.loading import load_model
@@ -98,7 +98,8 @@ def test_the_key_names_the_forward_ends_that_change_the_state(loaded):
 
 def test_a_16_bit_cache_s_states_have_keys_of_their_own(loaded, tmp_path):
     """--kv-dtype: a state stored in float32 is not a float16 run's, nor the reverse (nor bfloat16's); the stored
-    dtype, as the key names it, is saved with the entry, and a 16-bit state loads back as it was stored."""
+    dtype, as the key names it, is saved with the entry, and a 16-bit state loads back as it was stored. The default
+    adds nothing to the identity, so that states stored before the option still match."""
     ids = prompt_ids(loaded.tokenizer, DOCUMENT, ask_instruction("When?")).ids[:80]
     apply_method(loaded.model, "gali", MethodSettings(), len(ids))
     runs = {dtype: dataclasses.replace(loaded, kv_dtype=dtype) for dtype in (None, torch.float16, torch.bfloat16)}
@@ -106,6 +107,7 @@ def test_a_16_bit_cache_s_states_have_keys_of_their_own(loaded, tmp_path):
     assert len(set(keys.values())) == 3
     assert keys[None] == DocumentStates(dataclasses.replace(loaded, kv_dtype=torch.float32), "gali", None).key(
         ids, [], {})  # the model's own dtype named: the same rows, the same state
+    assert "kv_dtype" not in state_identity(runs[None], "gali", {})
     store = DocumentCache(tmp_path / "states", 2**30, print)
     states = DocumentStates(runs[torch.float16], "gali", store)
     cache = new_cache(loaded.model, torch.float16)
