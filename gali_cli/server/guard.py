@@ -37,6 +37,10 @@ LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 ANY = "*"
 PREFLIGHT_SECONDS = 600  # how long a browser may remember an allowed preflight
 MAX_HEADER_BYTES = 16 * 2**10  # a request line and headers; also uvicorn's h11_max_incomplete_event_size default
+# After a 400 or 431, how long and how much of the rest of the request is read and dropped before the connection
+# closes (a lingering close, as web servers do): closing with unread bytes resets it, and a reset that overtakes the
+# error discards it before the client reads it.
+LINGER_SECONDS, LINGER_BYTES = 5.0, 2**20
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,11 @@ def _is_json(content_type: str | None) -> bool:
 
 class JsonErrors(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, whose 400 for a request that is not valid HTTP (a malformed Content-Length or
-    header line, which never reaches the application) is OpenAI-style JSON instead of plain text."""
+    header line, which never reaches the application) is OpenAI-style JSON instead of plain text, and reaches a
+    client that is still sending: the server stops writing, then reads and drops the rest of the request (at most
+    LINGER_BYTES, for at most LINGER_SECONDS, or until the client closes) before it closes the connection."""
+
+    _dropped: int | None = None  # bytes dropped since the error was sent (None: no error sent)
 
     def send_400_response(self, msg: str) -> None:
         if len(self.conn.trailing_data[0]) > MAX_HEADER_BYTES:  # h11 stopped buffering headers that long
@@ -192,4 +200,22 @@ class JsonErrors(H11Protocol):
         for event in (h11.Response(status_code=error.status, reason=reason, headers=headers), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
-        self.transport.close()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._dropped = 0
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._dropped is None:
+            super().data_received(data)
+            return
+        self._dropped += len(data)
+        if self._dropped > LINGER_BYTES:
+            self.transport.close()
+
+    def eof_received(self) -> bool | None:
+        if self._dropped is not None:  # the client has sent all it will: nothing is left to reset the answer
+            self.transport.close()
+        return super().eof_received()

@@ -348,6 +348,25 @@ def test_headers_past_16_kib_are_a_431_whether_they_arrive_whole_or_in_pieces(se
     assert raw_status(served_small) == 200
 
 
+def test_a_431_reaches_a_client_that_goes_on_sending(served_small):
+    """The server answers as soon as the headers pass the limit; a client still sending its request must read that
+    answer, not a connection reset (closing with unread bytes resets it, and a reset discards what was not read
+    yet), and the connection then closes."""
+    request = head(served_small, "/v1/chat/completions", b"{}").replace(
+        b"Content-Type", b"X-Padding: " + b"a" * 17_000 + b"\r\nContent-Type")
+    connection = connect(served_small)
+    connection.sendall(request)
+    time.sleep(0.3)  # the 431 is sent meanwhile
+    for _ in range(16):
+        connection.sendall(b"b" * 4096)  # more of a request the server has stopped reading
+    answer = b""
+    while chunk := connection.recv(65536):
+        answer += chunk
+    connection.close()
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"headers_too_large" in answer, answer[:200]
+    assert raw_status(served_small) == 200
+
+
 @pytest.fixture(scope="module")
 def served_small(loaded):
     with serving(loaded) as server:
