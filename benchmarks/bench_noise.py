@@ -1,4 +1,4 @@
-"""GALI's noise on the CPU, one tile: the native kernel (kernels/native_kernels.c) against the same computation in
+"""GALI's noise on the CPU, one tile: the native kernel (kernels/native_noise.c) against the same computation in
 PyTorch, eager and through torch.compile (inductor's C++ for the CPU). Per logit: the noise (hash, Box-Muller),
 the row maximum, exp and the row sum, as one chunk of noisy attention needs them.
 

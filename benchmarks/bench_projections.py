@@ -1,5 +1,5 @@
 """The CPU decoding step's projections: gali's byte-grid product (engine/grid_weights.py, `gali_grid_matvec` in
-native_kernels.c) against torch's own weight-only kernels and plain F.linear, on a real model's weights.
+native_grids.c) against torch's own weight-only kernels and plain F.linear, on a real model's weights.
 
     python benchmarks/bench_projections.py --model smollm2 --mode ops --rounds 15
     python benchmarks/bench_projections.py --model smollm2 --mode step --length 1024 --tokens 16 --rounds 5

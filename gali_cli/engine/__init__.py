@@ -3,7 +3,7 @@ pointing down the list (tests/project/test_imports.py holds the package free of 
 
 - math/: GALI's chunks and positions (Algorithms 1-2), the model's rotation tables, the counter-based noise, and
   partial softmaxes merged by their log-sum-exps: plain functions of integers and tensors.
-- kernels/: the native C source, its loader (built on first use) and the C decoding step; the Triton kernels
+- kernels/: the native C sources, their loader (built on first use) and the C decoding step; the Triton kernels
   (imported only when they run); what choosing them depends on outside torch ($GALI_KERNEL, triton, the compiler).
 - attention/: the routes (dense, noisy, GALI's chunks and decoding, kept rotated keys) and the one place
   that chooses among them for a forward (choice.plan_for -> plan.AttentionPlan).

@@ -1,2 +1,3 @@
-"""The hand-written kernels: the native C source and its loader (built on first use), the C decoding step, and the
-Triton kernels (imported only when they run); plus what choosing them depends on outside torch."""
+"""The hand-written kernels: the native C sources (one a kernel, built together into one library on first use) and
+their loader, the C decoding step, and the Triton kernels (imported only when they run); plus what choosing them
+depends on outside torch."""

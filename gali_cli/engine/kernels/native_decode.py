@@ -1,4 +1,4 @@
-"""One decoded query's attention over the KV cache on the CPU, each key rotated as it is read: native_kernels.c's
+"""One decoded query's attention over the KV cache on the CPU, each key rotated as it is read: native_decode.c's
 gali_decode_attention, for the static decoding step (static_decode.py).
 
 The static step places every cached key anew each token (a method's positions move as the text grows), so in
@@ -18,7 +18,7 @@ import torch
 
 from .native_library import load_kernel, share_among_threads
 
-MAX_GROUP, MAX_DIM, LANES = 16, 256, 16  # as native_kernels.c defines them
+MAX_GROUP, MAX_DIM, LANES = 16, 256, 16  # as native_decode.c and native_common.h define them
 KEYS_PER_RUN = 256  # no run shorter: a run's setup and merge are then small beside its keys
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # how the cache stores K/V, as the C code numbers it
 

@@ -1,11 +1,12 @@
-"""The native library (native_kernels.c): built on first use by the system's C compiler and loaded with ctypes, for
-every native kernel (the noisy softmax, native_noise.py; the decoding step, native_decode.py; the byte-grid products,
-engine/seam/grid_weights.py and packed_modules.py), and their rows shared among threads.
+"""The native library: every native kernel, one C file each (SOURCES: the noisy softmax, native_noise.c, for
+native_noise.py; the decoding step, native_decode.c, for native_decode.py; the byte-grid products, native_grids.c, for
+engine/seam/grid_weights.py and packed_modules.py; what they share, native_common.h), built together on first use by
+the system's C compiler into one library and loaded with ctypes; and their rows shared among threads.
 
 The library is compiled by `$CC`, else `cc`, into the user cache directory (~/.cache/gali/kernels on Linux), keyed by
-its source, compiler and CPU: a fraction of a second, once per machine. A compiler that fails or hangs is remembered
-beside it, so it costs one run its wait; each kernel's caller holds it to the PyTorch path before first use, and a
-machine without a working compiler gets one warning and the PyTorch path.
+its files (BUILT_FROM), compiler and CPU: a fraction of a second, once per machine. A compiler that fails or hangs is
+remembered beside it, so it costs one run its wait; each kernel's caller holds it to the PyTorch path before first
+use, and a machine without a working compiler gets one warning and the PyTorch path.
 """
 
 import ctypes
@@ -27,7 +28,11 @@ from ...errors import GaliError
 from ..math.noise import GOLDEN, MULTIPLIER_A, MULTIPLIER_B
 from .kernel_choice import compiler
 
-SOURCE = Path(__file__).with_name("native_kernels.c")
+_HERE = Path(__file__).parent
+# One C file a kernel family, compiled together (one compiler run) into one library; each includes HEADER.
+SOURCES = tuple(_HERE / name for name in ("native_noise.c", "native_decode.c", "native_grids.c"))
+HEADER = _HERE / "native_common.h"  # what the kernels share: the noise's math, the vector types
+BUILT_FROM = (*SOURCES, HEADER)  # every file the library is made of: each is in its cache key, and in the wheel
 # -fno-math-errno, -fno-trapping-math: sqrt and comparisons become plain vector instructions (no errno, no traps).
 # The noise hash's constants come from math/noise.py, its one definition.
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", f"-DGALI_MULTIPLIER_A={MULTIPLIER_A:#x}u",
@@ -68,10 +73,9 @@ class Kernel:
 @functools.cache
 def load_kernel() -> Kernel:
     """The kernel, compiled on first use (once per machine: the library is kept)."""
-    source = SOURCE.read_bytes()
     command = compiler()
-    identity = hashlib.sha256(source + repr((command, _FLAGS, _cpu_identity())).encode()).hexdigest()[:16]
-    library = kernel_directory() / f"noise-{identity}{'.dylib' if platform.system() == 'Darwin' else '.so'}"
+    identity = hashlib.sha256(_sources() + repr((command, _FLAGS, _cpu_identity())).encode()).hexdigest()[:16]
+    library = kernel_directory() / f"native-{identity}{'.dylib' if platform.system() == 'Darwin' else '.so'}"
     if not library.exists():
         _build(command, library)
     try:
@@ -105,11 +109,23 @@ def load_kernel() -> Kernel:
                   bool(grid_vectorised()))
 
 
+def _sources() -> bytes:
+    """Every file of BUILT_FROM, each by its name, length and bytes: an edit to any of them (or a file added, removed
+    or renamed) is a new library, and no library built from other files (the single C file of before) matches
+    its key."""
+    framed = []
+    for path in BUILT_FROM:
+        text = path.read_bytes()
+        framed.append(f"{path.name} {len(text)}\n".encode() + text)
+    return b"".join(framed)
+
+
 def _build(command: list[str], library: Path) -> None:
-    """Compile the kernel into `library`, atomically (a half-written library is never loaded): with OpenMP and for
-    this CPU where the compiler can, else without them. Each compile is bounded (`_compile`), and a compiler that
-    hung or failed is remembered beside the library (`_failure_note`): it cost one run its wait, not every run (a
-    `$CC` that hung stalled each run 120 s per attempt). Messages stay whole in the callers' 200-character warnings."""
+    """Compile the kernels (SOURCES, in one compiler run) into `library`, atomically (a half-written library is
+    never loaded): with OpenMP and for this CPU where the compiler can, else without them. Each compile is bounded
+    (`_compile`), and a compiler that hung or failed is remembered beside the library (`_failure_note`): it cost one
+    run its wait, not every run (a `$CC` that hung stalled each run 120 s per attempt). Messages stay whole in the
+    callers' 200-character warnings."""
     note = _failure_note(library)
     if (remembered := _remembered(note)) is not None:
         raise KernelBuildError(f"in an earlier run, {remembered}; not run again: rm {_home(note)} to retry")
@@ -118,7 +134,8 @@ def _build(command: list[str], library: Path) -> None:
         built = Path(scratch) / library.name
         errors = []
         for extra in itertools.product(_OPENMP, _NATIVE_CPU):
-            failure = _compile([*command, *_FLAGS, *extra[0], *extra[1], "-o", str(built), str(SOURCE)], command)
+            failure = _compile([*command, *_FLAGS, *extra[0], *extra[1], "-o", str(built), *map(str, SOURCES)],
+                               command)
             if failure is None:
                 os.replace(built, library)
                 return
@@ -165,7 +182,7 @@ def _compile(arguments: list[str], command: list[str]) -> str | None:
 
 
 def _failure_note(library: Path) -> Path:
-    """Where a failed build of `library` is remembered: beside it, under the same key (source, compiler command,
+    """Where a failed build of `library` is remembered: beside it, under the same key (sources, compiler command,
     flags and CPU), so that another compiler, a new source or another CPU is tried afresh."""
     return library.with_name(f"{library.name.split('.')[0]}.failed")
 

@@ -1,11 +1,11 @@
-"""Noisy GALI attention on the CPU with the noise made by a small native kernel (native_kernels.c, loaded by
+"""Noisy GALI attention on the CPU with the noise made by a small native kernel (native_noise.c, loaded by
 native_library.py).
 
 The PyTorch path (noisy_attention.explicit_noisy_partial) makes noise.py's normals in about twenty elementwise
 passes over every logit, each a round trip through memory: on a CPU that costs several times the attention itself.
 Here the logits come from one matrix product, and one C function sweeps each row twice while it is in cache: the
 noise added and the maximum found, then the softmax numerators and their sum. The noise is noise.py's to float32
-rounding (the same hashed bits; see the C file).
+rounding (the same hashed bits; see native_common.h).
 
 The kernel is compiled on first use and kept (native_library.py). noisy_attention.native_verified holds it to the
 PyTorch path before first use; a machine without a working compiler gets one warning and the PyTorch path.

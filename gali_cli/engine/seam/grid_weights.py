@@ -5,7 +5,7 @@ bytes over the memory's bandwidth (SmolLM2: 540 MB in float32). A model quantize
 values than float32 can: each block of 16 or 32 weights is base + step * code for integer codes 0..255 (Q4_0 to
 Q8_0, and the K-quants' sub-blocks). Held that way (a byte per weight, a float32 step and base per block: 1.25
 bytes a weight for blocks of 32, 1.5 for 16), the same products read 2.7-3.2x fewer bytes than float32, and
-native_kernels.c's gali_grid_matvec computes each row as sum(step * (codes . x)) + sum(base * sum(x)), the rounding
+native_grids.c's gali_grid_matvec computes each row as sum(step * (codes . x)) + sum(base * sum(x)), the rounding
 of a float32 product apart.
 
 A GGUF's weights are read into grids straight from its blocks (model/gguf_blocks.py). A float32 model's weights are
@@ -27,7 +27,7 @@ from torch import nn
 
 from ..kernels.native_library import load_kernel, share_among_threads
 
-BLOCK = 32  # weights per block, as native_kernels.c's GRID_BLOCK
+BLOCK = 32  # weights per block, as native_grids.c's GRID_BLOCK
 BLOCKS = (16, BLOCK)  # the block sizes the grid product takes (GGUF's Q2_K, Q3_K and Q6_K share a step by 16)
 # How close every weight of a block must be to its grid point, relative to the block's largest magnitude: a few
 # float32 roundings (a GGUF block dequantized as d * q + m in float32 is within 2**-22 of its grid).

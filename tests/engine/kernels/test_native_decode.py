@@ -180,9 +180,9 @@ def test_a_machine_that_cannot_build_the_kernel_warns_once_and_decodes_in_pytorc
 
 
 @pytest.mark.slow
-def test_a_built_wheel_carries_the_native_kernels_source(tmp_path):
-    """The C source is compiled on the user's machine at first use: a wheel without it (package data not declared)
-    would leave every installed copy on the slow PyTorch paths, with a warning."""
+def test_a_built_wheel_carries_the_native_kernels_sources(tmp_path):
+    """The C sources (and their header) are compiled on the user's machine at first use: a wheel without one of them
+    (package data not declared) would leave every installed copy on the slow PyTorch paths, with a warning."""
     import shutil
     import subprocess
     import sys
@@ -196,4 +196,7 @@ def test_a_built_wheel_carries_the_native_kernels_source(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(tmp_path)], check=True, capture_output=True, timeout=scaled(600))
     (wheel,) = tmp_path.glob("*.whl")
-    assert "gali_cli/engine/kernels/native_kernels.c" in zipfile.ZipFile(wheel).namelist()
+    carried = set(zipfile.ZipFile(wheel).namelist())
+    declared = [path.resolve().relative_to(ROOT).as_posix() for path in native_library.BUILT_FROM]
+    missing = [path for path in declared if path not in carried]
+    assert not missing, missing

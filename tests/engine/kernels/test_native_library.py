@@ -24,12 +24,44 @@ from gali_cli.errors import GaliWarning
 
 def test_the_kernel_is_built_once_and_checked(fresh_kernel):
     assert noisy_attention.native_verified()
-    libraries = list(fresh_kernel.glob("noise-*"))
+    libraries = list(fresh_kernel.glob("native-*"))
     assert len(libraries) == 1
     native_library.load_kernel.cache_clear()
     built = libraries[0].stat().st_mtime_ns
     native_library.load_kernel()
     assert libraries[0].stat().st_mtime_ns == built  # reused, not rebuilt
+
+
+def test_an_edit_to_any_of_the_librarys_files_builds_it_anew(fresh_kernel, tmp_path, monkeypatch):
+    """The library is made of several files (the kernels' C sources and their header): its cache key holds each of
+    them, so that an edited one is never served a library built before the edit."""
+    copies = tmp_path / "sources"
+    copies.mkdir()
+    files = tuple(copies / path.name for path in native_library.BUILT_FROM)
+    for path in native_library.BUILT_FROM:
+        shutil.copy(path, copies / path.name)
+    monkeypatch.setattr(native_library, "BUILT_FROM", files)
+    built = []
+
+    def recorded(command, library):
+        built.append(library.name)
+        raise native_library.KernelBuildError("not built here")
+
+    monkeypatch.setattr(native_library, "_build", recorded)
+
+    def key() -> str:
+        native_library.load_kernel.cache_clear()
+        with pytest.raises(native_library.KernelBuildError, match="not built here"):
+            native_library.load_kernel()
+        return built[-1]
+
+    first = key()
+    assert key() == first  # the same files: the same library
+    keys = {first}
+    for path in files:
+        path.write_bytes(path.read_bytes() + b"\n")
+        keys.add(key())
+    assert len(keys) == len(files) + 1
 
 
 def test_no_compiler_means_the_pytorch_path_and_one_warning(fresh_kernel, monkeypatch):
@@ -102,7 +134,7 @@ def test_a_compiler_that_hangs_is_killed_with_its_children_and_remembered(short_
     while not _gone(int(child.read_text())) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(int(child.read_text())), "the compiler's child outlived it"
-    notes = list((fresh_kernel / "kernels").glob("noise-*.failed"))
+    notes = list((fresh_kernel / "kernels").glob("native-*.failed"))
     assert len(notes) == 1
     with pytest.raises(native_library.KernelBuildError, match=r"^in an earlier run, .*hanging-cc hung: killed after "
                                                             r"1 s .*; not run again: rm .* to retry$"):
@@ -130,4 +162,4 @@ def test_a_compiler_that_fails_is_remembered_and_a_missing_one_is_not(fresh_kern
     for _ in range(2):  # nothing ran, nothing remembered: a compiler installed later is used at once
         with pytest.raises(native_library.KernelBuildError, match=r"^no C compiler: .*not-there cannot be run \("):
             native_library.load_kernel()
-    assert not list(fresh_kernel.glob("*not-there*")) and len(list(fresh_kernel.glob("noise-*.failed"))) == 1
+    assert not list(fresh_kernel.glob("*not-there*")) and len(list(fresh_kernel.glob("native-*.failed"))) == 1
