@@ -21,6 +21,7 @@ Refusals are OpenAI-style JSON errors (403, 415, 431) with the reason noted for 
 uvicorn's own 400 (a request that is not valid HTTP, such as a malformed Content-Length) JSON too.
 """
 
+import asyncio
 import ipaddress
 import socket
 from dataclasses import dataclass
@@ -186,6 +187,7 @@ class JsonErrors(H11Protocol):
     LINGER_BYTES, for at most LINGER_SECONDS, or until the client closes) before it closes the connection."""
 
     _dropped: int | None = None  # bytes dropped since the error was sent (None: no error sent)
+    _linger: asyncio.TimerHandle | None = None  # the close at LINGER_SECONDS
 
     def send_400_response(self, msg: str) -> None:
         if len(self.conn.trailing_data[0]) > MAX_HEADER_BYTES:  # h11 stopped buffering headers that long
@@ -205,7 +207,22 @@ class JsonErrors(H11Protocol):
             return
         self.transport.write_eof()
         self._dropped = 0
-        self.loop.call_later(LINGER_SECONDS, self.transport.close)
+        self._linger = self.loop.call_later(LINGER_SECONDS, self.transport.close)
+        if self.cycle is not None and not self.cycle.response_complete:  # an error inside a request's body
+            self.cycle.disconnected = True  # its handler reads a disconnect, and what it sends goes nowhere
+            self.cycle.message_event.set()
+        self.flow.resume_reading()  # a read paused for a full buffer would never see the client's bytes or its end
+
+    def shutdown(self) -> None:
+        if self._dropped is not None:  # the answer is sent: nothing is left to wait for
+            self.transport.close()
+            return
+        super().shutdown()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._dropped is None:

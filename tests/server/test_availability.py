@@ -367,6 +367,23 @@ def test_a_431_reaches_a_client_that_goes_on_sending(served_small):
     assert raw_status(served_small) == 200
 
 
+def test_a_body_that_breaks_http_is_a_400_and_its_handler_hears_a_disconnect(served_small, caplog):
+    """A chunked body whose framing is not HTTP: h11 fails inside the request, after its handler has started. The
+    client reads the 400; the handler (/health answers without reading a body) is told the client is gone, so its
+    answer goes nowhere instead of failing as an application error; the server goes on answering."""
+    lines = head(served_small, "/health").replace(b"Content-Type", b"Transfer-Encoding: chunked\r\n"
+                                                               b"Content-Type")
+    connection = connect(served_small)
+    connection.sendall(lines + b"\r\n" + b"4\r\n{\"a\"\r\nzz\r\n")  # a chunk, then a size that is no number
+    answer = b""
+    while chunk := connection.recv(65536):
+        answer += chunk
+    connection.close()
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"invalid_http" in answer, answer[:200]
+    assert raw_status(served_small) == 200
+    assert not [record for record in caplog.records if record.levelname == "ERROR"], caplog.text
+
+
 @pytest.fixture(scope="module")
 def served_small(loaded):
     with serving(loaded) as server:
