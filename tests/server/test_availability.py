@@ -47,6 +47,15 @@ def connect(server) -> socket.socket:
     return socket.create_connection((address.hostname, address.port), timeout=scaled(10))
 
 
+def read_to_end(connection: socket.socket) -> bytes:
+    """Everything the server sends on `connection` until it ends it; then the connection is closed."""
+    answer = b""
+    while chunk := connection.recv(65536):
+        answer += chunk
+    connection.close()
+    return answer
+
+
 def head(server, path: str, body: bytes | None = None) -> bytes:
     """A POST's request line and headers as a well-formed local client sends them (its Host, a JSON body), with the
     body after them when given; the caller may send the rest (or not) as slowly as it likes."""
@@ -340,10 +349,7 @@ def test_headers_past_16_kib_are_a_431_whether_they_arrive_whole_or_in_pieces(se
     step = -(-len(request) // pieces)
     for start in range(0, len(request), step):
         connection.sendall(request[start: start + step])
-    answer = b""
-    while chunk := connection.recv(65536):
-        answer += chunk
-    connection.close()
+    answer = read_to_end(connection)
     assert answer.startswith(b"HTTP/1.1 431 ") and b"headers_too_large" in answer, answer[:200]
     assert raw_status(served_small) == 200
 
@@ -359,10 +365,7 @@ def test_a_431_reaches_a_client_that_goes_on_sending(served_small):
     time.sleep(0.3)  # the 431 is sent meanwhile
     for _ in range(16):
         connection.sendall(b"b" * 4096)  # more of a request the server has stopped reading
-    answer = b""
-    while chunk := connection.recv(65536):
-        answer += chunk
-    connection.close()
+    answer = read_to_end(connection)
     assert answer.startswith(b"HTTP/1.1 431 ") and b"headers_too_large" in answer, answer[:200]
     assert raw_status(served_small) == 200
 
@@ -375,10 +378,7 @@ def test_a_body_that_breaks_http_is_a_400_and_its_handler_hears_a_disconnect(ser
                                                                b"Content-Type")
     connection = connect(served_small)
     connection.sendall(lines + b"\r\n" + b"4\r\n{\"a\"\r\nzz\r\n")  # a chunk, then a size that is no number
-    answer = b""
-    while chunk := connection.recv(65536):
-        answer += chunk
-    connection.close()
+    answer = read_to_end(connection)
     assert answer.startswith(b"HTTP/1.1 400 ") and b"invalid_http" in answer, answer[:200]
     assert raw_status(served_small) == 200
     assert not [record for record in caplog.records if record.levelname == "ERROR"], caplog.text
