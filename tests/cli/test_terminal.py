@@ -49,9 +49,9 @@ def test_summarize_leaves_the_whole_answer_on_the_screen(code, tmp_path):
         lines = terminal.lines()
     screen = "\n".join(lines)
     assert squeeze(expected) in squeeze(screen), f"the answer\n{expected}\nis not on the screen:\n{screen}"
-    header = next(i for i, line in enumerate(lines) if "x the model's 256-token window" in line)
+    below_header = terminal.row_after("x the model's 256-token window", ")")
     stats = next(i for i, line in enumerate(lines) if line.startswith("prompt "))
-    assert header < stats and squeeze(expected) in squeeze("".join(lines[header + 1:stats]))
+    assert below_header <= stats and squeeze(expected) in squeeze("".join(lines[below_header:stats]))
     assert "Reading" not in screen and "━" not in screen  # the bar is gone, not left over the answer
 
 
@@ -72,10 +72,10 @@ def test_ctrl_c_keeps_what_was_written(tiny_model_dir, tmp_path):
 
 
 def answer_text(terminal: Terminal) -> str:
-    """The screen below the header line (the document's name and length): where the answer goes."""
-    lines = terminal.lines()
-    header = next((i for i, line in enumerate(lines) if "-token window" in line), None)
-    return "" if header is None else "\n".join(lines[header + 1:]).strip()
+    """The screen below the header line (the document's name and length, "...-token window (gali)"): where the
+    answer goes."""
+    below_header = terminal.row_after("-token window", ")")
+    return "" if below_header is None else "\n".join(terminal.lines()[below_header:]).strip()
 
 
 @pytest.mark.slow  # chat's answers in turn: test_cli.py's test_chat_answers_each_question_in_turn

@@ -123,6 +123,16 @@ class Terminal:
     def text(self) -> str:
         return "\n".join(self.lines()).rstrip()
 
+    def row_after(self, start: str, end: str) -> int | None:
+        """The row below the line that begins with `start`'s first appearance and ends at the next `end`, however
+        many rows the terminal wrapped it to (a long path in a header wraps); None while it is not on the screen."""
+        rows = self.screen.display
+        flat = "".join(rows)  # each row is exactly the screen's width: a wrapped line reads on across rows
+        found = flat.find(start)
+        if found < 0 or (stop := flat.find(end, found + len(start))) < 0:
+            return None
+        return (stop + len(end) - 1) // self.screen.columns + 1
+
 
 def squeeze(text: str) -> str:
     """`text` without whitespace: a terminal wraps long lines and leaves no trace of trailing spaces, so an answer
