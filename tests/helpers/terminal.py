@@ -124,8 +124,8 @@ class Terminal:
         return "\n".join(self.lines()).rstrip()
 
     def row_after(self, start: str, end: str) -> int | None:
-        """The row below the line that begins with `start`'s first appearance and ends at the next `end`, however
-        many rows the terminal wrapped it to (a long path in a header wraps); None while it is not on the screen."""
+        """The row below the one where the text from `start` (its first appearance) to the next `end` ends, however
+        many rows the terminal wrapped it onto (a long path in a header wraps); None while it is not on the screen."""
         rows = self.screen.display
         flat = "".join(rows)  # each row is exactly the screen's width: a wrapped line reads on across rows
         found = flat.find(start)
