@@ -3,14 +3,13 @@ with the same settings is worked on and its lines appended; a document that fail
 goes on.
 """
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GaliError
 from .launcher import Rank
-from .results_file import ResultsFile, content_hash, job_hash
+from .results_file import ResultsFile, Stopwatch, content_hash, job_hash
 
 
 @dataclass
@@ -60,9 +59,9 @@ def run_batch(
                 outcome.skipped += 1
                 progress(outcome, Step(path, "skipped"))
                 continue
-            started = time.perf_counter()
+            stopwatch = Stopwatch()
             records = work(path)
-            seconds = round(time.perf_counter() - started, 3)
+            cost = stopwatch.elapsed()
         except KeyboardInterrupt:
             raise
         except Exception as error:  # one document's failure must not stop the batch
@@ -71,9 +70,9 @@ def run_batch(
             outcome.failed += 1
             progress(outcome, Step(path, "error", error=message))
             continue
-        results.append([{**base, "status": "ok", **job, **record, "seconds": seconds, "line": [index, len(records)]}
+        results.append([{**base, "status": "ok", **job, **record, **cost, "line": [index, len(records)]}
                         for index, record in enumerate(records)])
         outcome.done += 1
         outcome.tokens += sum(record.get("tokens", 0) for record in records)
-        progress(outcome, Step(path, "ok", tuple(records), seconds=seconds))
+        progress(outcome, Step(path, "ok", tuple(records), seconds=cost["seconds"]))
     return outcome

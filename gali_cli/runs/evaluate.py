@@ -4,7 +4,6 @@
 import hashlib
 import json
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from .choices import ModelChoice, Reading
 from .common import entry_point, finished_facts, load, prompt_limit, store, with_windows
 from .launcher import Rank
 from .prechecks import read
-from .results_file import ResultsFile, job_hash, latest_records
+from .results_file import ResultsFile, Stopwatch, job_hash, latest_records
 
 TASK_STYLE = "task"  # --prompt-style: each task's own wording (RULER's, LongBench's)
 PROMPT_STYLES = (TASK_STYLE, *ASK_STYLES)
@@ -182,13 +181,13 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
     with display.progress_bar("answers") as bar:
         for done, (sample, method) in enumerate(todo):
             bar(done, len(todo))
-            started = time.perf_counter()
+            stopwatch = Stopwatch()
             answer = answer_sample(loaded, method, choice, sample, cache, evaluation.system, limit)
             record = {"path": f"{sample.task}/{sample.id}", "sha256": keys[sample.task, sample.id],
                       "job": job_keys[method],
                       "status": "ok", **jobs[method], "task": sample.task, "sample": sample.id,
                       "length": sample.length, "references": list(sample.references), **answer,
-                      "seconds": round(time.perf_counter() - started, 3)}
+                      **stopwatch.elapsed()}
             if results:
                 results.append([record])
             written.append(record)
@@ -201,7 +200,9 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
         bar(len(todo), len(todo))
     if written:
         seconds = sum(record["seconds"] for record in written)
-        say(f"{label}{len(written)} answers in {seconds:.0f} s ({seconds / len(written):.1f} s each)")
+        cpu_seconds = sum(record["cpu_seconds"] for record in written)
+        say(f"{label}{len(written)} answers in {seconds:.0f} s ({seconds / len(written):.1f} s each; "
+            f"{cpu_seconds:.0f} s of CPU time)")
     return written
 
 

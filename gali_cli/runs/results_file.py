@@ -19,7 +19,9 @@ import json
 import math
 import os
 import socket
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, GaliError
@@ -28,6 +30,20 @@ from ..printable import json_text
 from .launcher import Rank
 
 _LONGEST_LINE = 64 * 2**20  # bytes: no line gali writes in a results file comes near (an answer is a few KB)
+
+
+@dataclass(frozen=True)
+class Stopwatch:
+    """What one line of a results file cost in time: `seconds` of wall time, and `cpu_seconds` of this process's
+    CPU time (all its threads), which a machine shared with other work does not inflate as it does the wall time."""
+
+    wall: float = field(default_factory=time.perf_counter)
+    cpu: float = field(default_factory=time.process_time)
+
+    def elapsed(self) -> dict[str, float]:
+        """The line's `seconds` and `cpu_seconds` since this stopwatch started."""
+        return {"seconds": round(time.perf_counter() - self.wall, 3),
+                "cpu_seconds": round(time.process_time() - self.cpu, 3)}
 
 
 def content_hash(path: Path) -> str:

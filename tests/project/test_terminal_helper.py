@@ -5,7 +5,6 @@ import pytest
 pytest.importorskip("pyte")
 from helpers.terminal import Terminal  # after the skip: the helper imports pyte
 
-
 COLUMNS = 120
 
 

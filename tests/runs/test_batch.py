@@ -279,6 +279,7 @@ def test_summarize_a_folder_then_resume(gali, folder):
     assert [Path(record["path"]).name for record in records] == ["a.txt", "b.md", "c.txt"]
     assert all(record["status"] == "ok" and record["output"] and record["generated_tokens"] == 4
                and record["settings"]["train_len"] == 32 and len(record["sha256"]) == 64 for record in records)
+    assert all(record["seconds"] > 0 and record["cpu_seconds"] > 0 for record in records)  # a model's forwards
     assert first.stdout == "" and "3 documents: 3 done" in first.stderr
     lines = [line for line in first.stderr.splitlines() if line.startswith("[")]  # one per document, in order
     assert [line.split()[1].rsplit("/", 1)[-1] for line in lines] == ["a.txt:", "b.md:", "c.txt:"]
