@@ -12,6 +12,7 @@ attention routes, never the seam.
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -143,17 +144,28 @@ class Forward:
                         window: int, scaling: float, dropout: float, **kwargs) -> torch.Tensor:
         """A local layer's attention (a family with two kinds of layers): as the unpatched model computes it, with
         the local rope at the true positions and the sliding window of `window` tokens, over the keys of tokens
-        [start - window + 1, stop) only (the cache holds them all). Returns (B, q, H, D)."""
+        [start - window + 1, stop) only (the cache holds them all). Returns (B, q, H, D).
+
+        The queries go in blocks of `window`, each over its own keys (the window before it and itself): a forward of
+        n queries then computes about 2·window logits a query rather than n + window, most of them masked (the
+        unpatched model's masked square)."""
         first = max(0, self.start - window + 1)
         cos, sin = self.memo(("local", query.device, query.dtype), lambda: self._local_table(query, first))
         query = rotate(query[:, :, : self.stop - self.start], cos[self.start - first :], sin[self.start - first :])
         key = rotate(key[:, :, first : self.stop], cos, sin)
-        mask = self.memo(("local-mask", query.device), lambda: self._original_mask(
-            module, query, self.stop, first, sliding_window_causal_mask_function(window)))
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.installed.original_attention, eager_attention_forward)
-        output, _ = attention(module, query, key, value[:, :, first : self.stop], mask, dropout=dropout,
-                              scaling=scaling, **kwargs)
-        return output
+        blocks = []
+        for block in range(self.start, self.stop, window):
+            last = min(block + window, self.stop)
+            keys_from = max(first, block - window + 1)
+            mask = self.memo(("local-mask", block, query.device), partial(
+                self._original_mask, module, query[:, :, : last - block], last, keys_from,
+                sliding_window_causal_mask_function(window), queries_from=block))
+            output, _ = attention(module, query[:, :, block - self.start : last - self.start],
+                                  key[:, :, keys_from - first : last - first], value[:, :, keys_from:last], mask,
+                                  dropout=dropout, scaling=scaling, **kwargs)
+            blocks.append(output)
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
     def _local_table(self, query: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The local rope's cos/sin at tokens [first, stop), computed as the unpatched model computes them."""
@@ -162,12 +174,16 @@ class Forward:
         return cos[0].to(query.device), sin[0].to(query.device)
 
     def _original_mask(self, module: nn.Module, query: torch.Tensor, last: int, first_key: int = 0,
-                       window_function: Callable | None = None) -> Any:
+                       window_function: Callable | None = None, queries_from: int | None = None) -> Any:
+        """The unpatched model's mask for the queries of tokens [queries_from (default: start), last) over the keys
+        of tokens [first_key, last), as its attention implementation takes it (None: that implementation needs
+        none)."""
         make_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(self.installed.original_attention)
         if make_mask is None:
             return None
-        return make_mask(batch_size=query.shape[0], q_length=last - self.start, kv_length=last - first_key,
-                         q_offset=self.start, kv_offset=first_key,
+        queries_from = self.start if queries_from is None else queries_from
+        return make_mask(batch_size=query.shape[0], q_length=last - queries_from, kv_length=last - first_key,
+                         q_offset=queries_from, kv_offset=first_key,
                          mask_function=window_function or causal_mask_function, attention_mask=None,
                          allow_is_causal_skip=window_function is None, dtype=query.dtype, config=module.config,
                          use_vmap=False, device=query.device)
