@@ -196,7 +196,8 @@ def _answer_all(loaded: LoadedModel, choice: ModelChoice, samples: list[Sample],
             remaining = f"; {display.time_left(left)}" if left is not None and done + 1 < len(todo) else ""
             bar.describe(f"answers ({display.time_left(left)})" if remaining else "answers")
             say(f"{label}[{done + 1}/{len(todo)}] {sample.task} {sample.id} {method}: score {answer['score']:.2f} "
-                f"in {record['seconds']:.1f} s, {answer['prediction'][:60]!r}{remaining}", style="dim")
+                f"in {record['seconds']:.1f} s ({record['cpu_seconds']:.0f} s of CPU), "
+                f"{answer['prediction'][:60]!r}{remaining}", style="dim")
         bar(len(todo), len(todo))
     if written:
         seconds = sum(record["seconds"] for record in written)

@@ -70,6 +70,7 @@ def test_a_resumed_run_gives_what_an_uninterrupted_one_gives(gali, tmp_path, mon
     lines = [line for line in whole.stderr.splitlines() if line.startswith("[")]
     assert [line.split("]")[0] + "]" for line in lines] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
     assert all(" left" in line or "almost done" in line for line in lines[:3]) and "left" not in lines[3]
+    assert all(" s of CPU)" in line for line in lines) and " s of CPU time)" in whole.stderr.splitlines()[-1]
 
     answered, real = [], evaluate.answer_sample
 
