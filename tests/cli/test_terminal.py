@@ -55,14 +55,19 @@ def test_summarize_leaves_the_whole_answer_on_the_screen(code, tmp_path):
     assert "Reading" not in screen and "━" not in screen  # the bar is gone, not left over the answer
 
 
+UNENDING = ("--temperature", "1", "--top-k", "10", "--seed", "0")  # the tiny model's answer runs on (below)
+
+
 @pytest.mark.slow  # in process: test_cli.py's Ctrl-C tests; as a process: test_ctrl_c_while_streaming
 def test_ctrl_c_keeps_what_was_written(tiny_model_dir, tmp_path):
     document = tmp_path / "lease.txt"
     document.write_text("The lease ends in March. The tenant pays rent monthly.\n" * 8)
     with Terminal(lines=200) as terminal:  # tall: what comes after Ctrl-C is typed must not scroll the start away
-        # sampled: a greedy answer of the tiny model falls into a loop and stops by itself before Ctrl-C comes
+        # sampled from the 10 likeliest tokens: a greedy answer of the tiny model falls into a loop that stops by
+        # itself, and one sampled from all of them draws its end token within a few hundred (half a second): either
+        # can end before Ctrl-C comes; this one runs on (3,000 tokens, no end token, no loop, seeds 0 and 1)
         terminal.run("summarize", str(document), "-m", str(tiny_model_dir), "--max-new-tokens", "100000",
-                     "--temperature", "1", "--seed", "0")
+                     *UNENDING)
         terminal.wait_for(lambda t: "Reading" not in t.text() and len(answer_text(t)) > 20)  # the answer is coming
         seen = answer_text(terminal)
         terminal.type("\x03")
@@ -119,10 +124,8 @@ def test_ctrl_c_in_chat_stops_one_answer_and_asks_again(tiny_model_dir, tmp_path
     document = tmp_path / "lease.txt"
     document.write_text("The lease ends in March. The tenant pays rent monthly.\n" * 8)
     with Terminal(lines=200) as terminal:
-        # sampled, as in test_ctrl_c_keeps_what_was_written: a greedy answer falls into a loop that the repetition
-        # guard stops, on a loaded machine before Ctrl-C comes
-        terminal.run("chat", str(document), "-m", str(tiny_model_dir), "--max-new-tokens", "100000",
-                     "--temperature", "1", "--seed", "0")
+        # an answer that runs on until Ctrl-C, as in test_ctrl_c_keeps_what_was_written
+        terminal.run("chat", str(document), "-m", str(tiny_model_dir), "--max-new-tokens", "100000", *UNENDING)
         terminal.wait_for(lambda t: prompts(t) == 1)
         terminal.type("When?\r")
         terminal.wait_for(lambda t: "Reading" not in t.text() and len(after(t, "> When?")) > 20)
