@@ -63,23 +63,23 @@ def earliest_best(scores: torch.Tensor, keep: int, tolerance: torch.Tensor) -> t
 
 def select(query: torch.Tensor, middle: torch.Tensor, top_keys: int, span: int, clip: int) -> torch.Tensor:
     """The middle keys a chunk attends: query (H, q, D) and middle (Hkv, M, D), both un-rotated, one sequence.
-    Returns their sorted indices into the middle (LongTensor). Never holds more than SCORES_PER_BLOCK scores: the
-    best k of each block of keys are merged with the best so far, in token order (the best of a union are among its
-    parts', and the earlier of ties comes first)."""
+    Returns their sorted indices into the middle (LongTensor). Never holds more than SCORES_PER_BLOCK scores: each
+    block of keys gives its best k a row, and the best k of those candidates are the row's (the best of a union are
+    among its parts'; the candidates stay in token order, so the earlier of ties still comes first)."""
     heads, rows, dim = query.shape
     kv_heads, length = middle.shape[0], middle.shape[1]
     stacked = query.float().reshape(kv_heads, heads // kv_heads * rows, dim)  # head h = kv * group + g: kv = h // g
     tolerance = TIE * stacked.norm(dim=-1, keepdim=True) * middle.float().norm(dim=-1).amax(-1)[:, None, None]
     keep = min(top_keys, length)
     block = max(keep, SCORES_PER_BLOCK // (heads * rows))
-    best_scores = best = None
+    candidate_scores, candidates = [], []
     for first in range(0, length, block):
         scores = torch.matmul(stacked, middle[:, first : first + block].float().transpose(-1, -2))
-        indices = torch.arange(first, first + scores.shape[-1], device=middle.device).expand_as(scores)
-        if best is not None:
-            scores, indices = torch.cat((best_scores, scores), dim=-1), torch.cat((best, indices), dim=-1)
         picked = earliest_best(scores, min(keep, scores.shape[-1]), tolerance)
-        best_scores, best = scores.gather(-1, picked), indices.gather(-1, picked)
+        candidate_scores.append(scores.gather(-1, picked))
+        candidates.append(picked + first)
+    scores, indices = torch.cat(candidate_scores, dim=-1), torch.cat(candidates, dim=-1)
+    best = indices.gather(-1, earliest_best(scores, keep, tolerance))
     votes = torch.bincount(best.flatten(), minlength=length)
     chosen = votes.nonzero().squeeze(1)
     if len(chosen) > clip:  # the most voted, the earlier of equals first (a stable sort of ascending indices)

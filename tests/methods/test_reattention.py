@@ -103,8 +103,12 @@ def test_the_selection_scores_keys_a_block_at_a_time_as_all_at_once(monkeypatch)
     assert len(whole) <= 12 * 8 and torch.equal(whole, whole.unique())
 
 
-def test_copies_of_a_key_tie_and_the_earliest_wins():
-    """A repeated token has one un-rotated key in the first layer; a matrix product may round its copies apart."""
+@pytest.mark.parametrize("keys_a_block", [None, 50, 7])
+def test_copies_of_a_key_tie_and_the_earliest_wins(monkeypatch, keys_a_block):
+    """A repeated token has one un-rotated key in the first layer; a matrix product may round its copies apart.
+    The copies may fall in different blocks of scores, or several in one."""
+    if keys_a_block:
+        monkeypatch.setattr(reattention, "SCORES_PER_BLOCK", keys_a_block)  # one query row: keys_a_block keys
     generator = torch.Generator().manual_seed(1)
     middle = torch.randn(1, 500, 64, generator=generator)
     middle[0, [40, 120, 333, 499]] = middle[0, 77].clone()
